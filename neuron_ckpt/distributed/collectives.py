@@ -1,0 +1,92 @@
+"""Collectives along any tensor dimension, without autograd.
+
+The one module that knows the difference between eager backends (gloo, nccl) and XLA:
+eager calls go through torch.distributed (``all_gather_single`` / ``reduce_scatter_single`` on
+torch >= 2.13, ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` on older torch such as the
+Neuron SDK's 2.9); XLA calls go through ``torch_xla.core.xla_model`` with replica groups, which
+lower to HLO collectives. A group of size 1 is a no-op everywhere.
+
+Autograd-aware versions (conjugate pairs) are in :mod:`neuron_ckpt.distributed.mappings`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from . import runtime
+from .parallel_state import Group
+
+# torch 2.13 renamed the single-tensor collectives and deprecated the old names; 2.9 has only
+# the old ones.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _xm():
+    import torch_xla.core.xla_model as xm
+
+    return xm
+
+
+def all_reduce(tensor: torch.Tensor, group: Group) -> torch.Tensor:
+    """Sum ``tensor`` over ``group``; returns the result (a new tensor on XLA, in place otherwise)."""
+    if group.size == 1:
+        return tensor
+    if runtime.is_xla():
+        return _xm().all_reduce(_xm().REDUCE_SUM, tensor, groups=[list(g) for g in group.replica_groups])
+    tensor = tensor.contiguous()
+    dist.all_reduce(tensor, group=group.process_group)
+    return tensor
+
+
+def all_gather(tensor: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+    """Concatenate every rank's ``tensor`` along ``dim``, in rank order."""
+    if group.size == 1:
+        return tensor
+    dim = dim % tensor.dim()
+    if runtime.is_xla():
+        return _xm().all_gather(
+            tensor.contiguous(), dim=dim, groups=[list(g) for g in group.replica_groups], pin_layout=False
+        )
+    # The flat collective concatenates along dim 0: move ``dim`` first, gather, move it back.
+    moved = tensor.movedim(dim, 0).contiguous()
+    out = torch.empty((group.size * moved.shape[0],) + moved.shape[1:], dtype=tensor.dtype, device=tensor.device)
+    _all_gather_single(out, moved, group=group.process_group)
+    return out.movedim(0, dim)
+
+
+def reduce_scatter(tensor: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+    """Sum ``tensor`` over ``group`` and keep this rank's 1/size chunk along ``dim``."""
+    if group.size == 1:
+        return tensor
+    dim = dim % tensor.dim()
+    if tensor.shape[dim] % group.size:
+        raise ValueError(
+            f"reduce_scatter: size {tensor.shape[dim]} of dim {dim} is not divisible by the group size {group.size}"
+        )
+    if runtime.is_xla():
+        return _xm().reduce_scatter(
+            _xm().REDUCE_SUM,
+            tensor.contiguous(),
+            scale=1.0,
+            scatter_dim=dim,
+            shard_count=group.size,
+            groups=[list(g) for g in group.replica_groups],
+            pin_layout=False,
+        )
+    moved = tensor.movedim(dim, 0).contiguous()
+    out = torch.empty((moved.shape[0] // group.size,) + moved.shape[1:], dtype=tensor.dtype, device=tensor.device)
+    _reduce_scatter_single(out, moved, group=group.process_group)
+    return out.movedim(0, dim)
+
+
+def split(tensor: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+    """This rank's 1/size chunk of ``tensor`` along ``dim`` (no communication)."""
+    if group.size == 1:
+        return tensor
+    if tensor.shape[dim] % group.size:
+        raise ValueError(
+            f"split: size {tensor.shape[dim]} of dim {dim} is not divisible by the group size {group.size}"
+        )
+    return tensor.chunk(group.size, dim=dim)[group.rank].contiguous()

@@ -1,0 +1,131 @@
+"""Run a function on N local processes (one host, gloo by default): tests, benchmarks, ``--measure``.
+
+``LocalWorld`` starts the processes once and runs many functions on them, which keeps a test
+suite of many multi-rank checks fast on a small machine::
+
+    with LocalWorld(world_size=2) as world:
+        results = world.run(fn, arg)     # fn(arg) on every rank; list of per-rank results
+
+``fn`` must be picklable (a module-level function). An exception on any rank is raised here
+with that rank's traceback. Torchrun is the launcher for real jobs; this is for one host.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import traceback
+from typing import Any, Callable
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, backend: str, threads: int, tasks, results) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
+    import torch
+
+    torch.set_num_threads(threads)
+    from . import parallel_state, random, runtime
+
+    try:
+        runtime.init_distributed(backend=backend, timeout_s=300)
+    except Exception:
+        results.put((rank, False, traceback.format_exc()))
+        return
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        fn, args, kwargs = task
+        try:
+            out = (rank, True, fn(*args, **kwargs))
+        except BaseException:
+            out = (rank, False, traceback.format_exc())
+        finally:
+            parallel_state.destroy_model_parallel()
+            random.get_rng_tracker().reset()
+        results.put(out)
+    runtime.destroy_distributed()
+
+
+class WorkerError(RuntimeError):
+    """A function raised on one or more ranks of a :class:`LocalWorld`."""
+
+
+class LocalWorld:
+    """``world_size`` spawned processes with torch.distributed initialised, reused across runs."""
+
+    def __init__(self, world_size: int, backend: str = "gloo", timeout_s: float = 600.0, threads: int = 1):
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        ctx = mp.get_context("spawn")
+        self._tasks = [ctx.Queue() for _ in range(world_size)]
+        self._results = ctx.Queue()
+        port = _free_port()
+        self._procs = [
+            ctx.Process(
+                target=_worker,
+                args=(r, world_size, port, backend, threads, self._tasks[r], self._results),
+                daemon=True,
+            )
+            for r in range(world_size)
+        ]
+        for p in self._procs:
+            p.start()
+
+    def run(self, fn: Callable[..., Any], *args, **kwargs) -> list[Any]:
+        """Run ``fn(*args, **kwargs)`` on every rank; return the per-rank results in rank order."""
+        for q in self._tasks:
+            q.put((fn, args, kwargs))
+        outs: dict[int, Any] = {}
+        errors = []
+        for _ in range(self.world_size):
+            try:
+                rank, ok, value = self._results.get(timeout=self.timeout_s)
+            except queue.Empty:
+                self.close(kill=True)
+                raise WorkerError(f"{getattr(fn, '__name__', fn)} did not finish within {self.timeout_s} s; world closed")
+            if ok:
+                outs[rank] = value
+            else:
+                errors.append(f"--- rank {rank} ---\n{value}")
+        if errors:
+            raise WorkerError(f"{getattr(fn, '__name__', fn)} failed:\n" + "\n".join(errors))
+        return [outs[r] for r in range(self.world_size)]
+
+    def close(self, kill: bool = False) -> None:
+        for p, q in zip(self._procs, self._tasks):
+            if p.is_alive() and not kill:
+                q.put(None)
+        for p in self._procs:
+            p.join(timeout=0 if kill else 30)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+    def __enter__(self) -> "LocalWorld":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def run_local(fn: Callable[..., Any], world_size: int, *args, backend: str = "gloo", **kwargs) -> list[Any]:
+    """Start ``world_size`` processes, run ``fn`` once on each, shut them down; per-rank results."""
+    with LocalWorld(world_size, backend=backend) as world:
+        return world.run(fn, *args, **kwargs)

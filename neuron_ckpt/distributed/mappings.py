@@ -1,0 +1,144 @@
+"""Autograd mappings between parallel regions, as conjugate pairs.
+
+Each mapping's backward is the conjugate of its forward, so the pairs read off the names:
+
+=====================================  ===================  =====================
+public function                        forward              backward
+=====================================  ===================  =====================
+copy_to_tensor_parallel_region         identity             all-reduce
+reduce_from_tensor_parallel_region     all-reduce           identity
+scatter_to_tensor_parallel_region      split (last dim)     all-gather (last dim)
+gather_from_tensor_parallel_region     all-gather (last)    split (last dim)
+scatter_to_sequence_parallel_region    split (dim 0)        all-gather (dim 0)
+gather_from_sequence_parallel_region   all-gather (dim 0)   reduce-scatter (dim 0)
+reduce_scatter_to_sequence_parallel_   reduce-scatter (0)   all-gather (dim 0)
+region
+=====================================  ===================  =====================
+
+Sequence-parallel activations are ``[s, b, h]``: the sequence is dim 0. All functions take the
+group explicitly (a :class:`~neuron_ckpt.distributed.parallel_state.Group`); ``None`` means the
+tensor-parallel group of the current parallel state.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import collectives as C
+from .parallel_state import Group, get_parallel_state
+
+
+def _tp(group: Group | None) -> Group:
+    return group if group is not None else get_parallel_state().tp
+
+
+class _CopyToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return C.all_reduce(g.clone(), ctx.group), None
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return C.all_reduce(x.clone(), group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class _Split(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return C.split(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return C.all_gather(g, ctx.dim, ctx.group).contiguous(), None, None
+
+
+class _GatherSplitBack(torch.autograd.Function):
+    """All-gather forward; backward keeps this rank's chunk (the consumer is replicated)."""
+
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return C.all_gather(x, dim, group).contiguous()
+
+    @staticmethod
+    def backward(ctx, g):
+        return C.split(g, ctx.dim, ctx.group), None, None
+
+
+class _GatherReduceScatterBack(torch.autograd.Function):
+    """All-gather forward; backward reduce-scatters (the consumer is tensor parallel)."""
+
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return C.all_gather(x, dim, group).contiguous()
+
+    @staticmethod
+    def backward(ctx, g):
+        return C.reduce_scatter(g, ctx.dim, ctx.group), None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return C.reduce_scatter(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return C.all_gather(g, ctx.dim, ctx.group).contiguous(), None, None
+
+
+def copy_to_tensor_parallel_region(x: torch.Tensor, group: Group | None = None) -> torch.Tensor:
+    """Enter a TP region with a replicated input: identity forward, all-reduce of the gradient."""
+    return _CopyToRegion.apply(x, _tp(group))
+
+
+def reduce_from_tensor_parallel_region(x: torch.Tensor, group: Group | None = None) -> torch.Tensor:
+    """Leave a TP region by summing partial results: all-reduce forward, identity backward."""
+    return _ReduceFromRegion.apply(x, _tp(group))
+
+
+def scatter_to_tensor_parallel_region(x: torch.Tensor, group: Group | None = None) -> torch.Tensor:
+    """Keep this rank's slice of the last dim; the gradient is all-gathered back."""
+    return _Split.apply(x, -1, _tp(group))
+
+
+def gather_from_tensor_parallel_region(x: torch.Tensor, group: Group | None = None) -> torch.Tensor:
+    """All-gather the last dim; the gradient is split back to this rank's slice."""
+    return _GatherSplitBack.apply(x, -1, _tp(group))
+
+
+def scatter_to_sequence_parallel_region(x: torch.Tensor, group: Group | None = None) -> torch.Tensor:
+    """``[s, b, h] -> [s/t, b, h]`` (this rank's chunk); the gradient is all-gathered."""
+    return _Split.apply(x, 0, _tp(group))
+
+
+def gather_from_sequence_parallel_region(
+    x: torch.Tensor, group: Group | None = None, tensor_parallel_output_grad: bool = True
+) -> torch.Tensor:
+    """``[s/t, b, h] -> [s, b, h]``.
+
+    When the gathered tensor feeds tensor-parallel compute (the usual case) every rank's
+    gradient is partial, so backward reduce-scatters it; when it feeds replicated compute
+    (``tensor_parallel_output_grad=False``) backward only keeps this rank's chunk.
+    """
+    fn = _GatherReduceScatterBack if tensor_parallel_output_grad else _GatherSplitBack
+    return fn.apply(x, 0, _tp(group))
+
+
+def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group: Group | None = None) -> torch.Tensor:
+    """``[s, b, h]`` partial sums ``-> [s/t, b, h]`` summed; the gradient is all-gathered."""
+    return _ReduceScatter.apply(x, 0, _tp(group))

@@ -1,0 +1,122 @@
+"""Parallel state: the tensor-parallel and data-parallel groups of this rank, as one object.
+
+Rank layout: tensor-parallel ranks are contiguous (a TP group sits inside a node), data-parallel
+groups stride across them. With world size 8 and ``tensor_parallel_size=2``::
+
+    TP groups: [0,1] [2,3] [4,5] [6,7]      DP groups: [0,2,4,6] [1,3,5,7]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from . import runtime
+
+
+@dataclass(frozen=True)
+class Group:
+    """One communicator as both APIs want it.
+
+    ``process_group`` is what eager torch.distributed collectives take; ``replica_groups`` (every
+    group of this kind, as rank lists) is what XLA collectives take.
+    """
+
+    process_group: dist.ProcessGroup | None
+    ranks: tuple[int, ...]
+    replica_groups: tuple[tuple[int, ...], ...]
+    rank: int
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+
+@dataclass(frozen=True)
+class ParallelState:
+    """This rank's place in the tensor-parallel x data-parallel grid."""
+
+    tp: Group
+    dp: Group
+
+    @property
+    def tp_size(self) -> int:
+        return self.tp.size
+
+    @property
+    def tp_rank(self) -> int:
+        return self.tp.rank
+
+    @property
+    def dp_size(self) -> int:
+        return self.dp.size
+
+    @property
+    def dp_rank(self) -> int:
+        return self.dp.rank
+
+
+_STATE: ParallelState | None = None
+
+
+def _new_groups(all_groups: list[list[int]], rank: int) -> Group:
+    mine = None
+    for ranks in all_groups:
+        # new_group is collective: every rank creates every group, in the same order.
+        pg = dist.new_group(ranks) if len(all_groups) > 1 else dist.group.WORLD
+        if rank in ranks:
+            mine = Group(pg, tuple(ranks), tuple(tuple(g) for g in all_groups), ranks.index(rank))
+    assert mine is not None
+    return mine
+
+
+def initialize_model_parallel(tensor_parallel_size: int = 1) -> ParallelState:
+    """Split the world into tensor-parallel groups of ``tensor_parallel_size`` contiguous ranks.
+
+    The remaining factor of the world size is data parallel. Initialises torch.distributed
+    with :func:`neuron_ckpt.init_distributed` if that has not happened yet.
+    """
+    global _STATE
+    if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
+        raise ValueError(f"tensor_parallel_size must be a positive int, got {tensor_parallel_size!r}")
+    rt = runtime.init_distributed() if not dist.is_initialized() else runtime.get_runtime()
+    world = rt.world_size
+    if world % tensor_parallel_size:
+        raise ValueError(
+            f"tensor_parallel_size={tensor_parallel_size} does not divide the world size {world}; "
+            f"allowed: {[d for d in range(1, world + 1) if world % d == 0]}"
+        )
+    if _STATE is not None:
+        if _STATE.tp_size != tensor_parallel_size:
+            raise ValueError(
+                f"model parallel already initialised with tensor_parallel_size={_STATE.tp_size}; "
+                "call destroy_model_parallel() before changing it"
+            )
+        return _STATE
+    t = tensor_parallel_size
+    dp_size = world // t
+    tp_groups = [list(range(i * t, (i + 1) * t)) for i in range(dp_size)]
+    dp_groups = [list(range(j, world, t)) for j in range(t)]
+    _STATE = ParallelState(tp=_new_groups(tp_groups, rt.rank), dp=_new_groups(dp_groups, rt.rank))
+    return _STATE
+
+
+def get_parallel_state() -> ParallelState:
+    """The state set by :func:`initialize_model_parallel`; a clear error if it was not called."""
+    if _STATE is None:
+        raise RuntimeError(
+            "model parallel is not initialised: call "
+            "neuron_ckpt.initialize_model_parallel(tensor_parallel_size=...) before building "
+            "parallel layers"
+        )
+    return _STATE
+
+
+def model_parallel_is_initialized() -> bool:
+    return _STATE is not None
+
+
+def destroy_model_parallel() -> None:
+    global _STATE
+    _STATE = None

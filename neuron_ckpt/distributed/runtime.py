@@ -1,0 +1,143 @@
+"""Process-level runtime: which device drives this process, which backend talks between ranks.
+
+This is the one module that reads launcher environment variables (``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``, ``PJRT_DEVICE``). Layers never do.
+
+Backend choice, unless ``backend=`` overrides it:
+
+* ``xla``  when torch-xla drives the device: torch-neuronx is importable (NeuronCores) or
+  ``PJRT_DEVICE`` is set and torch-xla is importable;
+* ``nccl`` when CUDA is available;
+* ``gloo`` otherwise (CPU).
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.util
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+BACKENDS = ("xla", "nccl", "gloo")
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """What :func:`init_distributed` set up for this process."""
+
+    backend: str
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+
+_RUNTIME: Runtime | None = None
+
+
+def _module_available(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def detect_backend() -> str:
+    """The backend this process would use: ``xla``, ``nccl`` or ``gloo``."""
+    if _module_available("torch_xla") and (
+        _module_available("torch_neuronx") or os.environ.get("PJRT_DEVICE")
+    ):
+        return "xla"
+    if torch.cuda.is_available():
+        return "nccl"
+    return "gloo"
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _device_for(backend: str, local_rank: int) -> torch.device:
+    if backend == "xla":
+        import torch_xla
+
+        return torch_xla.device()
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def init_distributed(backend: str | None = None, timeout_s: float = 1800.0) -> Runtime:
+    """Initialise ``torch.distributed`` for this process and return the :class:`Runtime`.
+
+    Works under ``torchrun`` (any world size) and as a plain single process (world size 1, no
+    launcher needed). Calling it again returns the existing runtime.
+    """
+    global _RUNTIME
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS} or None (auto), got {backend!r}")
+    if _RUNTIME is not None and dist.is_initialized():
+        if backend is not None and backend != _RUNTIME.backend:
+            raise ValueError(
+                f"backend={backend!r} requested but torch.distributed already runs "
+                f"{_RUNTIME.backend!r}; call destroy_distributed() first"
+            )
+        return _RUNTIME
+    backend = backend or detect_backend()
+    timeout = datetime.timedelta(seconds=timeout_s)
+    launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    local_rank = int(os.environ.get("LOCAL_RANK", "0")) if launched else 0
+
+    if not dist.is_initialized():
+        if backend == "xla":
+            import torch_xla.distributed.xla_backend  # noqa: F401  registers the "xla" backend
+
+            dist.init_process_group("xla", init_method="xla://", timeout=timeout)
+        elif launched:
+            dist.init_process_group(backend, init_method="env://", timeout=timeout)
+        else:
+            dist.init_process_group(
+                backend,
+                init_method=f"tcp://127.0.0.1:{_free_port()}",
+                rank=0,
+                world_size=1,
+                timeout=timeout,
+            )
+    _RUNTIME = Runtime(
+        backend=backend,
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        local_rank=local_rank,
+        device=_device_for(backend, local_rank),
+    )
+    return _RUNTIME
+
+
+def get_runtime() -> Runtime:
+    """The runtime set up by :func:`init_distributed`; raises if there is none."""
+    if _RUNTIME is None or not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialised: call neuron_ckpt.init_distributed() first")
+    return _RUNTIME
+
+
+def is_xla() -> bool:
+    """True when this process runs on torch-xla (NeuronCores or XLA:CPU)."""
+    return _RUNTIME is not None and _RUNTIME.backend == "xla"
+
+
+def destroy_distributed() -> None:
+    """Tear down the process group (tests and scripts that run several worlds in one process)."""
+    global _RUNTIME
+    from .parallel_state import destroy_model_parallel
+
+    destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _RUNTIME = None
