@@ -1,0 +1,17 @@
+"""Tensor- and sequence-parallel layers (Megatron shapes, ``[s, b, h]`` activations)."""
+
+from .cross_entropy import vocab_parallel_cross_entropy
+from .embedding import VocabParallelEmbedding
+from .linear import ColumnParallelLinear, RowParallelLinear
+from .norms import LayerNorm, RMSNorm
+from .qkv import QKVParallelLinear
+
+__all__ = [
+    "ColumnParallelLinear",
+    "LayerNorm",
+    "QKVParallelLinear",
+    "RMSNorm",
+    "RowParallelLinear",
+    "VocabParallelEmbedding",
+    "vocab_parallel_cross_entropy",
+]

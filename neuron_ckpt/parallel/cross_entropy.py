@@ -1,0 +1,74 @@
+"""Cross entropy over logits whose vocabulary dim is split across the TP group.
+
+Each rank holds ``[..., v/t]`` logits. The loss needs three reductions over the group — the max
+(for a stable softmax), the sum of exponentials and the target's logit — all on ``[...]``-sized
+tensors, so the ``[..., v]`` logits are never gathered. Computed in fp32 whatever the logits'
+dtype. Semantics equal ``torch.nn.functional.cross_entropy`` (``ignore_index``; ``mean`` over
+the tokens not ignored).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..distributed import collectives as C
+from ..distributed.parallel_state import Group, get_parallel_state
+
+REDUCTIONS = ("mean", "sum", "none")
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, ignore_index: int, group: Group):
+        logits = logits.float()
+        v_local = logits.shape[-1]
+        start = group.rank * v_local
+        # Global max via an all-gather of the t local maxima (no MAX all-reduce needed).
+        local_max = logits.max(dim=-1, keepdim=True).values
+        gmax = C.all_gather(local_max, -1, group).max(dim=-1, keepdim=True).values
+        shifted = logits - gmax
+        ignored = target == ignore_index
+        local_t = target - start
+        mine = (local_t >= 0) & (local_t < v_local) & ~ignored
+        idx = torch.where(mine, local_t, torch.zeros_like(local_t)).unsqueeze(-1)
+        target_logit = torch.gather(shifted, -1, idx).squeeze(-1) * mine
+        exp = shifted.exp()
+        sum_exp = exp.sum(dim=-1)
+        both = C.all_reduce(torch.stack([target_logit, sum_exp]), group)
+        loss = (both[1].log() - both[0]).masked_fill(ignored, 0.0)
+        softmax = exp.div_(both[1].unsqueeze(-1))
+        ctx.save_for_backward(softmax, idx, mine, ignored)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, idx, mine, ignored = ctx.saved_tensors
+        grad = softmax.clone()
+        grad.scatter_add_(-1, idx, -mine.unsqueeze(-1).to(grad.dtype))
+        grad.masked_fill_(ignored.unsqueeze(-1), 0.0)
+        grad.mul_(grad_loss.unsqueeze(-1))
+        return grad, None, None, None
+
+
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    group: Group | None = None,
+) -> torch.Tensor:
+    """Cross entropy of ``[..., v/t]`` vocab-parallel logits against ``[...]`` global token ids."""
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if logits.shape[:-1] != target.shape:
+        raise ValueError(
+            f"target shape {tuple(target.shape)} must equal logits shape without the vocab dim "
+            f"{tuple(logits.shape[:-1])}"
+        )
+    group = group if group is not None else get_parallel_state().tp
+    loss = _VocabParallelCrossEntropy.apply(logits, target, ignore_index, group)
+    if reduction == "none":
+        return loss
+    if reduction == "sum":
+        return loss.sum()
+    return loss.sum() / (target != ignore_index).sum()
