@@ -1,5 +1,6 @@
 """Tensor- and sequence-parallel layers (Megatron shapes, ``[s, b, h]`` activations)."""
 
+from .attention import CoreAttention
 from .cross_entropy import vocab_parallel_cross_entropy
 from .embedding import VocabParallelEmbedding
 from .linear import ColumnParallelLinear, RowParallelLinear
@@ -7,6 +8,7 @@ from .norms import LayerNorm, RMSNorm
 from .qkv import QKVParallelLinear
 
 __all__ = [
+    "CoreAttention",
     "ColumnParallelLinear",
     "LayerNorm",
     "QKVParallelLinear",

@@ -1,0 +1,107 @@
+"""Core attention on this rank's heads: the part selective recompute targets.
+
+``CoreAttention`` takes the local query/key/value projections ``[s, b, heads*d]`` and returns the
+attention output ``[s, b, heads*d]``. Two implementations, same numerics up to rounding:
+
+* ``explicit`` (default): scores ``QK^T/sqrt(d)``, causal mask, softmax, dropout, weighted sum of
+  ``V``, written out. Autograd then keeps the ``[b, a, s, s]`` softmax output, dropout mask and
+  dropout output: the ``5as^2b`` term of Korthikanti et al. that selective recompute removes.
+  Softmax runs in fp32 (``softmax_in_fp32``, as ``transformers`` Llama does), which makes its
+  saved output 4 bytes per element instead of 2; set it False to follow the paper's 16-bit
+  accounting.
+* ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention``. A fused kernel keeps no
+  ``s^2`` tensor (flash / memory-efficient backends) or keeps it internally, so recomputing it
+  buys little memory; selective recompute is then pointless and full recompute is the lever.
+  Use it when memory is tight and the fused kernel exists on the device; use ``explicit`` to
+  get the paper's behaviour and exact memory accounting.
+
+Grouped-query attention: the query heads that share a key/value head are folded into the
+sequence dim of one matmul, so key and value are never repeated in memory.
+
+Dropout draws from the model-parallel RNG stream (heads differ per TP rank).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ..distributed.random import get_rng_tracker
+
+IMPLEMENTATIONS = ("explicit", "sdpa")
+
+
+class CoreAttention(torch.nn.Module):
+    """Causal multi-head (or grouped-query) attention over local heads, sequence-first."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        attention_dropout: float = 0.0,
+        softmax_in_fp32: bool = True,
+        implementation: str = "explicit",
+    ):
+        super().__init__()
+        for name, value in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
+        if not 0.0 <= attention_dropout < 1.0:
+            raise ValueError(f"attention_dropout must be in [0, 1), got {attention_dropout!r}")
+        if implementation not in IMPLEMENTATIONS:
+            raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.attention_dropout, self.softmax_in_fp32 = attention_dropout, softmax_in_fp32
+        self.implementation = implementation
+        self._masks: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+    def causal_mask(self, s: int, device: torch.device) -> torch.Tensor:
+        """A ``[s, s]`` bool mask (True above the diagonal), cached: one shared buffer per size."""
+        key = (s, device)
+        if key not in self._masks:
+            self._masks[key] = torch.ones(s, s, dtype=torch.bool, device=device).triu_(1)
+        return self._masks[key]
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        s, b = q.shape[:2]
+        a, g, d = self.num_heads, self.num_kv_heads, self.head_dim
+        q = q.view(s, b, a, d).permute(1, 2, 0, 3)  # [b, a, s, d]
+        k = k.view(s, b, g, d).permute(1, 2, 0, 3)  # [b, g, s, d]
+        v = v.view(s, b, g, d).permute(1, 2, 0, 3)
+        p = self.attention_dropout if self.training else 0.0
+        with get_rng_tracker().fork() if p > 0 else contextlib.nullcontext():
+            if self.implementation == "sdpa":
+                out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, enable_gqa=a != g)
+            else:
+                out = self._explicit(q, k, v, p)
+        return out.permute(2, 0, 1, 3).reshape(s, b, a * d)
+
+    def _explicit(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float) -> torch.Tensor:
+        b, a, s, d = q.shape
+        g = k.shape[1]
+        # Fold the a/g query heads of each kv group into the row dim: [b, g, (a/g)*s, d].
+        qg = q.reshape(b, g, (a // g) * s, d)
+        scores = torch.matmul(qg, k.transpose(-1, -2)).mul_(1.0 / math.sqrt(d)).view(b, a, s, s)
+        scores = scores.masked_fill(self.causal_mask(s, q.device), float("-inf"))
+        if self.softmax_in_fp32:
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        else:
+            probs = torch.softmax(scores, dim=-1)
+        if p > 0:
+            probs, _ = torch.native_dropout(probs, p, True)  # 1-byte mask, as the paper counts
+        out = torch.matmul(probs.view(b, g, (a // g) * s, s), v)
+        return out.view(b, a, s, d)
+
+    def extra_repr(self) -> str:
+        return (
+            f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+            f"dropout={self.attention_dropout}, softmax_in_fp32={self.softmax_in_fp32}, "
+            f"implementation={self.implementation!r}"
+        )
+
