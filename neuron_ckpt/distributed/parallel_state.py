@@ -60,6 +60,14 @@ class ParallelState:
 _STATE: ParallelState | None = None
 
 
+class ModelParallelNotInitializedError(ValueError, RuntimeError):
+    """A parallel layer was built with no ``parallel_state=`` and no initialised model parallel.
+
+    A ``ValueError`` (the ``parallel_state`` argument is missing) and a ``RuntimeError`` (the
+    process is in the wrong state), so either ``except`` catches it.
+    """
+
+
 def _new_groups(all_groups: list[list[int]], rank: int) -> Group:
     mine = None
     for ranks in all_groups:
@@ -105,10 +113,10 @@ def initialize_model_parallel(tensor_parallel_size: int = 1) -> ParallelState:
 def get_parallel_state() -> ParallelState:
     """The state set by :func:`initialize_model_parallel`; a clear error if it was not called."""
     if _STATE is None:
-        raise RuntimeError(
+        raise ModelParallelNotInitializedError(
             "model parallel is not initialised: call "
             "neuron_ckpt.initialize_model_parallel(tensor_parallel_size=...) before building "
-            "parallel layers"
+            "parallel layers, or pass parallel_state= explicitly"
         )
     return _STATE
 
