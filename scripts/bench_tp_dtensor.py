@@ -119,22 +119,20 @@ def _time_steps(step, iters: int) -> list[float]:
 
 
 def _bench(args) -> dict[str, float]:
-    from torch.distributed.tensor import DTensor, Shard
-
     st = nc.initialize_model_parallel(args.tp)
     torch.manual_seed(0)
     s, b, h = args.seq, args.batch, args.hidden
     ours = OurBlock(h, args.heads)
     theirs = dtensor_block(h, args.heads, args.tp)
     x_ours = torch.randn(s // args.tp, b, h, requires_grad=True)
-    local = torch.randn(b, s // args.tp, h)
-    x_theirs = DTensor.from_local(local, theirs.norm1.weight.device_mesh, [Shard(1)]).requires_grad_()
+    # As in torchtitan, the residual stream stays a local [b, s/t, h] tensor between blocks.
+    x_theirs = torch.randn(b, s // args.tp, h, requires_grad=True)
 
     def step_ours():
         ours(x_ours).sum().backward()
 
     def step_theirs():
-        theirs(x_theirs).to_local().sum().backward()
+        theirs(x_theirs).sum().backward()
 
     for _ in range(args.warmup):
         step_ours()
