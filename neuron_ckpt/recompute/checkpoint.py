@@ -1,0 +1,264 @@
+"""``checkpoint(function, *args, **kwargs)``: run ``function`` without keeping its activations,
+rerun it in backward.
+
+What it adds to ``torch.utils.checkpoint``:
+
+* **Exact RNG replay.** The forward snapshots the CPU generator, the device generator (CUDA or
+  XLA) and every named stream of the :func:`~neuron_ckpt.get_rng_tracker` tracker (the
+  model-parallel stream that dropout on tensor-parallel shards draws from); the recompute runs
+  from that snapshot and the surrounding state is restored afterwards. Recomputed dropout masks
+  are therefore bit-identical. ``torch.utils.checkpoint``'s ``preserve_rng_state`` covers only
+  the CPU and CUDA generators, not tracker streams; neuronx-distributed's covers only the CPU.
+* **Distributed saved input** (``distribute_saved_activations=True``, reentrant only): of the
+  first positional tensor argument (the layer input, replicated over the TP group) each rank
+  keeps a 1/t slice of the flattened tensor and all-gathers it before recomputing, as Megatron
+  does. Saves ``(1 - 1/t)`` of that input per checkpoint for one all-gather in backward.
+* **XLA-safe.** On XLA the saved inputs, incoming gradients and the parameters of the
+  checkpointed modules pass through ``optimization_barrier_`` before the recompute (as
+  ``torch_xla.utils.checkpoint`` does); without it the compiler sees the recompute as a copy of
+  the forward, merges the two (common-subexpression elimination) and keeps every activation
+  alive, so nothing is saved. Non-reentrant checkpointing is refused on XLA.
+
+Two variants: ``use_reentrant=True`` (default; a custom autograd Function, Megatron-style, any
+backend) and ``use_reentrant=False`` (``torch.utils.checkpoint`` non-reentrant with our RNG
+replay through ``context_fn``; works with ``torch.autograd.grad``). Both give identical
+gradients.
+
+Arguments: positional and keyword arguments pass through unchanged; tensors among them (also
+keyword ones) receive gradients. Outputs may be a tensor or a tuple (non-tensor items pass
+through). With grad disabled (evaluation), ``function`` simply runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import torch
+
+from ..distributed import collectives as C
+from ..distributed import runtime
+from ..distributed.parallel_state import Group, get_parallel_state, model_parallel_is_initialized
+from ..distributed.random import get_rng_state, get_rng_tracker, set_rng_state
+
+
+def checkpoint(
+    function: Callable[..., Any],
+    *args: Any,
+    use_reentrant: bool = True,
+    distribute_saved_activations: bool = False,
+    **kwargs: Any,
+) -> Any:
+    """``function(*args, **kwargs)``, keeping only its inputs for backward and recomputing the rest.
+
+    ``use_reentrant`` and ``distribute_saved_activations`` are this function's own options; every
+    other keyword goes to ``function``.
+    """
+    if not torch.is_grad_enabled():
+        return function(*args, **kwargs)
+    if not use_reentrant:
+        if runtime.is_xla():
+            raise ValueError(
+                "checkpoint(use_reentrant=False) is not supported on XLA (torch_xla's checkpoint is "
+                "reentrant only); use use_reentrant=True"
+            )
+        if distribute_saved_activations:
+            raise ValueError("distribute_saved_activations=True needs use_reentrant=True")
+        return _non_reentrant(function, args, kwargs)
+    spec = _Spec.of(args, kwargs, _distributed_group() if distribute_saved_activations else None)
+    flat = list(args) + [kwargs[k] for k in spec.kwarg_names]
+    if not any(torch.is_tensor(a) and a.requires_grad for a in flat):
+        # A reentrant Function whose inputs need no grad produces outputs that need none, and the
+        # parameters inside would silently get no gradient: anchor it to a dummy leaf.
+        spec.anchor = True
+        flat.append(torch.empty(0, requires_grad=True))
+    return _CheckpointFunction.apply(function, spec, *flat)
+
+
+# --------------------------------------------------------------------------------------------
+# State captured in forward and replayed in backward.
+
+
+@dataclass
+class _Spec:
+    """How the flat ``apply`` arguments map back to ``(args, kwargs)``."""
+
+    num_args: int
+    kwarg_names: tuple[str, ...]
+    group: Group | None  # set: distribute the first positional tensor over this group
+    anchor: bool = False
+
+    @staticmethod
+    def of(args: tuple, kwargs: dict, group: Group | None) -> "_Spec":
+        return _Spec(len(args), tuple(kwargs), group)
+
+    def unflatten(self, flat: list) -> tuple[list, dict]:
+        n = self.num_args
+        return flat[:n], dict(zip(self.kwarg_names, flat[n : n + len(self.kwarg_names)]))
+
+
+def _distributed_group() -> Group | None:
+    if not model_parallel_is_initialized():
+        return None
+    tp = get_parallel_state().tp
+    return tp if tp.size > 1 else None
+
+
+@dataclass
+class _RNGSnapshot:
+    """Every generator the function may draw from: CPU, device and the tracker's named streams."""
+
+    generators: Any
+    streams: dict
+
+    @staticmethod
+    def take() -> "_RNGSnapshot":
+        return _RNGSnapshot(get_rng_state(), get_rng_tracker().get_states())
+
+    def restore(self) -> None:
+        set_rng_state(self.generators)
+        get_rng_tracker().set_states(self.streams)
+
+
+@contextlib.contextmanager
+def _replaying(snapshot: _RNGSnapshot):
+    """Run a block from ``snapshot``; put the surrounding RNG state back afterwards."""
+    outer = _RNGSnapshot.take()
+    snapshot.restore()
+    try:
+        yield
+    finally:
+        outer.restore()
+
+
+def _autocast_state(tensors: Iterable[Any]) -> list[tuple[str, bool, torch.dtype]]:
+    kinds = {"cpu"} | {t.device.type for t in tensors if torch.is_tensor(t)}
+    return [(k, torch.is_autocast_enabled(k), torch.get_autocast_dtype(k)) for k in sorted(kinds)]
+
+
+def _autocast(state: list[tuple[str, bool, torch.dtype]], cache_enabled: bool) -> contextlib.ExitStack:
+    stack = contextlib.ExitStack()
+    for kind, enabled, dtype in state:
+        stack.enter_context(torch.autocast(device_type=kind, enabled=enabled, dtype=dtype, cache_enabled=cache_enabled))
+    return stack
+
+
+# --------------------------------------------------------------------------------------------
+# Distributed saved input: keep a 1/t slice of the flattened tensor, all-gather it back.
+
+
+def _keep_slice(x: torch.Tensor, group: Group) -> torch.Tensor:
+    flat = x.detach().reshape(-1)
+    per_rank = -(-flat.numel() // group.size)
+    pad = per_rank * group.size - flat.numel()
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    # A copy, so the full input's storage is freed once nothing else holds it.
+    return flat[group.rank * per_rank : (group.rank + 1) * per_rank].clone()
+
+
+def _gather_slices(piece: torch.Tensor, shape: torch.Size, group: Group) -> torch.Tensor:
+    full = C.all_gather(piece, 0, group)
+    return full[: shape.numel()].view(shape)
+
+
+# --------------------------------------------------------------------------------------------
+# XLA: an optimization barrier keeps the compiler from merging recompute and forward.
+
+
+def _modules_of(function: Any) -> list[torch.nn.Module]:
+    """The modules whose parameters ``function`` reads, where that can be told."""
+    owner = function.__self__ if inspect.ismethod(function) else function
+    if isinstance(owner, torch.nn.Module):
+        return [owner]
+    if hasattr(owner, "recompute_modules"):  # the wrappers of neuron_ckpt.recompute.apply
+        return list(owner.recompute_modules)
+    if hasattr(function, "func"):  # functools.partial
+        return _modules_of(function.func)
+    return []
+
+
+def _xla_barrier(tensors: list[Any], function: Any) -> None:
+    import torch_xla.core.xla_model as xm
+
+    params = [p for m in _modules_of(function) for p in (*m.parameters(), *m.buffers())]
+    xm.optimization_barrier_([t for t in (*tensors, *params) if torch.is_tensor(t)])
+
+
+# --------------------------------------------------------------------------------------------
+# The two variants.
+
+
+class _CheckpointFunction(torch.autograd.Function):
+    """Reentrant checkpoint: forward under no_grad, recompute and backpropagate inside backward."""
+
+    @staticmethod
+    def forward(ctx, function, spec: _Spec, *flat):
+        ctx.function, ctx.spec = function, spec
+        ctx.rng = _RNGSnapshot.take()
+        ctx.autocast = _autocast_state(flat)
+        ctx.autocast_cache = torch.is_autocast_cache_enabled()
+        values = list(flat[:-1] if spec.anchor else flat)
+        args, kwargs = spec.unflatten(values)
+        with torch.no_grad():
+            outputs = function(*args, **kwargs)
+
+        # Save tensors through save_for_backward, keep the rest in ctx.
+        ctx.slots = [None if torch.is_tensor(v) else v for v in values]
+        tensors = [v for v in values if torch.is_tensor(v)]
+        ctx.input_needs_grad = [t.requires_grad for t in tensors]
+        ctx.distributed = None
+        if spec.group is not None:
+            first = next((i for i, v in enumerate(values[: spec.num_args]) if torch.is_tensor(v)), None)
+            if first is not None:
+                k = sum(torch.is_tensor(v) for v in values[:first])
+                ctx.distributed = (k, tensors[k].shape)
+                tensors[k] = _keep_slice(tensors[k], spec.group)
+        ctx.save_for_backward(*tensors)
+        return outputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        if not torch.autograd._is_checkpoint_valid():
+            raise RuntimeError(
+                "reentrant checkpoint works with .backward() only (not torch.autograd.grad or "
+                "backward(inputs=...)); use RecomputeConfig(use_reentrant=False) for those"
+            )
+        tensors = list(ctx.saved_tensors)
+        if ctx.distributed is not None:
+            k, shape = ctx.distributed
+            tensors[k] = _gather_slices(tensors[k], shape, ctx.spec.group)
+        if runtime.is_xla():
+            _xla_barrier(tensors + list(grads), ctx.function)
+        it = iter(t.detach().requires_grad_(r) for t, r in zip(tensors, ctx.input_needs_grad))
+        values = [next(it) if slot is None else slot for slot in ctx.slots]
+        args, kwargs = ctx.spec.unflatten(values)
+        with _replaying(ctx.rng), torch.enable_grad(), _autocast(ctx.autocast, ctx.autocast_cache):
+            outputs = ctx.function(*args, **kwargs)
+        outputs = (outputs,) if torch.is_tensor(outputs) else tuple(outputs)
+        pairs = [
+            (o, g)
+            for o, g in zip(outputs, grads)
+            if torch.is_tensor(o) and o.requires_grad and g is not None
+        ]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        input_grads = [v.grad if torch.is_tensor(v) and v.requires_grad else None for v in values]
+        if ctx.spec.anchor:
+            input_grads.append(None)
+        return (None, None, *input_grads)
+
+
+def _non_reentrant(function: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    snapshot = _RNGSnapshot.take()
+    # torch's own preserve_rng_state is off: our snapshot covers CPU, device and tracker streams.
+    return torch.utils.checkpoint.checkpoint(
+        function,
+        *args,
+        use_reentrant=False,
+        preserve_rng_state=False,
+        context_fn=lambda: (contextlib.nullcontext(), _replaying(snapshot)),
+        **kwargs,
+    )

@@ -1,0 +1,155 @@
+"""``RecomputeConfig``: which activations to recompute, in the words Megatron Bridge / NeMo users know.
+
+=============================  ==========================================================
+Megatron Bridge / NeMo         here
+=============================  ==========================================================
+``recompute_granularity``      ``granularity``: ``None``, ``"selective"`` or ``"full"``
+``recompute_method``           ``method``: ``"uniform"`` or ``"block"`` (full only)
+``recompute_num_layers``       ``num_layers`` (full only)
+``recompute_modules``          ``modules`` (selective only; default ``["core_attn"]``)
+``distribute_saved_activations``  ``distribute_saved_activations``
+=============================  ==========================================================
+
+Everything that can be checked from the config alone is checked at construction. The number of
+layers in the model and whether it runs sequence parallel are only known when the config is
+applied: :meth:`RecomputeConfig.validate` checks those, and :func:`~.apply.apply_recompute`
+calls it before touching the model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GRANULARITIES = (None, "selective", "full")
+METHODS = ("uniform", "block")
+MODULES = ("core_attn", "mlp", "mlp_act", "norm")
+# Megatron Bridge spells the norm "layernorm"; accept it and store the canonical name.
+MODULE_ALIASES = {"layernorm": "norm"}
+
+
+@dataclass(frozen=True)
+class RecomputeConfig:
+    """How much of each transformer layer's forward to recompute in backward instead of storing."""
+
+    granularity: str | None = None
+    """``None``: store every activation. ``"selective"``: recompute the submodules named in
+    ``modules`` of every layer (core attention by default: the ``5as^2b`` term of Korthikanti et
+    al. for a few percent of extra compute). ``"full"``: store only the input of each recomputed
+    layer (or group of layers) and recompute all of it (about one extra forward pass)."""
+
+    method: str | None = None
+    """Full recompute only. ``"uniform"``: split the stack into consecutive groups of
+    ``num_layers`` layers and checkpoint each group as one unit (only the group's input is
+    stored). ``"block"``: checkpoint the first ``num_layers`` layers individually and run the
+    rest normally (to recompute just enough layers to fit)."""
+
+    num_layers: int | None = None
+    """Full recompute only: the group size (``uniform``) or how many layers to recompute
+    (``block``); at least 1 and at most the number of layers in the stack."""
+
+    modules: tuple[str, ...] = ("core_attn",)
+    """Selective recompute only: which submodules of each layer to recompute, out of
+    ``"core_attn"`` (scores, softmax, dropout, weighted sum), ``"mlp"`` (the whole MLP),
+    ``"mlp_act"`` (the MLP's activation function) and ``"norm"`` (``"layernorm"`` is accepted
+    too). Which submodule each name means in a given model is set by ``module_map`` in
+    :func:`~.apply.apply_recompute`."""
+
+    distribute_saved_activations: bool = False
+    """Keep only this rank's 1/t slice of each checkpoint's (replicated) input and all-gather it
+    over the tensor-parallel group before recomputing (Megatron's option). Not with sequence
+    parallel (the input is already split) nor with ``use_reentrant=False``."""
+
+    use_reentrant: bool = True
+    """``True``: Megatron-style checkpoint (a custom autograd Function that reruns the forward in
+    backward); works on every backend, including XLA. ``False``: ``torch.utils.checkpoint``'s
+    non-reentrant variant (supports ``torch.autograd.grad``); refused on XLA."""
+
+    def __post_init__(self) -> None:
+        # Normalise ``modules`` (a list is fine as input; the frozen config stores a tuple).
+        modules = self.modules
+        if isinstance(modules, str):
+            raise ValueError(f"modules must be a list of names from {list(MODULES)}, got the string {modules!r}")
+        canonical = []
+        for name in modules:
+            name = MODULE_ALIASES.get(name, name)
+            if name not in MODULES:
+                raise ValueError(f"modules: unknown module {name!r}; known modules: {list(MODULES)}")
+            if name not in canonical:
+                canonical.append(name)
+        object.__setattr__(self, "modules", tuple(canonical))
+
+        if self.granularity not in GRANULARITIES:
+            raise ValueError(f"granularity must be one of {list(GRANULARITIES)}, got {self.granularity!r}")
+        if self.method is not None and self.method not in METHODS:
+            raise ValueError(f"method must be one of {list(METHODS)} (or None), got {self.method!r}")
+        if self.num_layers is not None and (
+            not isinstance(self.num_layers, int) or isinstance(self.num_layers, bool) or self.num_layers < 1
+        ):
+            raise ValueError(f"num_layers must be a positive int, got {self.num_layers!r}")
+        if not isinstance(self.distribute_saved_activations, bool):
+            raise ValueError(
+                f"distribute_saved_activations must be a bool, got {self.distribute_saved_activations!r}"
+            )
+        if not isinstance(self.use_reentrant, bool):
+            raise ValueError(f"use_reentrant must be a bool, got {self.use_reentrant!r}")
+
+        if self.granularity == "full":
+            if self.method is None:
+                raise ValueError(f"granularity='full' needs method, one of {list(METHODS)}")
+            if self.num_layers is None:
+                raise ValueError("granularity='full' needs num_layers, a positive int (layers per group or recomputed)")
+        elif self.granularity == "selective":
+            if self.num_layers is not None:
+                raise ValueError(
+                    f"num_layers={self.num_layers} is only used with granularity='full'; "
+                    "selective recompute applies to every layer: leave num_layers=None"
+                )
+            if self.method is not None:
+                raise ValueError(
+                    f"method={self.method!r} is only used with granularity='full'; leave method=None for selective"
+                )
+            if not self.modules:
+                raise ValueError(f"granularity='selective' needs at least one module in modules, from {list(MODULES)}")
+        else:
+            for name in ("method", "num_layers"):
+                if getattr(self, name) is not None:
+                    raise ValueError(
+                        f"{name}={getattr(self, name)!r} is set but granularity is None (no recompute); "
+                        "set granularity='full' or leave it unset"
+                    )
+            if self.distribute_saved_activations:
+                raise ValueError(
+                    "distribute_saved_activations=True needs recompute: set granularity to 'selective' or 'full'"
+                )
+        if self.distribute_saved_activations and not self.use_reentrant:
+            raise ValueError(
+                "distribute_saved_activations=True needs use_reentrant=True (the non-reentrant "
+                "torch.utils.checkpoint keeps the full input alive)"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        return self.granularity is not None
+
+    def validate(self, num_layers_in_model: int, sequence_parallel: bool = False) -> None:
+        """The checks that need the model: call before any training work (apply does)."""
+        if not isinstance(num_layers_in_model, int) or num_layers_in_model < 1:
+            raise ValueError(f"num_layers_in_model must be a positive int, got {num_layers_in_model!r}")
+        if self.granularity == "full" and self.num_layers > num_layers_in_model:
+            raise ValueError(
+                f"num_layers={self.num_layers} is larger than the {num_layers_in_model} layers of the "
+                f"stack; choose 1..{num_layers_in_model}"
+            )
+        if self.distribute_saved_activations and sequence_parallel:
+            raise ValueError(
+                "distribute_saved_activations=True cannot be used with sequence_parallel=True: the "
+                "saved input is already split over the tensor-parallel group"
+            )
+        if not self.use_reentrant and self.enabled:
+            from ..distributed.runtime import is_xla
+
+            if is_xla():
+                raise ValueError(
+                    "use_reentrant=False is not supported on XLA (torch_xla's checkpoint is reentrant "
+                    "only); use use_reentrant=True"
+                )

@@ -1,0 +1,497 @@
+"""Activation recomputation: what it must guarantee.
+
+* Recompute changes memory, never numbers: with dropout on, tensor + sequence parallel, the loss
+  and every gradient are bit-identical to no recompute, for every granularity and method, for
+  both checkpoint variants, and with distributed saved inputs.
+* It saves what it promises: fewer bytes kept for backward (selective < none, full < selective),
+  and each layer's forward runs as often as the method says.
+* Every invalid configuration fails before any training work, naming the field.
+* Recompute never changes state_dict keys.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import neuron_ckpt as nc
+from neuron_ckpt.distributed.random import get_rng_tracker
+from neuron_ckpt.parallel import ColumnParallelLinear, CoreAttention, QKVParallelLinear, RMSNorm, RowParallelLinear
+from neuron_ckpt.recompute import RecomputeConfig, apply_recompute, checkpoint, remove_recompute, run_layers
+
+# ---------------------------------------------------------------------------------------------
+# A small transformer-ish stack built from the parallel layers ([s, b, h], sequence first).
+
+
+class MLP(torch.nn.Module):
+    def __init__(self, h: int, sp: bool, p: float):
+        super().__init__()
+        self.fc1 = ColumnParallelLinear(h, 4 * h, sequence_parallel=sp)
+        self.act_fn = torch.nn.GELU()
+        self.fc2 = RowParallelLinear(4 * h, h, sequence_parallel=sp)
+        self.p = p
+
+    def forward(self, x):
+        y = self.act_fn(self.fc1(x))
+        with get_rng_tracker().fork():  # inside the TP region: features differ per rank
+            y = F.dropout(y, self.p, self.training)
+        return self.fc2(y)
+
+
+class Layer(torch.nn.Module):
+    def __init__(self, h: int, heads: int, sp: bool, p: float):
+        super().__init__()
+        t = nc.get_parallel_state().tp_size
+        self.input_norm = RMSNorm(h, sequence_parallel=sp)
+        self.qkv = QKVParallelLinear(h, heads, sequence_parallel=sp)
+        self.core_attn = CoreAttention(heads // t, heads // t, h // heads, attention_dropout=p)
+        self.proj = RowParallelLinear(h, h, sequence_parallel=sp)
+        self.post_norm = RMSNorm(h, sequence_parallel=sp)
+        self.mlp = MLP(h, sp, p)
+        self.p, self.sp = p, sp
+
+    def _dropout(self, y):
+        # Replicated activations draw from the default stream; a sequence-parallel chunk is
+        # different on every rank, so it draws from the TP stream.
+        with get_rng_tracker().fork() if self.sp else contextlib.nullcontext():
+            return F.dropout(y, self.p, self.training)
+
+    def forward(self, x, scale=1.0):
+        q, k, v = self.qkv(self.input_norm(x))
+        x = x + self._dropout(self.proj(self.core_attn(q, k, v)))
+        return x + scale * self._dropout(self.mlp(self.post_norm(x)))
+
+
+class Stack(torch.nn.Module):
+    def __init__(self, n: int, h: int, heads: int, sp: bool, p: float):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(Layer(h, heads, sp, p) for _ in range(n))
+
+    def forward(self, x, scale=1.0):
+        return run_layers(self.layers, x, scale=scale)
+
+
+@contextlib.contextmanager
+def count_forward_calls(modules):
+    """Count every run of each module's forward, recomputes included (patches the classes)."""
+    counts = {id(m): 0 for m in modules}
+    patched = []
+    for cls in {type(m) for m in modules}:
+        original = cls.forward
+
+        def counting(self, *args, _original=original, **kwargs):
+            if id(self) in counts:
+                counts[id(self)] += 1
+            return _original(self, *args, **kwargs)
+
+        patched.append((cls, cls.__dict__.get("forward")))
+        cls.forward = counting
+    try:
+        yield lambda m: counts[id(m)]
+    finally:
+        for cls, own in patched:
+            if own is None:
+                del cls.forward
+            else:
+                cls.forward = own
+
+
+VARIANTS = {
+    "none": RecomputeConfig(),
+    "selective": RecomputeConfig(granularity="selective"),
+    "selective_all": RecomputeConfig(granularity="selective", modules=["core_attn", "mlp", "norm"]),
+    "selective_act": RecomputeConfig(granularity="selective", modules=["core_attn", "mlp_act"]),
+    "uniform1": RecomputeConfig(granularity="full", method="uniform", num_layers=1),
+    "uniform2": RecomputeConfig(granularity="full", method="uniform", num_layers=2),
+    "uniform3": RecomputeConfig(granularity="full", method="uniform", num_layers=3),
+    "block2": RecomputeConfig(granularity="full", method="block", num_layers=2),
+}
+VARIANTS.update(
+    {f"{k}_nonreentrant": RecomputeConfig(**{**v.__dict__, "use_reentrant": False}) for k, v in VARIANTS.items() if v.enabled}
+)
+
+
+def _input(seq: int, b: int, h: int, sp: bool) -> torch.Tensor:
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(seq, b, h, generator=g)
+    if sp:
+        x = x.chunk(nc.get_parallel_state().tp_size, 0)[nc.get_parallel_state().tp_rank]
+    return x.clone().requires_grad_(True)
+
+
+def _train_step(cfg: RecomputeConfig | str, t: int, sp: bool, p: float = 0.1, seed: int = 1234, seq: int = 8):
+    """Loss, input grad and every parameter grad of one fwd+bwd under ``cfg``."""
+    nc.initialize_model_parallel(t)
+    h, heads, b = 16, 4, 2
+    torch.manual_seed(0)
+    model = Stack(4, h, heads, sp, p)
+    if cfg == "torch_checkpoint":  # negative control: torch's own checkpoint, no tracker replay
+        for layer in model.layers:
+            layer.forward = lambda x, scale=1.0, _f=layer.forward: torch.utils.checkpoint.checkpoint(
+                _f, x, scale=scale, use_reentrant=False
+            )
+    else:
+        apply_recompute(model.layers, cfg, sequence_parallel=sp)
+    nc.model_parallel_manual_seed(seed)
+    x = _input(seq, b, h, sp)
+    out = model(x, scale=0.5)
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
+    loss = (out * w).sum()
+    loss.backward()
+    grads = {n: q.grad.clone() for n, q in model.named_parameters()}
+    return loss.detach(), x.grad.clone(), grads
+
+
+# A reentrant checkpoint returns ONE gradient per input. RMSNorm uses its input twice, and the
+# layer uses it once more for the residual: without recompute autograd sums the three
+# contributions in one order, a reentrant checkpointed norm sums its two first. Same numbers up to
+# float rounding (associativity), not an RNG effect: the non-reentrant variant, which keeps a
+# single graph, is bit-identical for the same modules.
+ROUNDING_ONLY = {"selective_all"}
+
+
+def _assert_close(ref, other, label):
+    for a, b in zip((ref[0], ref[1], *ref[2].values()), (other[0], other[1], *other[2].values())):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=label)
+
+
+def _all_variants(t: int, sp: bool, names: list[str]):
+    return {name: _train_step(VARIANTS[name] if name in VARIANTS else name, t, sp) for name in names}
+
+
+def _assert_identical(ref, other, label):
+    loss, xg, grads = ref
+    loss2, xg2, grads2 = other
+    assert torch.equal(loss, loss2), f"{label}: loss {loss} != {loss2}"
+    assert torch.equal(xg, xg2), f"{label}: input grad differs"
+    assert grads.keys() == grads2.keys()
+    for n in grads:
+        assert torch.equal(grads[n], grads2[n]), f"{label}: grad of {n} differs"
+
+
+def test_bit_identical_with_dropout_tp2_sequence_parallel(world):
+    names = list(VARIANTS) + ["torch_checkpoint"]
+    per_rank = world(2).run(_all_variants, 2, True, names)
+    for rank, results in enumerate(per_rank):
+        ref = results["none"]
+        for name in VARIANTS:
+            if name in ROUNDING_ONLY:
+                _assert_close(ref, results[name], f"rank {rank} {name}")
+            else:
+                _assert_identical(ref, results[name], f"rank {rank} {name}")
+        # Control: torch.utils.checkpoint replays CPU/CUDA generators but not the TP stream, so
+        # recomputed dropout differs and so do the gradients.
+        assert not torch.equal(ref[1], results["torch_checkpoint"][1])
+    # Dropout draws from the TP stream on shards, so the ranks' results differ.
+    assert not torch.equal(per_rank[0]["none"][1], per_rank[1]["none"][1])
+
+
+def _distributed_variants(t: int):
+    base = _train_step(RecomputeConfig(), t, sp=False)
+    out = {}
+    for name in ("selective_all", "uniform1", "uniform2", "block2"):
+        cfg = RecomputeConfig(**{**VARIANTS[name].__dict__, "distribute_saved_activations": True})
+        out[name] = _train_step(cfg, t, sp=False)
+    return base, out
+
+
+def test_bit_identical_with_distributed_saved_activations_tp2(world):
+    for rank, (base, out) in enumerate(world(2).run(_distributed_variants, 2)):
+        for name, result in out.items():
+            check = _assert_close if name in ROUNDING_ONLY else _assert_identical
+            check(base, result, f"rank {rank} distributed {name}")
+
+
+def test_dropout_is_active():
+    # Guards the tests above: with another seed the loss changes, so equal results are meaningful.
+    assert not torch.equal(_single(lambda: _train_step(RecomputeConfig(), 1, False))[0],
+                           _single(lambda: _train_step(RecomputeConfig(), 1, False, seed=99))[0])
+
+
+def _single(fn):
+    try:
+        return fn()
+    finally:
+        nc.destroy_distributed()
+        get_rng_tracker().reset()
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory kept for backward and forward counts.
+
+
+def _saved_bytes_and_counts(names: list[str], t: int, sp: bool, seq: int):
+    nc.initialize_model_parallel(t)
+    out = {}
+    for name in names:
+        if name.endswith("_dist"):
+            cfg = RecomputeConfig(**{**VARIANTS[name[:-5]].__dict__, "distribute_saved_activations": True})
+        else:
+            cfg = VARIANTS[name]
+        torch.manual_seed(0)
+        model = Stack(4, 16, 4, sp, 0.1)
+        units = apply_recompute(model.layers, cfg, sequence_parallel=sp)
+        nc.model_parallel_manual_seed(1)
+        x = _input(seq, 2, 16, sp)
+        params = {q.untyped_storage().data_ptr() for q in model.parameters()}
+        storages: dict[int, int] = {}
+
+        def pack(tensor):
+            ptr = tensor.untyped_storage().data_ptr()
+            if ptr not in params:
+                storages[ptr] = tensor.untyped_storage().nbytes()
+            return tensor
+
+        modules = list(model.layers) + [layer.core_attn for layer in model.layers]
+        with count_forward_calls(modules) as calls:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t_: t_):
+                y = model(x)
+            saved = sum(storages.values())
+            y.sum().backward()
+            out[name] = {
+                "bytes_per_layer": saved / len(model.layers),
+                "units": units,
+                "layer_calls": [calls(m) for m in model.layers],
+                "attn_calls": [calls(m.core_attn) for m in model.layers],
+            }
+    return out
+
+
+def test_saved_memory_drops_and_forward_counts_match_method(world):
+    names = ["none", "selective", "uniform1", "uniform2", "uniform3", "block2", "uniform1_nonreentrant"]
+    res = world(2).run(_saved_bytes_and_counts, names, 2, True, 64)[0]
+    mem = {k: v["bytes_per_layer"] for k, v in res.items()}
+    assert mem["selective"] < mem["none"]
+    assert mem["uniform1"] < mem["selective"]
+    assert mem["uniform2"] < mem["uniform1"]  # one saved input per two layers
+    assert mem["none"] > mem["block2"] > mem["uniform1"]
+    assert mem["uniform1_nonreentrant"] < mem["selective"]
+
+    assert res["none"]["layer_calls"] == [1, 1, 1, 1] and res["none"]["attn_calls"] == [1, 1, 1, 1]
+    assert res["selective"]["layer_calls"] == [1, 1, 1, 1] and res["selective"]["attn_calls"] == [2, 2, 2, 2]
+    for name in ("uniform1", "uniform2", "uniform3", "uniform1_nonreentrant"):
+        assert res[name]["layer_calls"] == [2, 2, 2, 2], name
+    assert res["block2"]["layer_calls"] == [2, 2, 1, 1]
+    assert res["selective"]["units"] == [f"{i}.core_attn" for i in range(4)]
+    assert res["uniform1"]["units"] == ["0", "1", "2", "3"]
+    assert res["uniform2"]["units"] == ["0-1", "2-3"]
+    assert res["uniform3"]["units"] == ["0-2", "3-3"]
+    assert res["block2"]["units"] == ["0", "1"]
+
+
+def test_distributed_saved_activations_keep_a_slice(world):
+    res = world(2).run(_saved_bytes_and_counts, ["uniform1", "uniform1_dist"], 2, False, 64)[0]
+    assert res["uniform1_dist"]["bytes_per_layer"] == pytest.approx(res["uniform1"]["bytes_per_layer"] / 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation: every invalid combination fails at construction or apply, naming the field.
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(granularity="partial"), "granularity"),
+        (dict(granularity="full", num_layers=2), "method"),
+        (dict(granularity="full", method="uniform"), "num_layers"),
+        (dict(granularity="full", method="uniform", num_layers=0), "num_layers"),
+        (dict(granularity="full", method="uniform", num_layers=True), "num_layers"),
+        (dict(granularity="full", method="diagonal", num_layers=1), "method"),
+        (dict(granularity="selective", num_layers=2), "num_layers"),
+        (dict(granularity="selective", method="block"), "method"),
+        (dict(granularity="selective", modules=["core_attn", "softmax"]), "modules"),
+        (dict(granularity="selective", modules="core_attn"), "modules"),
+        (dict(granularity="selective", modules=[]), "modules"),
+        (dict(num_layers=2), "num_layers"),
+        (dict(method="block"), "method"),
+        (dict(distribute_saved_activations=True), "distribute_saved_activations"),
+        (dict(granularity="selective", distribute_saved_activations=True, use_reentrant=False), "use_reentrant"),
+    ],
+)
+def test_invalid_config_raises(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        RecomputeConfig(**kwargs)
+
+
+def test_unknown_module_lists_known_ones():
+    with pytest.raises(ValueError, match=r"core_attn.*mlp.*mlp_act.*norm"):
+        RecomputeConfig(granularity="selective", modules=["attention"])
+    assert RecomputeConfig(granularity="selective", modules=["layernorm"]).modules == ("norm",)
+
+
+class PlainLayer(torch.nn.Module):
+    """A user's own layer: no neuron_ckpt modules inside."""
+
+    def __init__(self, h=8):
+        super().__init__()
+        self.attn = torch.nn.Linear(h, h)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(h, 2 * h), torch.nn.ReLU(), torch.nn.Linear(2 * h, h))
+        self.norm = torch.nn.LayerNorm(h)
+
+    def forward(self, x):
+        return x + self.mlp(self.norm(x + torch.tanh(self.attn(x))))
+
+
+def test_apply_validates_against_the_model_before_changing_it():
+    layers = torch.nn.ModuleList(PlainLayer() for _ in range(3))
+    with pytest.raises(ValueError, match="num_layers"):
+        apply_recompute(layers, RecomputeConfig(granularity="full", method="block", num_layers=4))
+    cfg = RecomputeConfig(granularity="full", method="uniform", num_layers=1, distribute_saved_activations=True)
+    with pytest.raises(ValueError, match="distribute_saved_activations.*sequence_parallel"):
+        apply_recompute(layers, cfg, sequence_parallel=True)
+    # Default map: no CoreAttention in a plain layer -> the error says how to map it.
+    with pytest.raises(ValueError, match="module_map"):
+        apply_recompute(layers, RecomputeConfig(granularity="selective"))
+    with pytest.raises(ValueError, match="module_map: unknown module 'attention'"):
+        apply_recompute(layers, RecomputeConfig(granularity="selective"), module_map={"attention": "attn"})
+    with pytest.raises(ValueError, match="module_map"):
+        apply_recompute(layers, RecomputeConfig(granularity="selective"), module_map={"core_attn": 3})
+    assert all("forward" not in m.__dict__ for layer in layers for m in layer.modules())
+
+
+def test_user_model_with_module_map_keeps_state_dict_and_gradients():
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList(PlainLayer() for _ in range(4))
+    keys = list(layers.state_dict())
+    x = torch.randn(5, 8)
+
+    def grads():
+        for q in layers.parameters():
+            q.grad = None
+        run_layers(layers, x).pow(2).sum().backward()
+        return [q.grad.clone() for q in layers.parameters()]
+
+    ref = grads()
+    configs = [
+        (RecomputeConfig(granularity="selective", modules=["core_attn", "mlp", "norm"]), {"core_attn": "attn"}),
+        (RecomputeConfig(granularity="selective", modules=["mlp_act"]), {"mlp_act": torch.nn.ReLU}),
+        (RecomputeConfig(granularity="full", method="uniform", num_layers=2), None),
+        (RecomputeConfig(granularity="full", method="block", num_layers=3, use_reentrant=False), None),
+    ]
+    for cfg, module_map in configs:
+        apply_recompute(layers, cfg, module_map=module_map)
+        assert list(layers.state_dict()) == keys  # checkpoints load with or without recompute
+        layers.load_state_dict(layers.state_dict())
+        got = grads()  # x needs no grad: the reentrant variant must still give parameter grads
+        assert all(torch.equal(a, b) for a, b in zip(ref, got)), cfg
+    remove_recompute(layers)
+    assert all("forward" not in m.__dict__ for layer in layers for m in layer.modules())
+
+
+def test_grouped_layers_must_run_through_run_layers():
+    layers = torch.nn.ModuleList(PlainLayer() for _ in range(4))
+    apply_recompute(layers, RecomputeConfig(granularity="full", method="uniform", num_layers=2))
+    with pytest.raises(RuntimeError, match="run_layers"):
+        layers[1](torch.randn(2, 8))
+    # per-layer methods work with any loop
+    apply_recompute(layers, RecomputeConfig(granularity="full", method="uniform", num_layers=1))
+    x = torch.randn(2, 8)
+    for layer in layers:
+        x = layer(x)
+
+
+# ---------------------------------------------------------------------------------------------
+# The checkpoint function itself.
+
+
+def _fn(x, w, *, shift, name, bias=None):
+    y = torch.nn.functional.dropout(x @ w, 0.5, True) + shift
+    return (y, name, y.sum() + (bias.sum() if bias is not None else 0))
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_checkpoint_passes_args_kwargs_and_tuples(use_reentrant):
+    def run(ck):
+        torch.manual_seed(0)
+        x = torch.randn(4, 3, requires_grad=True)
+        w = torch.randn(3, 3, requires_grad=True)
+        bias = torch.randn(3, requires_grad=True)
+        torch.manual_seed(5)
+        y, name, s = ck(x, w, shift=2.0, name="n", bias=bias)
+        assert name == "n"
+        (y.pow(2).sum() + s).backward()
+        return [x.grad, w.grad, bias.grad]
+
+    ref = run(_fn)
+    got = run(lambda *a, **k: checkpoint(_fn, *a, use_reentrant=use_reentrant, **k))
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))
+
+
+def test_checkpoint_runs_plainly_without_grad():
+    with torch.no_grad():
+        y = checkpoint(lambda x: x * 2, torch.ones(2))
+    assert y.grad_fn is None and torch.equal(y, torch.full((2,), 2.0))
+
+
+# ---------------------------------------------------------------------------------------------
+# XLA (runs only where torch-xla is installed: XLA:CPU, one process).
+
+_XLA_CHECK = r'''
+import torch, torch_xla
+import neuron_ckpt as nc
+from neuron_ckpt.parallel import CoreAttention, QKVParallelLinear, RMSNorm, RowParallelLinear
+from neuron_ckpt.recompute import RecomputeConfig, apply_recompute, run_layers
+
+dev = nc.init_distributed().device
+from neuron_ckpt.distributed import is_xla
+assert is_xla()
+nc.initialize_model_parallel(1)
+
+class Layer(torch.nn.Module):
+    def __init__(s):
+        super().__init__()
+        s.norm, s.qkv = RMSNorm(16, device=dev), QKVParallelLinear(16, 4, device=dev)
+        s.core_attn, s.proj = CoreAttention(4, 4, 4, attention_dropout=0.1), RowParallelLinear(16, 16, device=dev)
+    def forward(s, x):
+        q, k, v = s.qkv(s.norm(x))
+        return x + s.proj(s.core_attn(q, k, v))
+
+def run(cfg, seed=1):
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList(Layer() for _ in range(2))
+    apply_recompute(layers, cfg)
+    nc.model_parallel_manual_seed(seed)
+    x = torch.randn(8, 2, 16).to(dev).requires_grad_()
+    loss = run_layers(layers, x).pow(2).sum()
+    loss.backward()
+    grads = [p.grad for p in layers.parameters()]
+    hlo = torch_xla._XLAC._get_xla_tensors_hlo(grads)
+    torch_xla.sync()
+    return loss.cpu(), [g.cpu() for g in grads], hlo
+
+base = run(RecomputeConfig())
+assert not torch.equal(base[0], run(RecomputeConfig(), seed=2)[0])  # dropout is on
+assert "opt-barrier" not in base[2]
+for cfg in (RecomputeConfig(granularity="selective"), RecomputeConfig(granularity="full", method="uniform", num_layers=2)):
+    loss, grads, hlo = run(cfg)
+    assert torch.equal(loss, base[0]), cfg
+    assert all(torch.equal(a, b) for a, b in zip(grads, base[1])), cfg
+    assert "opt-barrier" in hlo, cfg  # the recompute is fenced off from the forward
+try:
+    RecomputeConfig(granularity="selective", use_reentrant=False).validate(2)
+    raise AssertionError("non-reentrant accepted on XLA")
+except ValueError as e:
+    assert "use_reentrant" in str(e)
+print("XLA OK")
+'''
+
+
+def test_xla_rng_replay_and_optimization_barrier(tmp_path):
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("torch_xla") is None:
+        pytest.skip("torch-xla is not installed in this environment")
+    script = tmp_path / "xla_check.py"
+    script.write_text(_XLA_CHECK)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "PYTHONPATH": root}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and "XLA OK" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
