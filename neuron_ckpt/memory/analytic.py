@@ -187,3 +187,138 @@ def model_activation_bytes(
     _require_positive_int("num_layers", num_layers)
     per_layer = layer_activation_bytes(shape, config)
     return num_layers * per_layer + sum(term.nbytes for term in outside_layer_terms)
+
+
+# --------------------------------------------------------------------------------------------
+# The Llama layer (neuron_ckpt.models.llama): RMSNorm, GQA, rotary, fp32 softmax, SwiGLU, no
+# dropout. Derived tensor by tensor in docs/memory.md ("The Llama layer").
+
+
+@dataclass(frozen=True)
+class LlamaLayerShape:
+    """Shape of one Llama layer's activations.
+
+    seq_len, micro_batch, hidden, heads, tp: as in :class:`LayerShape` (head_dim = hidden/heads).
+    kv_heads: g, key/value heads (GQA); must divide heads, and either be a multiple of tp or
+        divide it (then each kv head is replicated on tp/g ranks, as QKVParallelLinear does).
+    ffn: f, the SwiGLU width (gate/up/down); must be a multiple of tp.
+    bytes_per_element: activation width (2 for bf16). Softmax and RMSNorm statistics are fp32.
+    """
+
+    seq_len: int
+    micro_batch: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    tp: int = 1
+    bytes_per_element: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("seq_len", "micro_batch", "hidden", "heads", "kv_heads", "ffn", "tp",
+                     "bytes_per_element"):
+            _require_positive_int(name, getattr(self, name))
+        if self.hidden % self.heads:
+            raise ValueError(
+                f"hidden ({self.hidden}) must be a multiple of heads ({self.heads})")
+        if self.heads % self.kv_heads:
+            raise ValueError(
+                f"kv_heads ({self.kv_heads}) must divide heads ({self.heads})")
+        if self.heads % self.tp:
+            raise ValueError(f"tp ({self.tp}) must divide heads ({self.heads})")
+        if self.kv_heads % self.tp and self.tp % self.kv_heads:
+            raise ValueError(
+                f"kv_heads ({self.kv_heads}) must be a multiple of tp ({self.tp}) or divide it")
+        if self.ffn % self.tp:
+            raise ValueError(f"tp ({self.tp}) must divide ffn ({self.ffn})")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def local_heads(self) -> int:
+        return self.heads // self.tp
+
+    @property
+    def local_kv_heads(self) -> int:
+        """kv heads on one rank: g/t, or 1 replicated head when g < t."""
+        return max(self.kv_heads // self.tp, 1)
+
+
+_FP32 = 4
+
+
+def _rmsnorm_terms(prefix: str, sb: int, h: int, width: int) -> list[tuple[str, int]]:
+    # h.float() feeds pow(2) and the multiply by rstd: the fp32 copy of the input is kept (for a
+    # 16-bit input; for fp32 it is the input itself). rsqrt keeps its [s, b, 1] fp32 output. The
+    # scale by the weight keeps the normalised activation (the weight gradient reads it).
+    return [
+        (f"{prefix}_input_fp32", _FP32 * sb * h),
+        (f"{prefix}_rstd_fp32", _FP32 * sb),
+        (f"{prefix}_normalized", width * sb * h),
+    ]
+
+
+def llama_layer_activation_terms(
+    shape: LlamaLayerShape, config: ActivationConfig
+) -> list[ActivationTerm]:
+    """The tensors one Llama layer keeps for backward on one rank, with their bytes.
+
+    ``config.recompute``: "selective" drops the attention core (fp32 softmax output and its
+    16-bit copy, the ``s^2`` terms); "full" keeps only the layer input (``/t`` when sequence
+    parallel or distributed). The rotary cos/sin tables are shared by all layers: see
+    :func:`llama_outside_layer_terms`.
+    """
+    if config.sequence_parallel and shape.seq_len % shape.tp:
+        raise ValueError(
+            f"seq_len ({shape.seq_len}) must be a multiple of tp ({shape.tp}) "
+            "when sequence_parallel is True")
+    s, b, h, t, w = shape.seq_len, shape.micro_batch, shape.hidden, shape.tp, shape.bytes_per_element
+    if config.recompute == "full":
+        split = config.sequence_parallel or config.distribute_saved_activations
+        nbytes = w * s * b * h
+        return [ActivationTerm("layer_input", -(-nbytes // t) if split else nbytes, split)]
+    # Replicated over TP without sequence parallel, a 1/t sequence shard with it.
+    sb = s * b // t if config.sequence_parallel else s * b
+    outside = [
+        *_rmsnorm_terms("norm1", sb, h, w),
+        ("qkv_input", w * sb * h),
+        *_rmsnorm_terms("norm2", sb, h, w),
+        ("mlp_input", w * sb * h),
+    ]
+    d, a_loc, g_loc, f_loc = shape.head_dim, shape.local_heads, shape.local_kv_heads, shape.ffn // t
+    inside = [
+        ("q", w * s * b * a_loc * d),  # after rotary: the score matmul (or checkpoint) keeps it
+        ("k", w * s * b * g_loc * d),  # at kv heads: never repeated to the query heads
+        ("v", w * s * b * g_loc * d),
+        ("proj_input", w * s * b * a_loc * d),
+        ("gate", w * s * b * f_loc),  # silu input
+        ("silu_out", w * s * b * f_loc),  # silu(gate) * up keeps both factors
+        ("up", w * s * b * f_loc),
+        ("down_input", w * s * b * f_loc),
+    ]
+    if config.recompute == "none":
+        scores = a_loc * s * s * b
+        inside.append(("softmax_out_fp32", _FP32 * scores))
+        if w != _FP32:  # the cast back to 16 bits, kept by the matmul with V
+            inside.append(("probs", w * scores))
+    return ([ActivationTerm(n, v, config.sequence_parallel) for n, v in outside]
+            + [ActivationTerm(n, v, True) for n, v in inside])
+
+
+def llama_layer_activation_bytes(shape: LlamaLayerShape, config: ActivationConfig) -> int:
+    """Activation bytes one Llama layer keeps for backward on one rank."""
+    return sum(term.nbytes for term in llama_layer_activation_terms(shape, config))
+
+
+def llama_outside_layer_terms(shape: LlamaLayerShape) -> list[ActivationTerm]:
+    """Per-model terms shared by every layer: the rotary cos and sin tables ``[s, d]``.
+
+    Rotary multiplies q and k by them, which keeps the tables (not q, k: the tables need no
+    gradient). Without recompute and with selective recompute every layer reads the same two
+    tables; full recompute keeps none of them. Only these, for now: the embedding, final norm,
+    LM head input and logits are still TODO (see :func:`model_activation_bytes`).
+    """
+    nbytes = shape.bytes_per_element * shape.seq_len * shape.head_dim
+    return [ActivationTerm("rope_cos", nbytes, False), ActivationTerm("rope_sin", nbytes, False)]

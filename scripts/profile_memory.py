@@ -1,0 +1,156 @@
+"""Profile one training step (forward + backward) of the GPT stack per recompute configuration.
+
+For each of no recompute / selective / full (with or without ``--sequence-parallel``) it prints,
+per layer and per rank, side by side:
+
+* analytic: ``neuron_ckpt.memory`` (the paper's Table 2 row for this layer);
+* measured: distinct storages kept for backward (``SavedTensorRecorder``);
+* profiler: PyTorch's profiler over the whole step. With ``--timeline`` (which needs
+  ``with_stack=True``) the memory timeline is exported per configuration and rank
+  (``export_memory_timeline``, JSON) and its peak above the step's start is shown; without it,
+  or when torch's timeline analysis rejects the graph (it does for this stack in torch 2.13:
+  "duplicate outputs" / "version mismatch" assertions), the sum of the positive
+  ``self_cpu_memory_usage`` of all ops from ``key_averages()`` (bytes allocated during the step,
+  a measure of allocation traffic, not a peak);
+* device peak: ``torch.cuda.max_memory_allocated`` with ``--device cuda`` (``--tp 1`` only), or
+  the XLA runtime's peak where it reports one; "n/a" on CPU.
+
+Run here (CPU, gloo ranks spawned by ``run_local``)::
+
+    python scripts/profile_memory.py --hidden 256 --heads 8 --seq 512 --micro-batch 2 --tp 2 \
+        --sequence-parallel --timeline --out profiles/
+
+Neither a GPU nor Trainium has run this script; only CPU. On a trn1 instance (UNTESTED on
+hardware; commands from the AWS Neuron documentation) the step runs on the XLA device and the
+Neuron profiler captures it, one run per configuration:
+
+    export XLA_IR_DEBUG=1 XLA_HLO_DEBUG=1          # before compiling: layer names in the profile
+    export NEURON_RT_INSPECT_ENABLE=1              # runtime capture, no code change
+    export NEURON_RT_INSPECT_DEVICE_PROFILE=1      # device trace of the first run of each NEFF
+    export NEURON_RT_INSPECT_OUTPUT_DIR=./neuron-profile/selective
+    torchrun --nproc_per_node 2 your_training_step.py ...   # one step, recompute=selective
+    neuron-profile view -d ./neuron-profile/selective       # or, for one NEFF/NTFF pair:
+    neuron-profile capture -n file.neff -s file.ntff        # re-run a compiled graph, traced
+    neuron-profile view -n file.neff -s file.ntff
+
+Do not combine ``NEURON_RT_INSPECT_ENABLE=1`` with ``torch.profiler`` (the Neuron docs say the
+two mechanisms conflict): this script's profiler path is for CPU/GPU. Device memory per
+NeuronCore is also visible live in ``neuron-top`` / ``neuron-monitor``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from neuron_ckpt.distributed import initialize_model_parallel, model_parallel_manual_seed
+from neuron_ckpt.distributed.local import run_local
+from neuron_ckpt.memory.layers import build_layers, layer_input, measure_layers
+from neuron_ckpt.memory.measure import device_peak_bytes, reset_device_peak
+from neuron_ckpt.memory.spec import LayerSpec
+from neuron_ckpt.recompute import run_layers
+
+MIB = 1 << 20
+
+
+def _timeline_peak(path: Path) -> int:
+    """Peak of the exported raw timeline (``[times, sizes per category]``) above its start."""
+    times, sizes = json.loads(path.read_text())
+    totals = [sum(row) for row in sizes]
+    return max(totals) - totals[0] if totals else 0
+
+
+def _step(spec: LayerSpec, device: torch.device, out_dir: Path | None, name: str) -> dict:
+    layers, extra = build_layers(spec)
+    layers.to(device)
+    model_parallel_manual_seed(0)
+    rank = initialize_model_parallel(spec.tp).tp_rank
+    x = layer_input(spec, rank).detach().to(device).requires_grad_()
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    reset_device_peak(device)
+    timeline = out_dir is not None
+    with torch.profiler.profile(activities=activities, profile_memory=True, record_shapes=True,
+                                with_stack=timeline) as prof:
+        out = run_layers(layers, x, *extra)
+        out.float().square().mean().backward()
+    figures = {"device_peak": device_peak_bytes(device), "timeline_error": None}
+    if timeline:
+        path = out_dir / f"{name}_rank{rank}.json"
+        try:
+            prof.export_memory_timeline(str(path), device="cuda:0" if device.type == "cuda" else "cpu")
+            figures["profiler"] = _timeline_peak(path)
+            return figures
+        except Exception as exc:  # torch's data-flow analysis rejects some graphs (see docs/memory.md)
+            figures["timeline_error"] = f"{type(exc).__name__}: {str(exc)[:120]}"
+    figures["profiler"] = sum(max(e.self_cpu_memory_usage, 0) for e in prof.key_averages())
+    return figures
+
+
+def profile_all(specs: dict[str, LayerSpec], device: str, out_dir: str | None) -> dict[str, dict]:
+    """On every rank: measured (recorder) and profiled figures of one step per configuration."""
+    results = {}
+    for name, spec in specs.items():
+        measured = measure_layers(spec, backward=True)
+        figures = _step(spec, torch.device(device), Path(out_dir) if out_dir else None, name)
+        results[name] = {"measured_per_layer": measured.bytes_per_layer, **figures}
+    return results
+
+
+def _fmt(value: int | float | None) -> str:
+    return "n/a" if value is None else f"{value / MIB:.3f}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--micro-batch", type=int, default=2)
+    p.add_argument("--tp", type=int, default=2)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--sequence-parallel", action="store_true")
+    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda: --tp 1 only (untested here)")
+    p.add_argument("--timeline", action="store_true", help="with_stack=True and export the memory timeline")
+    p.add_argument("--out", default="profiles", help="directory for the timelines (with --timeline)")
+    args = p.parse_args(argv)
+    if args.device == "cuda" and (args.tp != 1 or not torch.cuda.is_available()):
+        p.error("--device cuda needs a CUDA device and --tp 1 (gloo carries the TP collectives here)")
+    try:
+        base = LayerSpec("gpt", args.seq, args.micro_batch, args.hidden, args.heads, tp=args.tp, layers=args.layers,
+                         sequence_parallel=args.sequence_parallel, dtype=args.dtype)
+    except ValueError as exc:
+        p.error(str(exc))
+    specs = {mode: base.with_(recompute=mode) for mode in ("none", "selective", "full")}
+    out_dir = None
+    if args.timeline:
+        os.makedirs(args.out, exist_ok=True)
+        out_dir = os.path.abspath(args.out)
+    per_rank = run_local(profile_all, args.tp, specs, args.device, out_dir)
+    errors = {r[name]["timeline_error"] for r in per_rank for name in specs} - {None}
+    for error in sorted(errors):
+        print(f"memory timeline unusable, fell back to key_averages(): {error}")
+    what = "timeline peak" if args.timeline and not errors else "allocated in step"
+    print(f"GPT stack, {args.layers} layers, s={args.seq} b={args.micro_batch} h={args.hidden} a={args.heads} "
+          f"t={args.tp}{' SP' if args.sequence_parallel else ''} {args.dtype} on {args.device}; MiB, rank 0")
+    print(f"{'recompute':<11}{'analytic/layer':>15}{'measured/layer':>15}{'ratio':>8}"
+          f"{'profiler ' + what:>28}{'device peak':>13}")
+    for name, spec in specs.items():
+        r = per_rank[0][name]
+        analytic = spec.bytes_per_layer()
+        print(f"{name:<11}{_fmt(analytic):>15}{_fmt(r['measured_per_layer']):>15}"
+              f"{r['measured_per_layer'] / analytic:>8.4f}{_fmt(r['profiler']):>28}{_fmt(r['device_peak']):>13}")
+    if out_dir and not errors:
+        print(f"memory timelines: {out_dir}/<recompute>_rank<r>.json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""The Llama layer keeps what ``llama_layer_activation_terms`` says: none / selective / full.
+
+Real ``LlamaDecoderLayer`` stacks (bf16, explicit attention with fp32 softmax, RMSNorm, SwiGLU,
+GQA, rotary) on the shared 4-rank world, one worker call per TP degree. Parameters, the causal
+mask and the rotary tables (shared by all layers; a per-model term) are left out. The analytic
+model counts RMSNorm's fp32 statistics too, so the match is exact, not just within 2%.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from neuron_ckpt.memory.analytic import ActivationConfig, LlamaLayerShape, llama_layer_activation_terms
+from neuron_ckpt.memory.layers import measure_on_ranks
+from neuron_ckpt.memory.spec import LayerSpec, llama_default_ffn
+
+WORLD = 4
+TOLERANCE = 0.02
+# (s, b, h, a, g, f): GQA with g < t at t = 4 (replicated kv heads); MHA with an odd-sized FFN.
+SHAPES = ((64, 2, 128, 8, 2, 344), (32, 3, 64, 4, 4, 176))
+ROWS = {
+    "none": dict(),
+    "sequence parallel": dict(sequence_parallel=True),
+    "selective": dict(recompute="selective"),
+    "selective + sequence parallel": dict(recompute="selective", sequence_parallel=True),
+    "full": dict(recompute="full"),
+    "full + distribute_saved_activations": dict(recompute="full", distribute_saved_activations=True),
+}
+_CASES = [(shape, row, dtype) for shape in SHAPES for row in ROWS for dtype in ("bf16", "fp32")]
+_MEASURED: dict[int, dict] = {}
+
+
+def _spec(shape, t: int, row: str, dtype: str) -> LayerSpec:
+    s, b, h, a, g, f = shape
+    return LayerSpec("llama", s, b, h, a, kv_heads=g, ffn=f, tp=t, layers=2, dtype=dtype, **ROWS[row])
+
+
+@pytest.fixture(scope="module")
+def measured(world):
+    def get(t: int) -> dict:
+        if t not in _MEASURED:
+            per_rank = world(WORLD).run(measure_on_ranks, [_spec(*case[:1], t, *case[1:]) for case in _CASES])
+            _MEASURED[t] = {case: [rank[i] for rank in per_rank] for i, case in enumerate(_CASES)}
+        return _MEASURED[t]
+
+    return get
+
+
+@pytest.mark.parametrize("t", (1, 2, 4))
+@pytest.mark.parametrize("shape,row,dtype", _CASES)
+def test_measured_matches_analytic(measured, t, shape, row, dtype):
+    analytic = _spec(shape, t, row, dtype).bytes_per_layer()
+    for m in measured(t)[(shape, row, dtype)]:
+        assert m.unscoped_bytes == 0
+        assert m.per_layer_bytes[0] == m.per_layer_bytes[1]
+        ratio = m.bytes_per_layer / analytic
+        assert abs(ratio - 1) <= TOLERANCE, f"{row} {dtype}, t={t}, shape={shape}, rank {m.rank}: {ratio:.4f}"
+        assert m.bytes_per_layer == analytic  # nothing is left out of the Llama model
+
+
+def _by_name(shape: LlamaLayerShape, **config) -> dict[str, int]:
+    return {term.name: term.nbytes for term in llama_layer_activation_terms(shape, ActivationConfig(**config))}
+
+
+def test_terms_follow_the_derivation():
+    s, b, h, a, g, f = 64, 2, 128, 8, 2, 344
+    d = h // a
+    terms = _by_name(LlamaLayerShape(s, b, h, a, g, f))
+    sbh = s * b * h
+    norm = 4 * sbh + 4 * s * b + 2 * sbh  # fp32 input copy, fp32 rstd, bf16 normalised
+    assert terms["norm1_input_fp32"] + terms["norm1_rstd_fp32"] + terms["norm1_normalized"] == norm
+    assert terms["k"] == terms["v"] == 2 * s * b * g * d  # kv heads, not repeated
+    assert terms["softmax_out_fp32"] == 4 * a * s * s * b and terms["probs"] == 2 * a * s * s * b
+    assert sum(terms[n] for n in ("gate", "silu_out", "up", "down_input")) == 8 * s * b * f
+    assert sum(terms.values()) == 2 * norm + 2 * 2 * sbh + 2 * s * b * (2 * a * d + 2 * g * d) \
+        + 6 * a * s * s * b + 8 * s * b * f
+    selective = _by_name(LlamaLayerShape(s, b, h, a, g, f), recompute="selective")
+    assert set(terms) - set(selective) == {"softmax_out_fp32", "probs"}
+
+
+def test_gqa_kv_heads_are_replicated_when_fewer_than_tp():
+    shape = LlamaLayerShape(64, 2, 128, 8, kv_heads=2, ffn=344, tp=4)
+    assert shape.local_kv_heads == 1
+    assert _by_name(shape)["k"] == 2 * 64 * 2 * 1 * 16
+
+
+def test_llama2_7b_default_ffn_and_shape_errors():
+    assert llama_default_ffn(4096) == 11008
+    with pytest.raises(ValueError, match="kv_heads"):
+        LlamaLayerShape(64, 2, 128, 8, kv_heads=3, ffn=344)
+    with pytest.raises(ValueError, match="ffn"):
+        LlamaLayerShape(64, 2, 128, 8, kv_heads=2, ffn=342, tp=4)
+    with pytest.raises(ValueError, match="kv_heads.*tp"):
+        LlamaLayerShape(64, 2, 96, 6, kv_heads=3, ffn=96, tp=2)
