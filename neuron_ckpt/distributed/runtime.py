@@ -13,6 +13,7 @@ Backend choice, unless ``backend=`` overrides it:
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import importlib.util
 import os
@@ -63,6 +64,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@contextlib.contextmanager
+def _xla_rendezvous_env(launched: bool):
+    """xla:// opens a TCPStore on MASTER_ADDR:MASTER_PORT, by default localhost:12355: a fixed
+    port, so two plain single-process runs on one host would collide. Without a launcher, use a
+    free port for the rendezvous only (not left in the environment child processes inherit)."""
+    if launched or "MASTER_PORT" in os.environ:
+        yield
+        return
+    saved = os.environ.get("MASTER_ADDR")
+    os.environ.update(MASTER_ADDR=saved or "127.0.0.1", MASTER_PORT=str(_free_port()))
+    try:
+        yield
+    finally:
+        del os.environ["MASTER_PORT"]
+        if saved is None:
+            del os.environ["MASTER_ADDR"]
+
+
 def _device_for(backend: str, local_rank: int) -> torch.device:
     if backend == "xla":
         import torch_xla
@@ -99,7 +118,8 @@ def init_distributed(backend: str | None = None, timeout_s: float = 1800.0) -> R
         if backend == "xla":
             import torch_xla.distributed.xla_backend  # noqa: F401  registers the "xla" backend
 
-            dist.init_process_group("xla", init_method="xla://", timeout=timeout)
+            with _xla_rendezvous_env(launched):
+                dist.init_process_group("xla", init_method="xla://", timeout=timeout)
         elif launched:
             dist.init_process_group(backend, init_method="env://", timeout=timeout)
         else:

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from ..distributed.parallel_state import ParallelState, get_parallel_state
 from ..distributed.random import get_rng_tracker
+from ..parallel.dropout import dropout
 from ..parallel import ColumnParallelLinear, CoreAttention, LayerNorm, QKVParallelLinear, RowParallelLinear
 from ..parallel.init import normal_init
 from ..recompute import RecomputeConfig, apply_recompute, run_layers
@@ -80,7 +81,7 @@ def hidden_dropout(x: torch.Tensor, p: float, training: bool, sequence_parallel:
     if not training or p == 0.0:
         return x
     with get_rng_tracker().fork() if sequence_parallel else contextlib.nullcontext():
-        return torch.native_dropout(x, p, True)[0]
+        return dropout(x, p)
 
 
 class GPTAttention(torch.nn.Module):

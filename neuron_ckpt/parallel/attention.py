@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from ..distributed.random import get_rng_tracker
+from .dropout import dropout
 
 IMPLEMENTATIONS = ("explicit", "sdpa")
 
@@ -94,7 +95,7 @@ class CoreAttention(torch.nn.Module):
         else:
             probs = torch.softmax(scores, dim=-1)
         if p > 0:
-            probs, _ = torch.native_dropout(probs, p, True)  # 1-byte mask, as the paper counts
+            probs = dropout(probs, p)  # 1-byte mask, as the paper counts
         out = torch.matmul(probs.view(b, g, (a // g) * s, s), v)
         return out.view(b, a, s, d)
 

@@ -15,7 +15,7 @@ See docs/recompute.md.
 """
 
 from .apply import DEFAULT_MODULE_MAP, apply_recompute, layer_runner, remove_recompute, run_layers
-from .checkpoint import checkpoint
+from .function import checkpoint
 from .config import GRANULARITIES, METHODS, MODULES, RecomputeConfig
 
 __all__ = [

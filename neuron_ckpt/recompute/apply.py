@@ -22,6 +22,9 @@ Contract for models (ours and yours)::
   group's input is kept). A model whose forward loops over its layers itself still gets
   selective, ``block`` and ``uniform`` with ``num_layers=1`` recompute; with grouped ``uniform``
   its layers raise a clear error telling it to use :func:`run_layers`.
+* ``apply_recompute`` also takes a per-layer list (one ``RecomputeConfig | None`` per layer, as
+  the memory planner produces): each layer then recomputes on its own (selective modules, or the
+  whole layer), so any loop over the layers works.
 * Nothing is renamed or re-parented: recompute replaces the ``forward`` of the chosen module
   instances (an instance attribute), so ``state_dict`` keys, ``isinstance`` checks and
   parameters are the same with or without recompute, and checkpoints load either way.
@@ -44,8 +47,8 @@ import torch
 
 from ..parallel.attention import CoreAttention
 from ..parallel.norms import LayerNorm, RMSNorm
-from .checkpoint import checkpoint
-from .config import MODULE_ALIASES, MODULES, RecomputeConfig
+from .function import checkpoint
+from .config import MODULE_ALIASES, MODULES, RecomputeConfig, validate_per_layer
 
 Pattern = Union[str, type, tuple]
 
@@ -159,7 +162,7 @@ def run_layers(layers: Sequence[torch.nn.Module], hidden_states: Any, *args: Any
 
 def apply_recompute(
     layers: Union[torch.nn.ModuleList, Sequence[torch.nn.Module], torch.nn.Module],
-    config: RecomputeConfig,
+    config: Union[RecomputeConfig, Sequence[RecomputeConfig | None]],
     module_map: dict[str, Pattern] | None = None,
     sequence_parallel: bool = False,
 ) -> list[str]:
@@ -171,9 +174,18 @@ def apply_recompute(
     the model runs sequence parallel (checked against ``distribute_saved_activations``).
     Validation comes first; nothing is changed when it fails. Applying again replaces the
     previous setting.
+
+    ``config`` may also be a per-layer list, one ``RecomputeConfig | None`` per layer (see
+    :func:`~.config.validate_per_layer`): ``None`` or ``RecomputeConfig()`` runs that layer
+    normally, a selective entry recomputes its modules in that layer, a full entry
+    (``num_layers=1``) recomputes that whole layer. Units are named as above, by layer index.
     """
+    if isinstance(config, (list, tuple)):
+        return _apply_per_layer(_as_layer_list(layers), config, module_map, sequence_parallel)
     if not isinstance(config, RecomputeConfig):
-        raise TypeError(f"config must be a RecomputeConfig, got {type(config).__name__}")
+        raise TypeError(
+            f"config must be a RecomputeConfig or a per-layer list of them, got {type(config).__name__}"
+        )
     layers = _as_layer_list(layers)
     config.validate(len(layers), sequence_parallel)
     patterns = _module_map(module_map) if config.granularity == "selective" else {}
@@ -205,12 +217,13 @@ def apply_recompute(
 
 def layer_runner(
     model: torch.nn.Module,
-    config: RecomputeConfig,
+    config: Union[RecomputeConfig, Sequence[RecomputeConfig | None]],
     module_map: dict[str, Pattern] | None = None,
     sequence_parallel: bool | None = None,
 ) -> Callable[..., Any]:
-    """For a model that keeps its layers in ``model.layers``: apply ``config`` to them and return
-    ``run(hidden_states, *args, **kwargs) -> hidden_states`` (:func:`run_layers` bound to them).
+    """For a model that keeps its layers in ``model.layers``: apply ``config`` (one config, or a
+    per-layer list) to them and return ``run(hidden_states, *args, **kwargs) -> hidden_states``
+    (:func:`run_layers` bound to them).
 
     ``sequence_parallel`` defaults to ``model.sequence_parallel`` (False if absent).
     """
@@ -232,6 +245,33 @@ def remove_recompute(layers: Union[torch.nn.ModuleList, Sequence[torch.nn.Module
                 else:
                     module.__dict__["forward"] = wrapper.previous
                 wrapper = module.__dict__.get("forward")
+
+
+def _apply_per_layer(
+    layers: list[torch.nn.Module],
+    configs: Sequence[RecomputeConfig | None],
+    module_map: dict[str, Pattern] | None,
+    sequence_parallel: bool,
+) -> list[str]:
+    """:func:`apply_recompute` with one entry per layer; every layer is its own unit."""
+    validate_per_layer(configs, len(layers), sequence_parallel)
+    patterns = _module_map(module_map) if any(c is not None and c.granularity == "selective" for c in configs) else {}
+    wraps: list[tuple[str, torch.nn.Module, RecomputeConfig, bool]] = []  # all found before any change
+    for i, (layer, c) in enumerate(zip(layers, configs)):
+        if c is None or not c.enabled:
+            continue
+        if c.granularity == "full":
+            wraps.append((str(i), layer, c, c.distribute_saved_activations))
+            continue
+        for qualname, module, replicated in _selective_targets([layer], c, patterns, first_index=i):
+            wraps.append((qualname, module, c, replicated and c.distribute_saved_activations))
+    remove_recompute(layers)
+    units = []
+    for unit, module, c, distribute in wraps:
+        if not isinstance(module.__dict__.get("forward"), _Recomputed):  # a module shared by layers: once
+            _wrap(module, _Recomputed, c, distribute)
+        units.append(unit)
+    return units
 
 
 # --------------------------------------------------------------------------------------------
@@ -287,11 +327,11 @@ def _matches(qualname: str, module: torch.nn.Module, pattern: Pattern) -> bool:
 
 
 def _selective_targets(
-    layers: list[torch.nn.Module], config: RecomputeConfig, patterns: dict[str, Pattern]
+    layers: list[torch.nn.Module], config: RecomputeConfig, patterns: dict[str, Pattern], first_index: int = 0
 ) -> list[tuple[str, torch.nn.Module, bool]]:
     """``(qualified name, module, input is replicated)`` to wrap; outermost match wins."""
     targets = []
-    for i, layer in enumerate(layers):
+    for i, layer in enumerate(layers, start=first_index):
         found: dict[str, tuple[torch.nn.Module, bool]] = {}
         for name in config.modules:
             hits = [(q, m) for q, m in layer.named_modules() if q and _matches(q, m, patterns[name])]

@@ -14,11 +14,15 @@ Everything that can be checked from the config alone is checked at construction.
 layers in the model and whether it runs sequence parallel are only known when the config is
 applied: :meth:`RecomputeConfig.validate` checks those, and :func:`~.apply.apply_recompute`
 calls it before touching the model.
+
+A model may also take one entry per layer (``list[RecomputeConfig | None]``, checked by
+:func:`validate_per_layer`), so that different layers recompute differently.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 GRANULARITIES = (None, "selective", "full")
 METHODS = ("uniform", "block")
@@ -153,3 +157,31 @@ class RecomputeConfig:
                     "use_reentrant=False is not supported on XLA (torch_xla's checkpoint is reentrant "
                     "only); use use_reentrant=True"
                 )
+
+
+def validate_per_layer(
+    configs: Sequence[RecomputeConfig | None], num_layers_in_model: int, sequence_parallel: bool = False
+) -> None:
+    """Check a per-layer recompute list: one entry per layer, each ``None`` (no recompute), a
+    selective config, or a full config that covers exactly its own layer (``num_layers=1``).
+
+    This is the form :mod:`neuron_ckpt.memory.planner` produces when the best plan mixes
+    options (say 20 layers with no recompute and 12 selective); grouped ``uniform`` recompute
+    spans several layers and so cannot be an entry.
+    """
+    if len(configs) != num_layers_in_model:
+        raise ValueError(
+            f"recompute: a per-layer list needs one entry per layer: got {len(configs)} entries for a "
+            f"stack of {num_layers_in_model} layers"
+        )
+    for i, config in enumerate(configs):
+        if config is None:
+            continue
+        if not isinstance(config, RecomputeConfig):
+            raise TypeError(f"recompute[{i}] must be a RecomputeConfig or None, got {type(config).__name__}")
+        if config.granularity == "full" and config.num_layers != 1:
+            raise ValueError(
+                f"recompute[{i}]: in a per-layer list a full-recompute entry covers its own layer only: "
+                f"use num_layers=1, got num_layers={config.num_layers}"
+            )
+        config.validate(1, sequence_parallel)

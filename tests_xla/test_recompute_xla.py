@@ -1,0 +1,84 @@
+"""Recompute on XLA: the optimization barrier is in the backward graph, it keeps XLA's
+common-subexpression elimination from merging the recompute into the forward, and the
+checkpointed gradients equal the plain ones.
+
+What XLA:CPU shows and what it cannot: XLA's target-independent ``cse`` pass runs with the
+barrier in place; there the recomputed attention scores survive with the barrier (one extra
+``dot``) and are merged away without it. XLA:CPU then strips barriers (``cse_barrier_expander``)
+and runs CSE again, so its *final* executable has merged the recompute either way: memory savings
+from recompute cannot be seen on XLA:CPU. Whether the Neuron compiler keeps the recompute past
+the barrier has not been run here (no Trainium).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch_xla
+
+from neuron_ckpt.parallel import CoreAttention
+from neuron_ckpt.recompute import checkpoint
+
+from .helpers import TOL, hlo, rel
+
+pytestmark = pytest.mark.usefixtures("xla")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+checkpoint_module = sys.modules["neuron_ckpt.recompute.function"]
+
+
+def _qkv(device):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(16, 2, n * 8, generator=g).to(device).requires_grad_() for n in (4, 2, 2)]
+
+
+def _backward_hlo(device, use_checkpoint: bool) -> tuple[str, list[torch.Tensor]]:
+    attn = CoreAttention(4, 2, 8)
+    q, k, v = _qkv(device)
+    out = checkpoint(attn, q, k, v) if use_checkpoint else attn(q, k, v)
+    out.pow(2).sum().backward()
+    grads = [q.grad, k.grad, v.grad]
+    text = hlo(*grads)
+    torch_xla.sync()
+    return text, grads
+
+
+def test_backward_graph_has_the_barrier_and_the_recompute(xla):
+    plain, _ = _backward_hlo(xla.device, use_checkpoint=False)
+    recomputed, _ = _backward_hlo(xla.device, use_checkpoint=True)
+    assert "opt-barrier(" not in plain
+    assert "opt-barrier(" in recomputed
+    # The scores QK^T and the softmax exp appear a second time (the recompute) before optimisation.
+    assert recomputed.count(" dot(") == plain.count(" dot(") + 1
+    assert recomputed.count("exponential(") == plain.count("exponential(") + 1
+
+
+def test_without_the_barrier_the_graph_has_none(xla, monkeypatch):
+    monkeypatch.setattr(checkpoint_module, "_xla_barrier", lambda tensors, function: None)
+    text, _ = _backward_hlo(xla.device, use_checkpoint=True)
+    assert "opt-barrier(" not in text
+
+
+def test_checkpointed_gradients_equal_plain_ones(xla):
+    _, plain = _backward_hlo(xla.device, use_checkpoint=False)
+    _, recomputed = _backward_hlo(xla.device, use_checkpoint=True)
+    for a, b in zip(recomputed, plain):
+        assert rel(a, b) < TOL
+
+
+def test_barrier_keeps_xla_cse_from_merging_the_recompute(tmp_path):
+    # Fails if the barrier is removed from checkpoint (no_barrier is then what barrier gives).
+    env = dict(os.environ, PJRT_DEVICE="CPU", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run(
+        [sys.executable, "-m", "tests_xla.cse_probe", str(tmp_path)],
+        env=env, cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    dots = json.loads(out.stdout.strip().splitlines()[-1])
+    plain = dots["plain"]["after_first_cse"]
+    assert dots["barrier"]["after_first_cse"] == plain + 1, dots  # the recomputed QK^T survives CSE
+    assert dots["no_barrier"]["after_first_cse"] == plain, dots  # CSE merged it into the forward
