@@ -5,6 +5,8 @@ Each check runs on gloo worker processes and computes its dense reference in the
 
 from __future__ import annotations
 
+import copy
+
 import io
 
 import pytest
@@ -296,3 +298,26 @@ def _scheduler_sets_lr() -> list[float]:
 def test_lambda_lr_scheduler_drives_the_inner_optimizer(world):
     for lrs in world(2).run(_scheduler_sets_lr):
         assert lrs == pytest.approx([0.1, 0.2, 0.3])
+
+
+def _scheduler_survives_load_state_dict() -> list[float]:
+    ps = nc.initialize_model_parallel(1)
+    torch.manual_seed(0)
+    model = _mlp()
+    opt = Zero1Optimizer(model.parameters(), torch.optim.AdamW, lr=1.0)
+    _mse(model, *_data(0, ps.dp_rank)).backward()
+    opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    opt.load_state_dict(saved)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5 ** (step + 1))
+    lrs = []
+    for _ in range(2):
+        sched.step()
+        lrs.append(opt.inner.param_groups[0]["lr"])
+    return lrs
+
+
+def test_scheduler_still_drives_the_inner_optimizer_after_load_state_dict(world):
+    """torch's load_state_dict replaces param_groups; the wrapper must share the new list."""
+    for lrs in world(2).run(_scheduler_survives_load_state_dict):
+        assert lrs == pytest.approx([0.25, 0.125])

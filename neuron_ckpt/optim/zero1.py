@@ -265,6 +265,9 @@ class Zero1Optimizer(torch.optim.Optimizer):
             mismatch = "; ".join(problems)
             raise ValueError(f"Zero1Optimizer.load_state_dict: checkpoint does not match: {mismatch}")
         self.inner.load_state_dict(state_dict["inner"])
+        # torch's Optimizer.load_state_dict builds new param_groups: share them again, or an LR
+        # scheduler attached to this optimizer would stop reaching the inner one.
+        self.param_groups, self.state = self.inner.param_groups, self.inner.state
         with torch.no_grad():
             for s, m in zip(self.shards, state_dict["master"]):
                 s.master.copy_(m)
