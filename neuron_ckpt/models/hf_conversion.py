@@ -1,0 +1,120 @@
+"""``transformers`` Llama checkpoints <-> this rank's tensor-parallel shards.
+
+Names: ours mirror ``transformers`` except the fused query/key/value projection, so the mapping
+is ``model.`` + our name, with three renames (``lm_head`` has no ``model.`` prefix)::
+
+    layers.N.self_attn.qkv.q_weight  <->  model.layers.N.self_attn.q_proj.weight   (k, v, biases alike)
+
+Sharding is read off the parameter tags (:mod:`neuron_ckpt.parallel.params`), never off names:
+a tagged parameter is split along ``partition_dim`` into ``t / replicas`` shards and rank ``r``
+holds shard ``r // replicas``. That one rule covers column weights (dim 0), row weights (dim 1),
+the vocab-parallel embedding and GQA key/value heads replicated on ``t / num_kv_heads`` ranks
+(rank ``r`` holds kv head ``r // (t / num_kv_heads)``). Untagged parameters are replicated.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..distributed import collectives as C
+from ..parallel.params import is_tensor_parallel
+
+_RENAMES = (
+    ("self_attn.qkv.q_weight", "self_attn.q_proj.weight"),
+    ("self_attn.qkv.k_weight", "self_attn.k_proj.weight"),
+    ("self_attn.qkv.v_weight", "self_attn.v_proj.weight"),
+    ("self_attn.qkv.q_bias", "self_attn.q_proj.bias"),
+    ("self_attn.qkv.k_bias", "self_attn.k_proj.bias"),
+    ("self_attn.qkv.v_bias", "self_attn.v_proj.bias"),
+)
+# Buffers some transformers versions put in the state dict; derived from the config, not loaded.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def to_hf_name(name: str) -> str:
+    """Our parameter name -> the ``transformers`` state-dict key."""
+    for ours, theirs in _RENAMES:
+        if name.endswith(ours):
+            name = name[: -len(ours)] + theirs
+            break
+    return name if name.startswith("lm_head.") else "model." + name
+
+
+def _layout(param: torch.Tensor, tp_size: int) -> tuple[int, int, int] | None:
+    """``(partition_dim, shards, replicas)`` of a tagged parameter, None when replicated."""
+    if not is_tensor_parallel(param):
+        return None
+    replicas = int(getattr(param, "tensor_parallel_replicas", 1))
+    return param.partition_dim, tp_size // replicas, replicas
+
+
+def full_shape(param: torch.Tensor, tp_size: int) -> tuple[int, ...]:
+    """The shape of the whole (unsharded) tensor this rank holds a piece of."""
+    shape = list(param.shape)
+    layout = _layout(param, tp_size)
+    if layout is not None:
+        dim, shards, _ = layout
+        shape[dim] *= shards
+    return tuple(shape)
+
+
+def shard(full: torch.Tensor, param: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """This rank's piece of ``full`` for ``param``."""
+    layout = _layout(param, tp_size)
+    if layout is None:
+        return full
+    dim, shards, replicas = layout
+    return full.chunk(shards, dim=dim)[tp_rank // replicas]
+
+
+def gather(local: torch.Tensor, param: torch.Tensor, tp) -> torch.Tensor:
+    """The whole tensor from every TP rank's ``local`` piece (a collective: all ranks call it)."""
+    layout = _layout(param, tp.size)
+    if layout is None or tp.size == 1:
+        return local
+    dim, _, replicas = layout
+    pieces = C.all_gather(local.contiguous(), dim, tp).chunk(tp.size, dim=dim)
+    return torch.cat(pieces[::replicas], dim=dim)  # one copy of each replicated kv head
+
+
+def expected_hf_keys(model: torch.nn.Module) -> dict[str, tuple[str, torch.nn.Parameter]]:
+    return {to_hf_name(name): (name, p) for name, p in model.named_parameters()}
+
+
+def load_hf_state_dict(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
+    """Copy each rank's shard of a full ``transformers`` state dict into ``model``.
+
+    Raises ``KeyError`` listing missing and unexpected keys, ``ValueError`` listing every shape
+    mismatch, before any parameter is written.
+    """
+    tp = model.state.tp
+    expected = expected_hf_keys(model)
+    given = {k for k in state_dict if not k.endswith(_IGNORED_SUFFIXES)}
+    missing, unexpected = sorted(set(expected) - given), sorted(given - set(expected))
+    if missing or unexpected:
+        raise KeyError(
+            f"state dict does not match the model ({model.config.num_hidden_layers} layers): "
+            f"missing keys {missing or 'none'}; unexpected keys {unexpected or 'none'}"
+        )
+    wrong = []
+    for key, (_, p) in expected.items():
+        want = full_shape(p, tp.size)
+        if tuple(state_dict[key].shape) != want:
+            wrong.append(f"{key}: checkpoint {tuple(state_dict[key].shape)}, model expects {want}")
+    if wrong:
+        raise ValueError("shape mismatch between the state dict and the model config:\n  " + "\n  ".join(wrong))
+    with torch.no_grad():
+        for key, (_, p) in expected.items():
+            p.copy_(shard(state_dict[key], p, tp.rank, tp.size).to(device=p.device, dtype=p.dtype))
+
+
+def hf_state_dict(model: torch.nn.Module, grads: bool = False) -> dict[str, torch.Tensor]:
+    """The full ``transformers`` state dict (or gradients) on CPU, gathered over TP on every rank."""
+    tp = model.state.tp
+    out = {}
+    for name, p in model.named_parameters():
+        local = p.detach()
+        if grads:
+            local = p.grad.detach() if p.grad is not None else torch.zeros_like(local)
+        out[to_hf_name(name)] = gather(local, p, tp).cpu().clone()
+    return out

@@ -1,0 +1,161 @@
+"""Sharded training checkpoints: one file per rank, committed atomically, last K kept.
+
+Layout under ``directory`` (a filesystem every rank sees, e.g. FSx on a cluster)::
+
+    step_00000100/rank_00000.pt ... rank_{world-1}.pt, meta.json
+    latest                        # text: the name of the newest complete checkpoint
+
+A save never leaves something that looks complete but is not: every rank writes its shard into
+``.tmp_step_...`` (temp file, fsync, rename), all ranks meet at a barrier, then rank 0 writes
+``meta.json``, renames the directory to ``step_...`` and only then replaces ``latest`` (temp
+file + fsync + ``os.replace`` + directory fsync). A crash at any point leaves ``latest`` on the
+previous complete checkpoint. Then checkpoints beyond the newest ``keep_last`` are deleted.
+
+A shard holds only this rank's tensor-parallel slice of the model and its ZeRO-1 slice of the
+optimizer, so a checkpoint loads only at the tensor- and data-parallel sizes it was saved at;
+:meth:`CheckpointManager.load` refuses any other layout with a message saying what differs and
+how to move weights to another layout (through a ``transformers`` state dict).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..distributed import runtime
+
+LATEST = "latest"
+_STEP_DIR = re.compile(r"^step_(\d{8,})$")
+FORMAT = "neuron_ckpt.train.checkpoint/1"
+
+
+def _barrier() -> None:
+    if runtime.is_xla():
+        import torch_xla.core.xla_model as xm
+
+        xm.rendezvous("neuron_ckpt.checkpoint")
+    elif dist.is_initialized():
+        dist.barrier()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(path: Path, write) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def to_cpu(obj: Any) -> Any:
+    """Tensors (device or XLA) copied to CPU inside nested dicts/lists, so torch.save is portable."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_cpu(v) for v in obj)
+    return obj
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+class CheckpointManager:
+    """Save / find / load the sharded checkpoints of one run. Every rank constructs one."""
+
+    def __init__(self, directory: str | os.PathLike, keep_last: int = 3, rank: int = 0, world_size: int = 1):
+        if keep_last < 1:
+            raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+        self.directory = Path(directory)
+        self.keep_last, self.rank, self.world_size = keep_last, rank, world_size
+
+    def _shard_name(self, rank: int) -> str:
+        return f"rank_{rank:05d}.pt"
+
+    def complete(self) -> list[Path]:
+        """Complete checkpoints (directories with ``meta.json``), oldest first."""
+        if not self.directory.is_dir():
+            return []
+        found = [p for p in self.directory.iterdir() if _STEP_DIR.match(p.name) and (p / "meta.json").is_file()]
+        return sorted(found, key=lambda p: int(_STEP_DIR.match(p.name).group(1)))
+
+    def save(self, step: int, shard: dict[str, Any], meta: dict[str, Any]) -> Path:
+        """Write this rank's ``shard``; rank 0 also writes ``meta``. A collective: all ranks call it."""
+        name = step_dir_name(step)
+        final, tmp = self.directory / name, self.directory / f".tmp_{name}"
+        if self.rank == 0:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+        _barrier()
+        cpu_shard = to_cpu(shard)
+        _write_atomic(tmp / self._shard_name(self.rank), lambda f: torch.save(cpu_shard, f))
+        _barrier()
+        if self.rank == 0:
+            present = sorted(p.name for p in tmp.glob("rank_*.pt"))
+            if len(present) != self.world_size:
+                raise RuntimeError(f"checkpoint {tmp}: {len(present)} shards written, expected {self.world_size}")
+            full_meta = {"format": FORMAT, "step": step, "world_size": self.world_size, **meta}
+            _write_atomic(tmp / "meta.json", lambda f: f.write(json.dumps(full_meta, indent=1).encode()))
+            _fsync_dir(tmp)
+            if final.exists():  # the same step saved again (e.g. after a resume): replace it
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            _write_atomic(self.directory / LATEST, lambda f: f.write(name.encode()))
+            _fsync_dir(self.directory)
+            self._prune()
+        _barrier()
+        return final
+
+    def _prune(self) -> None:
+        keep = self.complete()[-self.keep_last :]
+        for path in self.complete():
+            if path not in keep:
+                shutil.rmtree(path, ignore_errors=True)
+
+    def resolve(self, which: str) -> Path | None:
+        """``"latest"`` -> the checkpoint ``latest`` names (None if there is none yet); else a path."""
+        if which == LATEST:
+            pointer = self.directory / LATEST
+            if not pointer.is_file():
+                return None
+            path = self.directory / pointer.read_text().strip()
+        else:
+            path = Path(which)
+        if not (path / "meta.json").is_file():
+            raise FileNotFoundError(f"{path} is not a complete checkpoint (no meta.json)")
+        return path
+
+    def load(self, path: Path, expect: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """``(shard, meta)`` of this rank; ``expect`` fields (tp_size, dp_size, ...) must match meta."""
+        meta = json.loads((path / "meta.json").read_text())
+        expect = {"world_size": self.world_size, **expect}
+        diffs = {k: (meta.get(k), v) for k, v in expect.items() if meta.get(k) != v}
+        if diffs:
+            said = ", ".join(f"{k}: checkpoint {a!r}, this run {b!r}" for k, (a, b) in diffs.items())
+            raise ValueError(
+                f"cannot resume from {path}: {said}. A sharded checkpoint holds per-rank tensor-parallel "
+                "weight slices and ZeRO-1 optimizer slices, so it loads only at the layout it was saved "
+                "with. To change the layout, export the weights at the old layout (train.py --export-hf "
+                "weights.safetensors --max-steps <the checkpoint's step> --resume latest) and start the new "
+                "run from them with --init-hf weights.safetensors (optimizer state starts fresh)."
+            )
+        shard = torch.load(path / self._shard_name(self.rank), map_location="cpu", weights_only=False)
+        return shard, meta

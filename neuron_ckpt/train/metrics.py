@@ -1,0 +1,118 @@
+"""Per-step training metrics: throughput, model-FLOPs utilisation (MFU), JSON-lines records.
+
+``MFU = flops_per_token * tokens_per_second / (peak FLOP/s per rank * ranks)`` with the model
+FLOPs of :func:`neuron_ckpt.models.flops_per_token` (recompute not counted).
+
+Peak dense FLOP/s per rank (one process drives one of these devices), from the vendors' specs:
+
+==================  ============  ============  ==================================================
+device kind         bf16 / fp16   fp32          source
+==================  ============  ============  ==================================================
+``trn1``            95 T          23.75 T       one NeuronCore-v2: a Trainium chip has 2, 190
+                                                BF16 / 47.5 FP32 TFLOPS (AWS Neuron docs)
+``trn2``            166.75 T      45.25 T       one logical NeuronCore at LNC=2 (2 physical
+                                                NeuronCore-v3; a Trainium2 chip: 8 cores,
+                                                667 BF16 / 181 FP32 TFLOPS)
+``h100``            989 T         67 T          H100 SXM dense tensor-core BF16 / FP32 non-tensor
+``cpu``             0.1 T         0.1 T         a guess for one process on a few CPU cores; set
+                                                ``--peak-tflops`` for your machine
+==================  ============  ============  ==================================================
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+PEAK_TFLOPS: dict[str, dict[str, float]] = {
+    "trn1": {"bf16": 95.0, "fp32": 23.75},
+    "trn2": {"bf16": 166.75, "fp32": 45.25},
+    "h100": {"bf16": 989.0, "fp32": 67.0},
+    "cpu": {"bf16": 0.1, "fp32": 0.1},
+}
+
+
+def peak_tflops(device_kind: str, dtype: torch.dtype) -> float:
+    """Peak dense TFLOP/s of one rank's device for ``dtype`` (bf16/fp16 share the 16-bit row)."""
+    if device_kind not in PEAK_TFLOPS:
+        raise ValueError(f"device_kind must be one of {sorted(PEAK_TFLOPS)}, got {device_kind!r}")
+    key = "fp32" if dtype == torch.float32 else "bf16"
+    return PEAK_TFLOPS[device_kind][key]
+
+
+def detect_device_kind(backend: str) -> str:
+    """``trn1`` on XLA (override with --device-kind trn2), ``h100`` on CUDA, else ``cpu``."""
+    if backend == "xla":
+        return "trn1"
+    if backend == "nccl":
+        return "h100"
+    return "cpu"
+
+
+@dataclass
+class StepRecord:
+    """One optimizer step, as logged and written to the metrics file."""
+
+    step: int
+    loss: float
+    lr: float
+    grad_norm: float
+    step_time_s: float
+    seq_per_s: float
+    tokens_per_s: float
+    mfu: float
+    tokens_seen: int
+
+
+def make_record(
+    step: int,
+    loss: float,
+    lr: float,
+    grad_norm: float,
+    step_time_s: float,
+    global_batch: int,
+    seq_len: int,
+    flops_per_token: float,
+    peak_tflops_per_rank: float,
+    world_size: int,
+    tokens_seen: int,
+) -> StepRecord:
+    seq_per_s = global_batch / step_time_s
+    tokens_per_s = seq_per_s * seq_len
+    mfu = flops_per_token * tokens_per_s / (peak_tflops_per_rank * 1e12 * world_size)
+    return StepRecord(step, loss, lr, grad_norm, step_time_s, seq_per_s, tokens_per_s, mfu, tokens_seen)
+
+
+def format_record(r: StepRecord) -> str:
+    return (
+        f"step {r.step:6d} | loss {r.loss:.4f} | lr {r.lr:.3e} | grad norm {r.grad_norm:.3f} | "
+        f"{r.step_time_s * 1e3:.0f} ms | {r.seq_per_s:.2f} seq/s | {r.tokens_per_s:.0f} tok/s | "
+        f"MFU {100 * r.mfu:.2f}%"
+    )
+
+
+class MetricsWriter:
+    """Prints each record and appends it as one JSON line to ``path`` (rank 0 only; None: print only)."""
+
+    def __init__(self, path: str | os.PathLike | None, enabled: bool = True, append: bool = False):
+        self.enabled = enabled
+        self._file = None
+        if enabled and path is not None:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(path, "a" if append else "w", buffering=1)
+
+    def write(self, record: StepRecord, **extra) -> None:
+        if not self.enabled:
+            return
+        print(format_record(record), flush=True)
+        if self._file is not None:
+            self._file.write(json.dumps({**asdict(record), **extra}) + "\n")
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None

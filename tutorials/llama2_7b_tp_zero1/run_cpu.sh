@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The tutorial end to end on one CPU host: tiny Llama, gloo, TP 2 x DP 2 (4 processes), sequence
+# parallel, selective recompute, ZeRO-1. About 2 minutes on 2 cores. Re-running resumes from the
+# last checkpoint (delete $OUT to start over). Override any option by appending it:
+#   ./run_cpu.sh --max-steps 50 --recompute full --recompute-method uniform --recompute-num-layers 2
+set -euo pipefail
+cd "$(dirname "$0")"
+# Set up (or reuse) the repo's .venv unless the caller brings their own interpreter.
+if [ -z "${PYTHON:-}" ]; then
+  bash ../../scripts/setup.sh
+  PYTHON=../../.venv/bin/python
+fi
+TORCHRUN=${TORCHRUN:-"$PYTHON -m torch.distributed.run"}
+DATA=${DATA:-../../data/tiny_train.safetensors}  # the repo-root data/ and runs/ are git-ignored
+OUT=${OUT:-../../runs/cpu_tiny}
+SEQ_LEN=128
+
+if [ ! -f "$DATA" ]; then
+  echo "== preparing $DATA (Shakespeare, 32k Llama-style tokenizer, $SEQ_LEN-token blocks)"
+  "$PYTHON" prepare_data.py --seq-len "$SEQ_LEN" --output "$DATA" --val-fraction 0.01 --no-progress
+fi
+
+mkdir -p "$OUT"
+start=$(date +%s)
+$TORCHRUN --standalone --nproc_per_node 4 train.py \
+  --model-config configs/tiny.json --data "$DATA" \
+  --tp 2 --sequence-parallel --recompute selective --dtype fp32 \
+  --micro-batch-size 2 --global-batch-size 8 \
+  --lr 2e-3 --min-lr-ratio 0.1 --warmup-steps 10 --max-steps 120 --weight-decay 0.1 --grad-clip 1.0 \
+  --checkpoint-dir "$OUT/checkpoints" --checkpoint-every 50 --keep-last 2 --resume latest \
+  --metrics-file "$OUT/metrics.jsonl" "$@"
+end=$(date +%s)
+
+"$PYTHON" - "$OUT/metrics.jsonl" "$((end - start))" <<'PY'
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1])]
+if not rows:
+    sys.exit("no steps were run (already finished? delete the output directory to start over)")
+steady = rows[1:] or rows
+mean = lambda k: sum(r[k] for r in steady) / len(steady)
+print(f"== summary: {len(rows)} steps | loss {rows[0]['loss']:.3f} -> {rows[-1]['loss']:.3f} | "
+      f"{mean('tokens_per_s'):.0f} tokens/s | {mean('seq_per_s'):.2f} seq/s | "
+      f"MFU {100 * mean('mfu'):.2f}% (of the --peak-tflops guess) | wall {sys.argv[2]} s")
+PY

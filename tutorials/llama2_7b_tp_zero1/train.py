@@ -1,0 +1,277 @@
+"""Llama-2 pretraining with tensor parallel, sequence parallel, activation recompute and ZeRO-1.
+
+Launch one process per device with torchrun (see run_trn1.sh, run_slurm.sbatch, run_cpu.sh)::
+
+    torchrun --nproc_per_node 32 train.py --model-config configs/llama2_7b.json \\
+        --data data/train.safetensors --tp 8 --sequence-parallel --recompute selective ...
+
+Every option is a field of :class:`TrainConfig` (``--help`` lists them). The pieces live in the
+library (model: ``neuron_ckpt.models``, optimizer: ``neuron_ckpt.optim``, data:
+``neuron_ckpt.data``, loop / schedule / metrics / checkpoints: ``neuron_ckpt.train``); this file
+only assembles them. ``main(argv)`` also runs inside a ``LocalWorld`` worker (tests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Optional
+
+import torch
+import transformers
+
+import neuron_ckpt as nc
+from neuron_ckpt.data import DataParallelBatches, PackedDataset
+from neuron_ckpt.distributed import get_rng_tracker
+from neuron_ckpt.models import LlamaForCausalLM, flops_per_token
+from neuron_ckpt.optim import Zero1Optimizer
+from neuron_ckpt.recompute import RecomputeConfig
+from neuron_ckpt.train import (
+    CheckpointManager,
+    FitOptions,
+    LRSchedule,
+    MetricsWriter,
+    detect_device_kind,
+    fit,
+    peak_tflops,
+)
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def opt(default, help: str, choices=None):
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass
+class TrainConfig:
+    """All options of a run; validated at construction."""
+
+    model_config: str = opt("configs/tiny.json", "transformers LlamaConfig JSON")
+    data: str = opt("data/train.safetensors", "packed token file from prepare_data.py")
+    # parallelism
+    tp: int = opt(1, "tensor-parallel size (ranks per TP group, contiguous); DP = world / tp")
+    sequence_parallel: bool = opt(False, "split norms/residuals along the sequence over the TP group")
+    recompute: str = opt("none", "activation recompute granularity", ["none", "selective", "full"])
+    recompute_method: Optional[str] = opt(None, "full recompute: uniform (groups) or block (first N)", ["uniform", "block"])
+    recompute_num_layers: Optional[int] = opt(None, "full recompute: group size (uniform) / layers recomputed (block)")
+    recompute_modules: str = opt("core_attn", "selective recompute: comma-separated modules (core_attn,mlp,mlp_act,norm)")
+    attention: str = opt("explicit", "core attention implementation", ["explicit", "sdpa"])
+    dtype: str = opt("auto", "parameter/compute dtype; auto: bf16 on XLA and CUDA, fp32 on CPU", ["auto", "fp32", "bf16"])
+    backend: Optional[str] = opt(None, "torch.distributed backend (default: detected)", ["xla", "nccl", "gloo"])
+    # batch and optimizer
+    micro_batch_size: int = opt(1, "sequences per rank per forward/backward")
+    global_batch_size: int = opt(8, "sequences per optimizer step over all DP ranks (gradient accumulation fills it)")
+    lr: float = opt(3e-4, "peak learning rate")
+    min_lr_ratio: float = opt(0.1, "final learning rate as a fraction of --lr")
+    warmup_steps: int = opt(100, "linear warmup steps")
+    decay: str = opt("cosine", "decay after warmup", ["cosine", "linear", "constant"])
+    max_steps: int = opt(10000, "total optimizer steps (decay ends here)")
+    stop_at_step: Optional[int] = opt(None, "stop (and checkpoint) after this step; --resume continues the same schedule")
+    weight_decay: float = opt(0.1, "AdamW weight decay (not applied to norm weights)")
+    beta1: float = opt(0.9, "AdamW beta1")
+    beta2: float = opt(0.95, "AdamW beta2")
+    adam_eps: float = opt(1e-8, "AdamW epsilon")
+    grad_clip: float = opt(1.0, "clip the global gradient norm to this (0: no clipping)")
+    seed: int = opt(1234, "seed for init, data order and the TP RNG streams")
+    # logging, checkpoints
+    metrics_file: Optional[str] = opt(None, "append one JSON line per step here (rank 0)")
+    device_kind: Optional[str] = opt(None, "device for the MFU peak (default: detected)", ["trn1", "trn2", "h100", "cpu"])
+    peak_tflops: Optional[float] = opt(None, "peak dense TFLOP/s per rank for MFU (default: per device kind)")
+    checkpoint_dir: Optional[str] = opt(None, "sharded checkpoints go here")
+    checkpoint_every: int = opt(0, "save every N steps (0: only at the end, when --checkpoint-dir is set)")
+    keep_last: int = opt(3, "checkpoints to keep")
+    resume: Optional[str] = opt(None, "'latest' (under --checkpoint-dir; a fresh start if none) or a checkpoint path")
+    init_hf: Optional[str] = opt(None, "initial weights: a transformers Llama state dict (.safetensors or torch file)")
+    export_hf: Optional[str] = opt(None, "at the end, write the full transformers state dict here (.safetensors)")
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            choices = f.metadata.get("choices")
+            value = getattr(self, f.name)
+            if choices and value is not None and value not in choices:
+                raise ValueError(f"--{f.name.replace('_', '-')} must be one of {choices}, got {value!r}")
+        positive = ("tp", "micro_batch_size", "global_batch_size", "max_steps", "keep_last")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.resume is not None and self.checkpoint_dir is None and self.resume == "latest":
+            raise ValueError("--resume latest needs --checkpoint-dir")
+
+    def recompute_config(self) -> RecomputeConfig | None:
+        if self.recompute == "none":
+            return None
+        if self.recompute == "selective":
+            modules = tuple(m for m in self.recompute_modules.split(",") if m)
+            return RecomputeConfig(granularity="selective", modules=modules)
+        return RecomputeConfig(granularity="full", method=self.recompute_method, num_layers=self.recompute_num_layers)
+
+
+def parse_args(argv: list[str] | None = None) -> TrainConfig:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    for f in fields(TrainConfig):
+        flag, kw = "--" + f.name.replace("_", "-"), {"default": f.default, "help": f.metadata["help"]}
+        if f.type in ("bool", bool):
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
+            continue
+        base = {"int": int, "float": float}.get(str(f.type).replace("Optional[", "").rstrip("]"), str)
+        p.add_argument(flag, type=base, choices=f.metadata["choices"], **kw)
+    try:
+        return TrainConfig(**vars(p.parse_args(argv)))
+    except ValueError as e:
+        p.error(str(e))
+
+
+def _load_state_dict_file(path: str) -> dict[str, torch.Tensor]:
+    if path.endswith(".safetensors"):
+        from safetensors.torch import load_file
+
+        return load_file(path)
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """No weight decay on 1-D parameters (norm weights, biases), as Llama and Megatron do."""
+    decay = [p for p in model.parameters() if p.dim() > 1]
+    no_decay = [p for p in model.parameters() if p.dim() <= 1]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def _model_fields(config) -> dict:
+    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
+    return {k: getattr(config, k) for k in keys}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    cfg = parse_args(argv)
+    t_start = time.perf_counter()
+    rt = nc.init_distributed(backend=cfg.backend)
+    state = nc.initialize_model_parallel(cfg.tp)
+    is_main = rt.rank == 0
+    dtype = DTYPES[cfg.dtype] if cfg.dtype != "auto" else (torch.float32 if rt.backend == "gloo" else torch.bfloat16)
+
+    config = transformers.LlamaConfig.from_json_file(cfg.model_config)
+    dataset = PackedDataset(cfg.data, expected_vocab_size=None)
+    seq_len = dataset.block_len
+    if dataset.info.vocab_size > config.vocab_size:
+        raise ValueError(f"{cfg.data}: tokenizer vocab {dataset.info.vocab_size} > model vocab_size {config.vocab_size}")
+    per_step = cfg.micro_batch_size * state.dp_size
+    if cfg.global_batch_size % per_step:
+        raise ValueError(
+            f"--global-batch-size {cfg.global_batch_size} must be a multiple of micro_batch_size x DP "
+            f"= {cfg.micro_batch_size} x {state.dp_size}"
+        )
+    grad_accum = cfg.global_batch_size // per_step
+
+    nc.model_parallel_manual_seed(cfg.seed)
+    model = LlamaForCausalLM(
+        config, cfg.sequence_parallel, cfg.recompute_config(), cfg.attention, dtype, parallel_state=state
+    ).to(rt.device)
+    if cfg.init_hf:
+        model.load_hf_state_dict(_load_state_dict_file(cfg.init_hf))
+    optimizer = Zero1Optimizer(
+        _param_groups(model, cfg.weight_decay),
+        torch.optim.AdamW,
+        parallel_state=state,
+        grad_clip_norm=cfg.grad_clip or None,
+        lr=cfg.lr,
+        betas=(cfg.beta1, cfg.beta2),
+        eps=cfg.adam_eps,
+    )
+    schedule = LRSchedule(cfg.lr, cfg.warmup_steps, cfg.max_steps, cfg.decay, cfg.min_lr_ratio)
+    batches = DataParallelBatches(
+        dataset, cfg.micro_batch_size, state.dp_rank, state.dp_size, cfg.seed, grad_accum=grad_accum
+    )
+
+    layout = {"tp_size": state.tp_size, "dp_size": state.dp_size, "model": _model_fields(config), "dtype": str(dtype)}
+    checkpoints, start_step = None, 0
+    if cfg.checkpoint_dir:
+        checkpoints = CheckpointManager(cfg.checkpoint_dir, cfg.keep_last, rt.rank, rt.world_size)
+    if cfg.resume:
+        path = checkpoints.resolve(cfg.resume) if checkpoints else CheckpointManager(".").resolve(cfg.resume)
+        if path is None:
+            if is_main:
+                print(f"--resume {cfg.resume}: no checkpoint under {cfg.checkpoint_dir} yet, starting fresh")
+        else:
+            shard, meta = (checkpoints or CheckpointManager(path.parent, 1, rt.rank, rt.world_size)).load(path, layout)
+            model.load_state_dict(shard["model"])
+            optimizer.load_state_dict(shard["optimizer"])
+            batches.load_state_dict(shard["data"])
+            torch.set_rng_state(shard["rng"]["cpu"])
+            get_rng_tracker().set_states(shard["rng"]["tracker"])
+            start_step = meta["step"]
+            if is_main:
+                print(f"resumed from {path} at step {start_step}")
+
+    def payload(step: int) -> tuple[dict, dict]:
+        shard = {
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "data": batches.state_dict(),
+            "rng": {"cpu": torch.get_rng_state(), "tracker": get_rng_tracker().get_states()},
+        }
+        return shard, {**layout, "train_config": dataclasses.asdict(cfg)}
+
+    device_kind = cfg.device_kind or detect_device_kind(rt.backend)
+    peak = cfg.peak_tflops or peak_tflops(device_kind, dtype)
+    fpt = flops_per_token(config, seq_len)
+    if is_main:
+        n_params = sum(p.numel() for p in model.parameters())
+        print(
+            f"world {rt.world_size} ({rt.backend}) = TP {state.tp_size} x DP {state.dp_size} | "
+            f"sequence parallel {cfg.sequence_parallel} | recompute {cfg.recompute} | dtype {dtype} | "
+            f"seq {seq_len} | micro-batch {cfg.micro_batch_size} x accum {grad_accum} x DP {state.dp_size} = "
+            f"global batch {cfg.global_batch_size} | params/rank {n_params / 1e6:.2f} M | "
+            f"{fpt / 1e9:.3f} GFLOP/token | peak {peak} TFLOP/s per rank ({device_kind})",
+            flush=True,
+        )
+    metrics = MetricsWriter(cfg.metrics_file, enabled=is_main, append=start_step > 0)
+    stop = min(cfg.max_steps, cfg.stop_at_step or cfg.max_steps)
+    options = FitOptions(stop, cfg.global_batch_size, seq_len, fpt, peak, cfg.checkpoint_every)
+    try:
+        records = fit(
+            model, optimizer, iter(batches), schedule, options, state, rt.device, metrics,
+            start_step=start_step, checkpoints=checkpoints, checkpoint_payload=payload,
+        )  # fmt: skip
+    finally:
+        metrics.close()
+
+    if cfg.export_hf:
+        full = model.hf_state_dict()  # collective: every rank gathers
+        if is_main:
+            from safetensors.torch import save_file
+
+            Path(cfg.export_hf).parent.mkdir(parents=True, exist_ok=True)
+            save_file({k: v.contiguous() for k, v in full.items()}, cfg.export_hf)
+    summary = _summary(records, time.perf_counter() - t_start, start_step)
+    if is_main and records:
+        print("summary " + json.dumps({k: v for k, v in summary.items() if k != "losses"}), flush=True)
+    return summary
+
+
+def _summary(records, wall_s: float, start_step: int) -> dict:
+    if not records:
+        return {"steps": 0, "start_step": start_step, "wall_s": wall_s}
+    steady = records[1:] or records  # the first step includes warm-up (and XLA compilation)
+    mean = lambda key: sum(getattr(r, key) for r in steady) / len(steady)  # noqa: E731
+    return {
+        "start_step": start_step,
+        "steps": len(records),
+        "loss_first": records[0].loss,
+        "loss_last": records[-1].loss,
+        "tokens_per_s": mean("tokens_per_s"),
+        "seq_per_s": mean("seq_per_s"),
+        "mfu": mean("mfu"),
+        "wall_s": wall_s,
+        "losses": [r.loss for r in records],
+    }
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
+    nc.destroy_distributed()
