@@ -46,25 +46,28 @@ def run_files(tmp_path_factory) -> tuple[Path, list[str]]:
     common = [
         "--model-config", str(root / "tiny.json"), "--data", str(root / "train.safetensors"),
         "--tp", "2", "--sequence-parallel", "--recompute", "selective", "--global-batch-size", "8",
-        "--max-steps", "4", "--warmup-steps", "1", "--lr", "1e-2",
+        "--max-steps", "4", "--warmup-steps", "1", "--lr", "1e-2", "--checkpoint-every", "0",
     ]  # fmt: skip
     return root, common
 
 
 def test_resume_continues_exactly(world, run_files):
-    """Stopping at step 2 and resuming gives the losses of an uninterrupted 4-step run, bit for bit."""
+    """Train 10, save, train 10 more; versus train 6, save, resume, train 14: the loss records of
+    steps 7-20 are bit-identical (data order, RNG streams, optimizer and LR schedule all resume)."""
     root, common = run_files
-    straight = world(4).run(_train, common)[0]
-    ckpt = ["--checkpoint-dir", str(root / "ckpt"), "--metrics-file", str(root / "m.jsonl")]
-    first = world(4).run(_train, common + ckpt + ["--stop-at-step", "2"])[0]
+    common = common + ["--max-steps", "20"]
+    straight = world(4).run(_train, common + ["--checkpoint-dir", str(root / "a"), "--checkpoint-every", "10"])[0]
+    ckpt = ["--checkpoint-dir", str(root / "b"), "--metrics-file", str(root / "m.jsonl")]
+    first = world(4).run(_train, common + ckpt + ["--stop-at-step", "6"])[0]
     resumed = world(4).run(_train, common + ckpt + ["--resume", "latest"])[0]
     assert straight["losses"][0] > straight["losses"][-1]  # it learns
-    assert first["losses"] == straight["losses"][:2]
-    assert resumed["start_step"] == 2 and resumed["losses"] == straight["losses"][2:]
+    assert len(straight["losses"]) == 20 and first["losses"] == straight["losses"][:6]
+    assert resumed["start_step"] == 6 and resumed["losses"] == straight["losses"][6:]
     lines = [json.loads(x) for x in (root / "m.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in lines] == [1, 2, 3, 4]
+    assert [r["step"] for r in lines] == list(range(1, 21))
     assert {"loss", "lr", "grad_norm", "seq_per_s", "tokens_per_s", "mfu"} <= lines[0].keys()
-    assert (root / "ckpt" / "latest").read_text() == "step_00000004"
+    assert (root / "b" / "latest").read_text() == "step_00000020"
+    assert (root / "a" / "step_00000010" / "meta.json").is_file()
 
 
 def _train_error(argv: list[str]) -> str:
@@ -108,3 +111,60 @@ def test_checkpoints_are_atomic_and_pruned(tmp_path):
     assert meta["step"] == 3 and torch.equal(shard["w"], torch.full((2,), 3.0))
     with pytest.raises(ValueError, match="tp_size: checkpoint 1, this run 2"):
         mgr.load(path, {"tp_size": 2})
+
+
+def _save_two(directory: str) -> None:
+    """Child process: save step 1, then die (SIGKILL from the parent) in the middle of step 2."""
+    import os
+    import time
+
+    mgr = CheckpointManager(directory, keep_last=3)
+    mgr.save(1, {"w": torch.ones(4)}, {"tp_size": 1})
+
+    def slow_save(obj, f):
+        f.write(b"PK\x03\x04 half a shard")
+        f.flush()
+        Path(directory, "writing").touch()
+        time.sleep(60)
+
+    torch.save = slow_save
+    mgr.save(2, {"w": torch.zeros(4)}, {"tp_size": 1})
+    os._exit(0)
+
+
+def test_killed_during_checkpoint_write_leaves_previous_loadable(tmp_path):
+    import multiprocessing as mp
+    import time
+
+    proc = mp.get_context("spawn").Process(target=_save_two, args=(str(tmp_path),))
+    proc.start()
+    deadline = time.time() + 60
+    while not (tmp_path / "writing").exists():
+        assert proc.is_alive() and time.time() < deadline, "child never reached the second write"
+        time.sleep(0.05)
+    proc.kill()  # SIGKILL: no cleanup handlers run
+    proc.join()
+    mgr = CheckpointManager(tmp_path)
+    assert [p.name for p in mgr.complete()] == ["step_00000001"]
+    shard, meta = mgr.load(mgr.resolve("latest"), {"tp_size": 1})
+    assert meta["step"] == 1 and torch.equal(shard["w"], torch.ones(4))
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "meta", "missing"])
+def test_corrupt_checkpoint_files_get_clear_errors(tmp_path, damage):
+    mgr = CheckpointManager(tmp_path)
+    path = mgr.save(1, {"w": torch.arange(1000.0)}, {"tp_size": 1})
+    shard = path / "rank_00000.pt"
+    data = shard.read_bytes()
+    if damage == "truncate":
+        shard.write_bytes(data[: len(data) // 2])
+    elif damage == "flip":
+        shard.write_bytes(data[:-100] + bytes([data[-100] ^ 0xFF]) + data[-99:])
+    elif damage == "meta":
+        (path / "meta.json").write_text("{not json")
+    else:
+        shard.unlink()
+    needle = {"truncate": "truncated or corrupt", "flip": "truncated or corrupt", "meta": "meta.json", "missing": "missing"}
+    with pytest.raises(ValueError, match=needle[damage]) as err:
+        mgr.load(path, {"tp_size": 1})
+    assert str(path) in str(err.value)

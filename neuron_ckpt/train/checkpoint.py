@@ -2,7 +2,7 @@
 
 Layout under ``directory`` (a filesystem every rank sees, e.g. FSx on a cluster)::
 
-    step_00000100/rank_00000.pt ... rank_{world-1}.pt, meta.json
+    step_00000100/rank_00000.pt ... rank_{world-1}.pt, rank_*.pt.sha256, meta.json
     latest                        # text: the name of the newest complete checkpoint
 
 A save never leaves something that looks complete but is not: every rank writes its shard into
@@ -10,6 +10,11 @@ A save never leaves something that looks complete but is not: every rank writes 
 ``meta.json``, renames the directory to ``step_...`` and only then replaces ``latest`` (temp
 file + fsync + ``os.replace`` + directory fsync). A crash at any point leaves ``latest`` on the
 previous complete checkpoint. Then checkpoints beyond the newest ``keep_last`` are deleted.
+
+Loading checks before unpickling anything: ``meta.json`` must parse and match the run's layout,
+and each shard must match the sha256 written beside it, so a truncated or bit-flipped file is a
+``ValueError`` naming the file rather than an unpickling error deep inside torch. Shards are
+read with ``torch.load(weights_only=True)``: tensors and plain containers only, no code.
 
 A shard holds only this rank's tensor-parallel slice of the model and its ZeRO-1 slice of the
 optimizer, so a checkpoint loads only at the tensor- and data-parallel sizes it was saved at;
@@ -19,6 +24,7 @@ how to move weights to another layout (through a ``transformers`` state dict).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -30,10 +36,12 @@ import torch
 import torch.distributed as dist
 
 from ..distributed import runtime
+from ..distributed.random import RNGState
 
 LATEST = "latest"
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 FORMAT = "neuron_ckpt.train.checkpoint/1"
+SAFE_GLOBALS = [RNGState]  # the only non-container class a shard holds (RNG tracker snapshots)
 
 
 def _barrier() -> None:
@@ -60,6 +68,14 @@ def _write_atomic(path: Path, write) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def to_cpu(obj: Any) -> Any:
@@ -106,10 +122,13 @@ class CheckpointManager:
             tmp.mkdir()
         _barrier()
         cpu_shard = to_cpu(shard)
-        _write_atomic(tmp / self._shard_name(self.rank), lambda f: torch.save(cpu_shard, f))
+        shard_path = tmp / self._shard_name(self.rank)
+        _write_atomic(shard_path, lambda f: torch.save(cpu_shard, f))
+        digest = _sha256(shard_path)
+        _write_atomic(shard_path.with_name(shard_path.name + ".sha256"), lambda f: f.write(digest.encode()))
         _barrier()
         if self.rank == 0:
-            present = sorted(p.name for p in tmp.glob("rank_*.pt"))
+            present = sorted(p.name for p in tmp.glob("rank_*.pt.sha256"))
             if len(present) != self.world_size:
                 raise RuntimeError(f"checkpoint {tmp}: {len(present)} shards written, expected {self.world_size}")
             full_meta = {"format": FORMAT, "step": step, "world_size": self.world_size, **meta}
@@ -145,7 +164,12 @@ class CheckpointManager:
 
     def load(self, path: Path, expect: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         """``(shard, meta)`` of this rank; ``expect`` fields (tp_size, dp_size, ...) must match meta."""
-        meta = json.loads((path / "meta.json").read_text())
+        try:
+            meta = json.loads((path / "meta.json").read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{path / 'meta.json'}: unreadable checkpoint metadata ({e})") from None
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+            raise ValueError(f"{path / 'meta.json'}: format must be {FORMAT!r}, got {meta.get('format') if isinstance(meta, dict) else meta!r}")
         expect = {"world_size": self.world_size, **expect}
         diffs = {k: (meta.get(k), v) for k, v in expect.items() if meta.get(k) != v}
         if diffs:
@@ -157,5 +181,17 @@ class CheckpointManager:
                 "weights.safetensors --max-steps <the checkpoint's step> --resume latest) and start the new "
                 "run from them with --init-hf weights.safetensors (optimizer state starts fresh)."
             )
-        shard = torch.load(path / self._shard_name(self.rank), map_location="cpu", weights_only=False)
+        shard_path = path / self._shard_name(self.rank)
+        try:
+            want = shard_path.with_name(shard_path.name + ".sha256").read_text().strip()
+            got = _sha256(shard_path)
+        except OSError as e:
+            raise ValueError(f"{shard_path}: missing or unreadable checkpoint shard ({e})") from None
+        if got != want:
+            raise ValueError(
+                f"{shard_path}: sha256 {got[:12]}... does not match the {want[:12]}... recorded when it was "
+                "written: the file is truncated or corrupt; resume from an earlier checkpoint"
+            )
+        with torch.serialization.safe_globals(SAFE_GLOBALS):
+            shard = torch.load(shard_path, map_location="cpu", weights_only=True)
         return shard, meta
