@@ -168,3 +168,20 @@ def test_corrupt_checkpoint_files_get_clear_errors(tmp_path, damage):
     with pytest.raises(ValueError, match=needle[damage]) as err:
         mgr.load(path, {"tp_size": 1})
     assert str(path) in str(err.value)
+
+
+def test_metrics_go_to_jsonl_and_tensorboard(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from neuron_ckpt.train.metrics import MetricsWriter, make_record
+
+    writer = MetricsWriter(tmp_path / "m.jsonl", tensorboard_dir=tmp_path / "tb")
+    for step, loss in ((1, 5.0), (2, 4.0)):
+        writer.write(make_record(step, loss, 1e-3, 0.5, 0.1, 8, 16, 1e6, 0.1, 4, 128 * step))
+    writer.close()
+    rows = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert [r["loss"] for r in rows] == [5.0, 4.0]
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(1, 5.0), (2, 4.0)]
+    assert {"train/lr", "train/grad_norm", "train/tokens_per_s", "train/mfu"} <= set(events.Tags()["scalars"])

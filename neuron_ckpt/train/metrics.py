@@ -96,14 +96,30 @@ def format_record(r: StepRecord) -> str:
 
 
 class MetricsWriter:
-    """Prints each record and appends it as one JSON line to ``path`` (rank 0 only; None: print only)."""
+    """Prints each record, appends it as one JSON line to ``path`` and, with ``tensorboard_dir``,
+    logs its scalars to TensorBoard (rank 0 only; ``path=None``: no file)."""
 
-    def __init__(self, path: str | os.PathLike | None, enabled: bool = True, append: bool = False):
+    def __init__(
+        self,
+        path: str | os.PathLike | None,
+        enabled: bool = True,
+        append: bool = False,
+        tensorboard_dir: str | os.PathLike | None = None,
+    ):
         self.enabled = enabled
         self._file = None
+        self._tb = None
         if enabled and path is not None:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             self._file = open(path, "a" if append else "w", buffering=1)
+        if enabled and tensorboard_dir is not None:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise ValueError(
+                    "--tensorboard-dir needs the tensorboard package: pip install tensorboard"
+                ) from None
+            self._tb = SummaryWriter(log_dir=str(tensorboard_dir))
 
     def write(self, record: StepRecord, **extra) -> None:
         if not self.enabled:
@@ -111,8 +127,14 @@ class MetricsWriter:
         print(format_record(record), flush=True)
         if self._file is not None:
             self._file.write(json.dumps({**asdict(record), **extra}) + "\n")
+        if self._tb is not None:
+            for name in ("loss", "lr", "grad_norm", "seq_per_s", "tokens_per_s", "mfu"):
+                self._tb.add_scalar(f"train/{name}", getattr(record, name), record.step)
 
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None

@@ -31,14 +31,30 @@ $TORCHRUN --standalone --nproc_per_node 4 train.py \
   --metrics-file "$OUT/metrics.jsonl" "$@"
 end=$(date +%s)
 
-"$PYTHON" - "$OUT/metrics.jsonl" "$((end - start))" <<'PY'
+"$PYTHON" - "$OUT/metrics.jsonl" "$((end - start))" "$OUT/loss.png" <<'PY'
 import json, sys
 rows = [json.loads(line) for line in open(sys.argv[1])]
 if not rows:
     sys.exit("no steps were run (already finished? delete the output directory to start over)")
 steady = rows[1:] or rows
-mean = lambda k: sum(r[k] for r in steady) / len(steady)
+mean = lambda k, rs: sum(r[k] for r in rs) / len(rs)
 print(f"== summary: {len(rows)} steps | loss {rows[0]['loss']:.3f} -> {rows[-1]['loss']:.3f} | "
-      f"{mean('tokens_per_s'):.0f} tokens/s | {mean('seq_per_s'):.2f} seq/s | "
-      f"MFU {100 * mean('mfu'):.2f}% (of the --peak-tflops guess) | wall {sys.argv[2]} s")
+      f"{mean('tokens_per_s', steady):.0f} tokens/s | {mean('seq_per_s', steady):.2f} seq/s | "
+      f"MFU {100 * mean('mfu', steady):.2f}% (of the --peak-tflops guess) | wall {sys.argv[2]} s")
+# The loss curve: mean loss over each tenth of the run, as a bar per tenth.
+tenth = max(1, len(rows) // 10)
+chunks = [rows[i:i + tenth] for i in range(0, len(rows), tenth)]
+top = max(mean("loss", c) for c in chunks)
+for c in chunks:
+    loss = mean("loss", c)
+    print(f"   steps {c[0]['step']:4d}-{c[-1]['step']:<4d} loss {loss:6.3f} {'#' * round(40 * loss / top)}")
+import matplotlib
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+fig, ax = plt.subplots(figsize=(6, 3.5))
+ax.plot([r["step"] for r in rows], [r["loss"] for r in rows])
+ax.set(xlabel="step", ylabel="training loss", title="tiny Llama, TP 2 x DP 2, CPU")
+fig.tight_layout()
+fig.savefig(sys.argv[3], dpi=100)
+print(f"   loss curve: {sys.argv[3]}")
 PY

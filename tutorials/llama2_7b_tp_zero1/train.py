@@ -81,6 +81,7 @@ class TrainConfig:
     seed: int = opt(1234, "seed for init, data order and the TP RNG streams")
     # logging, checkpoints
     metrics_file: Optional[str] = opt(None, "append one JSON line per step here (rank 0)")
+    tensorboard_dir: Optional[str] = opt(None, "also log the step scalars to TensorBoard here (needs tensorboard)")
     device_kind: Optional[str] = opt(None, "device for the MFU peak (default: detected)", ["trn1", "trn2", "h100", "cpu"])
     peak_tflops: Optional[float] = opt(None, "peak dense TFLOP/s per rank for MFU (default: per device kind)")
     checkpoint_dir: Optional[str] = opt(None, "sharded checkpoints go here")
@@ -230,7 +231,7 @@ def main(argv: list[str] | None = None) -> dict:
             f"{fpt / 1e9:.3f} GFLOP/token | peak {peak} TFLOP/s per rank ({device_kind})",
             flush=True,
         )
-    metrics = MetricsWriter(cfg.metrics_file, enabled=is_main, append=start_step > 0)
+    metrics = MetricsWriter(cfg.metrics_file, enabled=is_main, append=start_step > 0, tensorboard_dir=cfg.tensorboard_dir)
     stop = min(cfg.max_steps, cfg.stop_at_step or cfg.max_steps)
     options = FitOptions(stop, cfg.global_batch_size, seq_len, fpt, peak, cfg.checkpoint_every)
     try:
