@@ -1,4 +1,4 @@
-"""The ``neuron-ckpt`` command: ``neuron-ckpt memory ...`` (and, later, ``neuron-ckpt plan ...``).
+"""The ``neuron-ckpt`` command: ``neuron-ckpt memory ...`` and ``neuron-ckpt plan ...``.
 
 Each subcommand is a module exposing ``add_arguments(parser)`` and ``run(args) -> int``; this
 file only dispatches. Bad input of any kind ends in one line on stderr and exit status 2.
@@ -26,9 +26,12 @@ def _fail(line: str) -> None:
 
 
 def _subcommands():
-    from .memory import report
+    from .memory import plan_cli, report
 
-    return {"memory": (report, "activation memory of one layer: analytic, measured, plotted")}
+    return {
+        "memory": (report, "activation memory of one layer: analytic, measured, plotted"),
+        "plan": (plan_cli, plan_cli.HELP),
+    }
 
 
 def build_parser() -> argparse.ArgumentParser:

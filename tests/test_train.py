@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+from types import SimpleNamespace
 from pathlib import Path
 
 import numpy as np
@@ -185,3 +186,25 @@ def test_metrics_go_to_jsonl_and_tensorboard(tmp_path):
     events.Reload()
     assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(1, 5.0), (2, 4.0)]
     assert {"train/lr", "train/grad_norm", "train/tokens_per_s", "train/mfu"} <= set(events.Tags()["scalars"])
+
+
+def test_recompute_auto_plans_per_layer_and_trains(world, run_files):
+    """--recompute auto takes the planner's per-layer choice for the memory given, and trains
+    exactly as the same choice given by hand would (here: a limit between all-selective and
+    all-none, so the plan mixes options)."""
+    from neuron_ckpt.memory.budget import ModelShape, TrainingSetup
+    from neuron_ckpt.memory.planner import GIB, evaluate
+
+    root, common = run_files
+    shape = ModelShape.from_llama_config(SimpleNamespace(**TINY, head_dim=None))
+    setup = TrainingSetup(seq_len=16, micro_batch=4, tp=2, dp=2, dtype="fp32")
+    none = evaluate(shape, setup, "none", 1 << 40).budget.total_bytes
+    selective = evaluate(shape, setup, "selective", 1 << 40).budget.total_bytes
+    limit_gib = (none + selective) / 2 / GIB / 0.9  # the planner keeps 10% free
+    auto = common + ["--recompute", "auto", "--device-memory", repr(limit_gib), "--dtype", "fp32",
+                     "--micro-batch-size", "4"]  # fmt: skip
+    out = world(4).run(_train, auto)[0]
+    assert out["recompute_plan"] == {"none": 1, "selective": 1}
+    assert out["losses"][0] > out["losses"][-1]
+    message = world(4).run(_train_error, common + ["--recompute", "auto"])[0]
+    assert "--device-memory" in message

@@ -173,7 +173,8 @@ class LlamaForCausalLM(torch.nn.Module):
         config: a ``transformers.LlamaConfig`` (or any object with its fields).
         sequence_parallel: keep the activations outside attention/MLP split along the sequence
             (``[s/t, b, h]``); the sequence length must then be divisible by ``t``.
-        recompute: a ``neuron_ckpt.recompute.RecomputeConfig`` (None: keep every activation).
+        recompute: a ``neuron_ckpt.recompute.RecomputeConfig``, or one per layer (a list whose None
+            entries keep everything, as ``neuron-ckpt plan`` produces); None: keep every activation.
         attention_implementation: ``"explicit"`` or ``"sdpa"`` (see ``CoreAttention``).
         dtype: parameter dtype (fp32, or bf16 for pure-bf16 training).
         parallel_state: defaults to the global one set by ``initialize_model_parallel``.
@@ -214,7 +215,7 @@ class LlamaForCausalLM(torch.nn.Module):
         self.rotary = RotaryEmbedding(config, head_dim_of(config))
         self.recompute = recompute
         self._run_layers = self._plain_layers
-        if recompute is not None and recompute.enabled:
+        if recompute is not None and (isinstance(recompute, (list, tuple)) or recompute.enabled):
             from ..recompute import layer_runner  # validates the config against this model first
 
             self._run_layers = layer_runner(self, recompute, sequence_parallel=sequence_parallel)

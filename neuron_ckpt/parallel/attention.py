@@ -24,6 +24,7 @@ Dropout draws from the model-parallel RNG stream (heads differ per TP rank).
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 
 import torch
@@ -33,6 +34,17 @@ from ..distributed.random import get_rng_tracker
 from .dropout import dropout
 
 IMPLEMENTATIONS = ("explicit", "sdpa")
+
+
+@functools.lru_cache(maxsize=16)
+def causal_mask(s: int, device: torch.device) -> torch.Tensor:
+    """One ``[s, s]`` bool mask per (size, device) for the whole process, shared by every layer.
+
+    A per-layer cache would keep ``layers * s^2`` bytes alive (0.5 GiB for Llama-2 7B at
+    s=4096); ``masked_fill`` saves the mask for backward, so sharing it also shares what autograd
+    keeps.
+    """
+    return torch.ones(s, s, dtype=torch.bool, device=device).triu_(1)
 
 
 class CoreAttention(torch.nn.Module):
@@ -60,14 +72,10 @@ class CoreAttention(torch.nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.attention_dropout, self.softmax_in_fp32 = attention_dropout, softmax_in_fp32
         self.implementation = implementation
-        self._masks: dict[tuple[int, torch.device], torch.Tensor] = {}
 
     def causal_mask(self, s: int, device: torch.device) -> torch.Tensor:
-        """A ``[s, s]`` bool mask (True above the diagonal), cached: one shared buffer per size."""
-        key = (s, device)
-        if key not in self._masks:
-            self._masks[key] = torch.ones(s, s, dtype=torch.bool, device=device).triu_(1)
-        return self._masks[key]
+        """The ``[s, s]`` bool mask (True above the diagonal) every layer shares; see :func:`causal_mask`."""
+        return causal_mask(s, torch.device(device))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         s, b = q.shape[:2]

@@ -5,6 +5,7 @@
 #
 #   ./run_trn1.sh                 # one node; under Slurm (run_slurm.sbatch) every node runs this
 #   COMPILE=1 ./run_trn1.sh       # ahead-of-time graph compilation only (neuron_parallel_compile)
+#   RECOMPUTE=auto ./run_trn1.sh  # per-layer recompute planned to fit 16 GiB per core (neuron-ckpt plan)
 #
 # Prepare the data first with your Llama-2 tokenizer and corpus, e.g.
 #   python prepare_data.py --tokenizer /path/to/Llama-2-7b-hf --input /path/to/corpus \
@@ -59,7 +60,7 @@ fi
 
 "${LAUNCH[@]}" "${DISTRIBUTED_ARGS[@]}" train.py \
   --model-config configs/llama2_7b.json --data "$DATA" \
-  --tp 8 --sequence-parallel --recompute selective --attention explicit --dtype bf16 \
+  --tp 8 --sequence-parallel --recompute "${RECOMPUTE:-selective}" --attention explicit --dtype bf16 \
   --micro-batch-size 1 --global-batch-size 1024 \
   --lr 3e-4 --min-lr-ratio 0.1 --warmup-steps 100 --max-steps "$MAX_STEPS" --decay cosine \
   --weight-decay 0.1 --beta1 0.9 --beta2 0.95 --grad-clip 1.0 \

@@ -57,7 +57,13 @@ class TrainConfig:
     # parallelism
     tp: int = opt(1, "tensor-parallel size (ranks per TP group, contiguous); DP = world / tp")
     sequence_parallel: bool = opt(False, "split norms/residuals along the sequence over the TP group")
-    recompute: str = opt("none", "activation recompute granularity", ["none", "selective", "full"])
+    recompute: str = opt(
+        "none", "activation recompute: a granularity, or auto (planned per layer to fit --device-memory)",
+        ["none", "selective", "full", "auto"],
+    )
+    device_memory: Optional[str] = opt(
+        None, "--recompute auto: memory per rank, GiB or 'trn1' (default: trn1 on XLA, detected on CUDA; required on CPU)"
+    )
     recompute_method: Optional[str] = opt(None, "full recompute: uniform (groups) or block (first N)", ["uniform", "block"])
     recompute_num_layers: Optional[int] = opt(None, "full recompute: group size (uniform) / layers recomputed (block)")
     recompute_modules: str = opt("core_attn", "selective recompute: comma-separated modules (core_attn,mlp,mlp_act,norm)")
@@ -105,7 +111,8 @@ class TrainConfig:
             raise ValueError("--resume latest needs --checkpoint-dir")
 
     def recompute_config(self) -> RecomputeConfig | None:
-        if self.recompute == "none":
+        """The fixed choice; ``auto`` is planned in :func:`_auto_recompute` once the model is known."""
+        if self.recompute in ("none", "auto"):
             return None
         if self.recompute == "selective":
             modules = tuple(m for m in self.recompute_modules.split(",") if m)
@@ -143,6 +150,29 @@ def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def _auto_recompute(cfg: TrainConfig, config, state, seq_len: int, dtype: torch.dtype, backend: str):
+    """``--recompute auto``: the per-layer recompute with the least recompute FLOPs that fits
+    (neuron_ckpt.memory.planner, the same plan ``neuron-ckpt plan`` prints)."""
+    from neuron_ckpt.memory.budget import ModelShape, TrainingSetup
+    from neuron_ckpt.memory.planner import plan_recompute
+
+    memory = cfg.device_memory or {"xla": "trn1"}.get(backend)
+    if memory is None and backend != "nccl":
+        raise ValueError("--recompute auto on CPU needs --device-memory (GiB one rank may use)")
+    if cfg.attention != "explicit":
+        raise ValueError("--recompute auto plans the explicit attention's memory; use --attention explicit")
+    setup = TrainingSetup(
+        seq_len=seq_len,
+        micro_batch=cfg.micro_batch_size,
+        tp=state.tp_size,
+        dp=state.dp_size,
+        dtype={torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype],
+        sequence_parallel=cfg.sequence_parallel,
+        zero1=True,
+    )
+    return plan_recompute(ModelShape.from_llama_config(config), setup, memory)
+
+
 def _model_fields(config) -> dict:
     keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
     return {k: getattr(config, k) for k in keys}
@@ -169,9 +199,19 @@ def main(argv: list[str] | None = None) -> dict:
         )
     grad_accum = cfg.global_batch_size // per_step
 
+    recompute, plan = cfg.recompute_config(), None
+    if cfg.recompute == "auto":
+        plan = _auto_recompute(cfg, config, state, seq_len, dtype, rt.backend)
+        recompute = plan.recompute
+        if is_main:
+            print(
+                f"recompute auto: {plan.describe()} | planned peak {plan.budget.total_gib:.2f} of "
+                f"{plan.limit_bytes / 2**30:.2f} GiB | recompute {plan.overhead:.2%} of a step's FLOPs",
+                flush=True,
+            )
     nc.model_parallel_manual_seed(cfg.seed)
     model = LlamaForCausalLM(
-        config, cfg.sequence_parallel, cfg.recompute_config(), cfg.attention, dtype, parallel_state=state
+        config, cfg.sequence_parallel, recompute, cfg.attention, dtype, parallel_state=state
     ).to(rt.device)
     if cfg.init_hf:
         model.load_hf_state_dict(_load_state_dict_file(cfg.init_hf))
@@ -250,6 +290,8 @@ def main(argv: list[str] | None = None) -> dict:
             Path(cfg.export_hf).parent.mkdir(parents=True, exist_ok=True)
             save_file({k: v.contiguous() for k, v in full.items()}, cfg.export_hf)
     summary = _summary(records, time.perf_counter() - t_start, start_step)
+    if plan is not None:
+        summary["recompute_plan"] = plan.counts
     if is_main and records:
         print("summary " + json.dumps({k: v for k, v in summary.items() if k != "losses"}), flush=True)
     return summary

@@ -1,0 +1,138 @@
+"""``neuron-ckpt plan``: will the job fit, and with which recompute?
+
+::
+
+    neuron-ckpt plan --model llama --config llama2-7b --tp 8 --dp 4 --seq 4096 --micro-batch 1 \\
+        --device-memory trn1 [--reserve 1] [--dtype bf16] [--zero1 | --no-zero1] [--json]
+
+Prints the per-device budget of the chosen plan (GiB per line item), the plan (layers per
+option, the ``RecomputeConfig`` or per-layer list to pass to the model) and its recompute
+FLOPs as a share of a step, with the uniform choices beside it. Bad input: one line on stderr,
+exit status 2. Nothing fits: the reason and what would fit on stderr, exit status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .budget import DTYPE_BYTES, GIB, OPTION_NAMES, ModelShape, TrainingSetup, resolve_llama_config
+from .planner import NothingFits, Plan, evaluate, plan_recompute
+
+HELP = "plan recompute per layer so a training job fits a device's memory"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``plan`` options, on an existing parser."""
+    parser.add_argument("--model", choices=("llama", "gpt"), default="llama")
+    parser.add_argument("--config", default="llama2-7b",
+                        help="llama: a config.json path, a directory holding one, or a known name (llama2-7b)")
+    parser.add_argument("--hidden", type=int, help="gpt: hidden size")
+    parser.add_argument("--heads", type=int, help="gpt: attention heads")
+    parser.add_argument("--layers", type=int, help="gpt: number of layers")
+    parser.add_argument("--vocab", type=int, default=51200, help="gpt: vocabulary size (default 51200)")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
+    parser.add_argument("--dp", type=int, default=1, help="data-parallel degree (ZeRO-1 shards over it)")
+    parser.add_argument("--seq", type=int, required=True, help="sequence length")
+    parser.add_argument("--micro-batch", type=int, default=1)
+    parser.add_argument("--device-memory", default=None,
+                        help="GiB per device or a preset (trn1 = 16 GiB per NeuronCore); default: the CUDA device")
+    parser.add_argument(
+        "--reserve", type=float, default=None,
+        help="GiB to keep free for the runtime, collectives and fragmentation (default: 10%% of the device)",
+    )
+    parser.add_argument("--dtype", choices=tuple(DTYPE_BYTES), default="bf16")
+    parser.add_argument("--zero1", action=argparse.BooleanOptionalAction, default=True,
+                        help="shard fp32 master weights and AdamW moments over dp (default on)")
+    parser.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--json", action="store_true", help="one JSON object instead of tables")
+
+
+def add_plan_parser(subparsers) -> argparse.ArgumentParser:
+    """Register ``plan`` on an ``add_subparsers()`` object; returns its parser."""
+    parser = subparsers.add_parser("plan", help=HELP, description=HELP)
+    add_arguments(parser)
+    return parser
+
+
+def _model(args: argparse.Namespace) -> ModelShape:
+    if args.model == "llama":
+        return ModelShape.from_llama_config(resolve_llama_config(args.config), name=args.config)
+    missing = [f"--{n}" for n in ("hidden", "heads", "layers") if getattr(args, n) is None]
+    if missing:
+        raise ValueError(f"--model gpt needs {', '.join(missing)}")
+    return ModelShape.gpt(args.hidden, args.heads, args.layers, args.vocab, name="gpt")
+
+
+def build(args: argparse.Namespace) -> tuple[ModelShape, TrainingSetup]:
+    """The model and setup the arguments describe (ValueError naming the field when invalid)."""
+    model = _model(args)
+    setup = TrainingSetup(seq_len=args.seq, micro_batch=args.micro_batch, tp=args.tp, dp=args.dp,
+                          dtype=args.dtype, sequence_parallel=args.sequence_parallel, zero1=args.zero1)
+    return model, setup
+
+
+def _alternatives(model: ModelShape, setup: TrainingSetup, plan: Plan) -> list[Plan]:
+    return [evaluate(model, setup, name, plan.limit_bytes, plan.options) for name in OPTION_NAMES
+            if name in plan.options]
+
+
+def _recompute_text(plan: Plan) -> str:
+    rc = plan.recompute
+    if not isinstance(rc, list):
+        return repr(rc)
+    runs, start = [], 0
+    for i in range(1, len(rc) + 1):  # compress runs of equal entries: "layers 0-13: ..."
+        if i == len(rc) or rc[i] != rc[start]:
+            runs.append(f"  layers {start}-{i - 1}: {rc[start]!r}")
+            start = i
+    return "per-layer list, pass it as recompute=[...]:\n" + "\n".join(runs)
+
+
+def _print_plan(model: ModelShape, setup: TrainingSetup, plan: Plan) -> None:
+    print(f"{model.name or model.kind}: L={model.layers} h={model.hidden} a={model.heads} g={model.kv_heads} "
+          f"f={model.ffn} v={model.vocab} | tp={setup.tp} dp={setup.dp} s={setup.seq_len} b={setup.micro_batch} "
+          f"{setup.dtype} sequence_parallel={setup.sequence_parallel} zero1={setup.zero1}")
+    print(f"memory to plan for: {plan.limit_bytes / GIB:.2f} GiB (device memory less the reserve)\n")
+    print(plan.budget.table())
+    for note in plan.budget.notes:
+        print(f"note: {note}")
+    print(f"\nplan: {plan.describe()} ({plan.budget.total_gib:.2f} GiB, "
+          f"recompute {plan.overhead:.2%} of a step's FLOPs)")
+    print(f"recompute: {_recompute_text(plan)}")
+    print("\nalternatives (the same option on every layer):")
+    for alt in _alternatives(model, setup, plan):
+        verdict = "fits" if alt.fits else "does not fit"
+        print(f"  {alt.describe():<26}{alt.budget.total_gib:>8.2f} GiB  {verdict:<13} recompute {alt.overhead:.2%}")
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    """Run ``neuron-ckpt plan``; returns the exit status (0 fits, 1 nothing fits, 2 bad input)."""
+    try:
+        model, setup = build(args)
+        try:
+            plan = plan_recompute(model, setup, args.device_memory, reserve_gib=args.reserve)
+        except NothingFits as exc:
+            if args.json:
+                print(json.dumps({"fits": False, "message": str(exc), "smallest_tp": exc.smallest_tp,
+                                  "largest_micro_batch": exc.largest_micro_batch,
+                                  "least_memory": exc.least.to_dict()}, indent=2))
+            print(f"neuron-ckpt plan: {exc}", file=sys.stderr)
+            return 1
+    except (ValueError, TypeError) as exc:
+        print(" ".join(f"neuron-ckpt plan: error: {exc}".split()), file=sys.stderr)
+        return 2
+    if args.json:
+        out = plan.to_dict()
+        out["alternatives"] = {alt.layers[0]: {"total_gib": round(alt.budget.total_gib, 4), "fits": alt.fits,
+                                               "overhead": alt.overhead}
+                               for alt in _alternatives(model, setup, plan)}
+        print(json.dumps(out, indent=2))
+    else:
+        _print_plan(model, setup, plan)
+    return 0
+
+
+# The neuron-ckpt dispatcher (cli.py) registers subcommands as modules with these two names.
+run = run_plan

@@ -1,0 +1,275 @@
+"""The recompute planner: the cheapest per-layer recompute that fits a device's memory.
+
+Every layer chooses among no recompute, selective (core attention; for Llama also with SwiGLU's
+activation) and full recompute. The layers are identical, so a plan is a count of layers per
+option; :func:`plan_recompute` tries every split of the ``L`` layers (``O(L^3)`` for four
+options, a few thousand for Llama-2 7B), prices each with :func:`~.budget.memory_budget` in the
+layer order that keeps the backward peak lowest (:func:`~.budget.canonical_order`) and keeps the
+one with the fewest recompute FLOPs that fits (ties: less memory). ``tests/test_planner.py``
+checks it against a brute force over every per-layer assignment.
+
+When nothing fits, :class:`NothingFits` says by how much and what would: the smallest
+tensor-parallel degree that fits (same dp and micro-batch) and the largest micro-batch that fits
+at this degree.
+
+The plan becomes one :class:`~neuron_ckpt.recompute.RecomputeConfig` when it can (one option on
+every layer; or full recompute of the first ``k`` layers and none on the rest, which is
+``method="block"``) and otherwise a per-layer list, which ``apply_recompute``/``layer_runner``
+take as they are.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, replace
+from typing import Any
+
+from ..recompute import RecomputeConfig
+from .budget import (
+    GIB,
+    OPTION_NAMES,
+    LayerOption,
+    MemoryBudget,
+    ModelShape,
+    TrainingSetup,
+    canonical_order,
+    layer_options,
+    memory_budget,
+    step_flops,
+)
+
+# HBM per NeuronCore-v2: a Trainium1 chip has 32 GiB for its two cores (trn1.32xlarge: 16 chips,
+# 32 cores, 512 GiB).
+DEVICE_PRESETS: dict[str, int] = {"trn1": 16 * GIB}
+MAX_MICRO_BATCH = 4096
+
+
+DEFAULT_RESERVE_FRACTION = 0.1
+
+
+def device_memory_bytes(spec: float | int | str | None) -> int:
+    """Bytes of one device: a number of GiB, a preset name (``"trn1"``: 16 GiB per NeuronCore),
+    or None for the detected device (CUDA: total memory from ``torch.cuda.mem_get_info``)."""
+    if spec is None:
+        import torch
+
+        if torch.cuda.is_available():
+            return int(torch.cuda.mem_get_info()[1])
+        raise ValueError(
+            "device memory: no accelerator with a memory counter is visible (CPU); pass it in GiB or "
+            f"as a preset ({', '.join(DEVICE_PRESETS)})"
+        )
+    if isinstance(spec, str):
+        if spec.lower() in DEVICE_PRESETS:
+            return DEVICE_PRESETS[spec.lower()]
+        try:
+            spec = float(spec)
+        except ValueError:
+            raise ValueError(
+                f"device memory must be GiB (a number) or a preset ({', '.join(DEVICE_PRESETS)}), got {spec!r}"
+            ) from None
+    if isinstance(spec, bool) or not spec > 0:
+        raise ValueError(f"device memory must be > 0 GiB, got {spec!r}")
+    return int(spec * GIB)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A recompute choice for every layer, its memory and its cost.
+
+    layers: the option of each layer in layer order. limit_bytes: the device memory it was
+    planned for (after ``reserve``). recompute_flops / step_flops: FLOPs rerun in backward and
+    the model FLOPs of forward + backward, both per micro-batch on one device.
+    """
+
+    budget: MemoryBudget
+    options: dict[str, LayerOption]
+    limit_bytes: int
+    recompute_flops: float
+    step_flops: float
+
+    @property
+    def layers(self) -> tuple[str, ...]:
+        return self.budget.layers
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """Layers per option, in the order none, selective, selective+mlp_act, full (zeros left out)."""
+        return {name: self.layers.count(name) for name in OPTION_NAMES if name in self.layers}
+
+    @property
+    def fits(self) -> bool:
+        return self.budget.total_bytes <= self.limit_bytes
+
+    @property
+    def overhead(self) -> float:
+        """Recompute FLOPs as a fraction of the step's model FLOPs."""
+        return self.recompute_flops / self.step_flops
+
+    @property
+    def recompute(self) -> RecomputeConfig | list[RecomputeConfig | None] | None:
+        """What ``LlamaForCausalLM(recompute=...)`` / ``apply_recompute`` take for this plan."""
+        counts = self.counts
+        if len(counts) == 1:
+            return self.options[self.layers[0]].recompute
+        if set(counts) == {"none", "full"} and self.layers == canonical_order(counts):
+            return RecomputeConfig(granularity="full", method="block", num_layers=counts["full"])
+        return [self.options[name].recompute for name in self.layers]
+
+    def describe(self) -> str:
+        """One line: the counts, e.g. ``18 x none + 14 x selective``."""
+        return " + ".join(f"{n} x {name}" for name, n in self.counts.items())
+
+    def to_dict(self) -> dict[str, Any]:
+        rc = self.recompute
+        configs = rc if isinstance(rc, list) else [rc]
+        return {
+            "fits": self.fits,
+            "limit_bytes": self.limit_bytes,
+            "limit_gib": round(self.limit_bytes / GIB, 4),
+            "counts": self.counts,
+            "layers": list(self.layers),
+            "recompute": [None if c is None else _config_dict(c) for c in configs],
+            "recompute_is_per_layer": isinstance(rc, list),
+            "recompute_flops": self.recompute_flops,
+            "step_flops": self.step_flops,
+            "overhead": self.overhead,
+            "budget": self.budget.to_dict(),
+        }
+
+
+def _config_dict(config: RecomputeConfig) -> dict[str, Any]:
+    return {"granularity": config.granularity, "method": config.method, "num_layers": config.num_layers,
+            "modules": list(config.modules) if config.granularity == "selective" else None}
+
+
+class NothingFits(ValueError):
+    """No recompute choice fits; the message says by how much and what would.
+
+    least: the plan with the least memory (full recompute everywhere). smallest_tp: the smallest
+    tensor-parallel degree that fits (same dp, micro-batch), or None. largest_micro_batch: the
+    largest micro-batch that fits at this degree, or None.
+    """
+
+    def __init__(self, message: str, least: Plan, smallest_tp: int | None, largest_micro_batch: int | None):
+        super().__init__(message)
+        self.least, self.smallest_tp, self.largest_micro_batch = least, smallest_tp, largest_micro_batch
+
+
+def evaluate(
+    model: ModelShape, setup: TrainingSetup, layers: str | tuple[str, ...], limit_bytes: int,
+    options: dict[str, LayerOption] | None = None,
+) -> Plan:
+    """The :class:`Plan` of a given assignment (one option name, or one per layer), fitting or not."""
+    options = options if options is not None else layer_options(model, setup)
+    budget = memory_budget(model, setup, layers, options)
+    flops = sum(options[name].recompute_flops for name in budget.layers)
+    return Plan(budget, options, limit_bytes, flops, step_flops(model, setup))
+
+
+def _splits(total: int, parts: int):
+    """Every way to write ``total`` as an ordered sum of ``parts`` non-negative ints."""
+    for cuts in itertools.combinations(range(total + parts - 1), parts - 1):
+        bounds = (-1, *cuts, total + parts - 1)
+        yield tuple(bounds[i + 1] - bounds[i] - 1 for i in range(parts))
+
+
+def _best(
+    model: ModelShape, setup: TrainingSetup, limit_bytes: int, allowed: tuple[str, ...] | None
+) -> tuple[Plan | None, Plan]:
+    """(cheapest fitting plan or None, least-memory plan)."""
+    options = layer_options(model, setup)
+    names = [n for n in OPTION_NAMES if n in options and (allowed is None or n in allowed)]
+    if not names:
+        raise ValueError(f"allowed: no known option among {allowed}; choose from {list(options)}")
+    best: tuple[float, int, tuple[str, ...]] | None = None
+    least: tuple[int, float, tuple[str, ...]] | None = None
+    for split in _splits(model.layers, len(names)):
+        order = canonical_order(dict(zip(names, split)))
+        total = memory_budget(model, setup, order, options).total_bytes
+        cost = sum(options[n].recompute_flops for n in order)
+        if least is None or (total, cost) < least[:2]:
+            least = (total, cost, order)
+        if total <= limit_bytes and (best is None or (cost, total) < best[:2]):
+            best = (cost, total, order)
+    assert least is not None
+    plan = evaluate(model, setup, best[2], limit_bytes, options) if best else None
+    return plan, evaluate(model, setup, least[2], limit_bytes, options)
+
+
+def valid_tp_degrees(model: ModelShape, setup: TrainingSetup) -> list[int]:
+    """Tensor-parallel degrees that can shard ``model`` at ``setup``'s sequence length."""
+    seq = setup.seq_len if setup.sequence_parallel else None
+    return [t for t in range(1, model.heads + 1) if model.valid_tp(t, seq) is None]
+
+
+def plan_recompute(
+    model: ModelShape,
+    setup: TrainingSetup,
+    device_memory: float | int | str | None,
+    reserve_gib: float | None = None,
+    allowed: tuple[str, ...] | None = None,
+) -> Plan:
+    """The per-layer recompute with the fewest recompute FLOPs whose peak fits ``device_memory``
+    (GiB, a preset such as ``"trn1"``, or None to detect) less ``reserve_gib``.
+
+    ``reserve_gib`` defaults to :data:`DEFAULT_RESERVE_FRACTION` of the device: the budget counts
+    what the model, optimizer and autograd hold, not the runtime's own reservation, collective
+    buffers, compiler scratch or fragmentation, so a plan that fills the device to the byte
+    would not run. Pass 0 to plan to the byte.
+
+    ``allowed``: restrict the options (names from :data:`~.budget.OPTION_NAMES`).
+    Raises :class:`NothingFits` (a ValueError) naming what would fit.
+    """
+    total = device_memory_bytes(device_memory)
+    if reserve_gib is None:
+        reserve_gib = DEFAULT_RESERVE_FRACTION * total / GIB
+    if not reserve_gib >= 0:
+        raise ValueError(f"reserve_gib must be >= 0, got {reserve_gib!r}")
+    limit = total - int(reserve_gib * GIB)
+    plan, least = _best(model, setup, limit, allowed)
+    if plan is not None:
+        return plan
+    raise _nothing_fits(model, setup, limit, least, allowed)
+
+
+def _fits(model: ModelShape, setup: TrainingSetup, limit: int, allowed) -> bool:
+    return _best(model, setup, limit, allowed)[1].fits
+
+
+def _nothing_fits(model: ModelShape, setup: TrainingSetup, limit: int, least: Plan, allowed) -> NothingFits:
+    bigger = [t for t in valid_tp_degrees(model, setup) if t > setup.tp]
+    smallest_tp = next((t for t in bigger if _fits(model, replace(setup, tp=t), limit, allowed)), None)
+    largest_b = None
+    if setup.micro_batch > 1:
+        lo, hi = 0, setup.micro_batch - 1  # memory grows with b: bisect the largest that fits
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if _fits(model, replace(setup, micro_batch=mid), limit, allowed):
+                lo = mid
+            else:
+                hi = mid - 1
+        largest_b = lo or None
+    static = least.budget.bytes_of("static")
+    what = least.describe()
+    parts = [
+        f"nothing fits in {limit / GIB:.2f} GiB per device: the least memory ({what}) needs "
+        f"{least.budget.total_gib:.2f} GiB, of which {static / GIB:.2f} GiB is parameters, gradients, "
+        f"optimizer state and mask cache"
+    ]
+    if smallest_tp is not None:
+        parts.append(f"would fit: tp={smallest_tp} (the smallest tensor-parallel degree that fits, dp={setup.dp}, "
+                     f"micro-batch {setup.micro_batch})")
+    else:
+        parts.append(f"no tensor-parallel degree above {setup.tp} fits at this micro-batch")
+    if largest_b is not None:
+        parts.append(f"would fit: micro-batch {largest_b} at tp={setup.tp} (the largest that fits)")
+    elif setup.micro_batch > 1:
+        parts.append(f"no smaller micro-batch fits at tp={setup.tp}")
+    if not setup.zero1 and setup.dp > 1:
+        parts.append("ZeRO-1 (--zero1) would shard the optimizer state over dp")
+    return NothingFits("; ".join(parts), least, smallest_tp, largest_b)
+
+
+__all__ = ["DEVICE_PRESETS", "NothingFits", "Plan", "device_memory_bytes", "evaluate", "plan_recompute",
+           "valid_tp_degrees"]

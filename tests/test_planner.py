@@ -1,0 +1,332 @@
+"""The memory budget and the recompute planner: what they must guarantee.
+
+* The budget's activations are what a real ``LlamaForCausalLM`` keeps for backward (measured,
+  within 2%) under no / selective / selective+mlp_act / full recompute and per-layer mixes.
+* The planner's choice fits and nothing cheaper fits: a brute force over every per-layer
+  assignment (L = 1..4, many limits) finds no assignment with fewer recompute FLOPs that fits.
+* When nothing fits, the error says so and names what would: the smallest tensor-parallel
+  degree and the largest micro-batch that fit.
+* A per-layer list of ``RecomputeConfig`` runs a Llama with the same loss and gradients as no
+  recompute, each layer recomputing as its entry says (forward-call counts).
+* ``neuron-ckpt plan``: exit 0 with the plan, 1 when nothing fits, 2 with one line on bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import json
+
+import pytest
+import torch
+import transformers
+
+import neuron_ckpt as nc
+from neuron_ckpt.memory.budget import (
+    GIB,
+    ModelShape,
+    TrainingSetup,
+    layer_options,
+    memory_budget,
+    resolve_llama_config,
+)
+from neuron_ckpt.memory.measure import SavedTensorRecorder
+from neuron_ckpt.memory.plan_cli import add_plan_parser, run_plan
+from neuron_ckpt.memory.planner import NothingFits, evaluate, plan_recompute, valid_tp_degrees
+from neuron_ckpt.models.llama import LlamaForCausalLM, SwiGLU
+from neuron_ckpt.parallel import CoreAttention
+from neuron_ckpt.recompute import RecomputeConfig, apply_recompute
+
+TOLERANCE = 0.02
+S, B = 32, 2
+
+
+def tiny_config(layers: int = 2) -> transformers.LlamaConfig:
+    return transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=176, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=S, rms_norm_eps=1e-5, tie_word_embeddings=False,
+    )
+
+
+def _configs(names) -> list[RecomputeConfig | None]:
+    options = layer_options(ModelShape.from_llama_config(tiny_config(len(names))), TrainingSetup(S, B))
+    return [options[n].recompute for n in names]
+
+
+def _batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 256, (B, S), generator=g)
+    return ids, ids.clone()
+
+
+# ---------------------------------------------------------------------------------------------
+# Budget activations == measured activations of a whole model.
+
+ASSIGNMENTS = {
+    "none": ("none", "none"),
+    "selective": ("selective", "selective"),
+    "selective+mlp_act": ("selective+mlp_act", "selective+mlp_act"),
+    "full": ("full", "full"),
+    "full, selective": ("full", "selective"),
+    "selective+mlp_act, none": ("selective+mlp_act", "none"),
+}
+
+
+def _measure_whole_model(t: int, sp: bool) -> dict[str, int]:
+    nc.initialize_model_parallel(t)
+    out = {}
+    for label, names in ASSIGNMENTS.items():
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(tiny_config(), sequence_parallel=sp, dtype=torch.bfloat16).train()
+        apply_recompute(model, _configs(names), sequence_parallel=sp)
+        masks = [m.causal_mask(S, torch.device("cpu")) for m in model.modules() if isinstance(m, CoreAttention)]
+        ids, labels = _batch()
+        with SavedTensorRecorder(exclude_modules=[model], exclude_tensors=masks) as rec:
+            loss = model(ids, labels=labels).loss
+        out[label] = rec.total_bytes
+        loss.backward()  # the recomputed model still trains
+    return out
+
+
+@pytest.mark.parametrize("t,sp", [(1, False), (2, True), (2, False)])
+def test_budget_activations_match_a_measured_llama(world, t, sp):
+    measured = world(2).run(_measure_whole_model, t, sp)
+    model = ModelShape.from_llama_config(tiny_config())
+    setup = TrainingSetup(S, B, tp=t, dp=2 // t, sequence_parallel=sp)
+    for rank, per_rank in enumerate(measured):
+        for label, names in ASSIGNMENTS.items():
+            analytic = memory_budget(model, setup, names).activation_bytes
+            ratio = per_rank[label] / analytic
+            assert abs(ratio - 1) <= TOLERANCE, f"{label}, t={t}, sp={sp}, rank {rank}: measured/analytic {ratio:.4f}"
+            assert per_rank[label] == analytic  # in fact to the byte: nothing is left out
+
+
+# ---------------------------------------------------------------------------------------------
+# Optimality against a brute force over every per-layer assignment.
+
+
+def _brute_force(model, setup, limit):
+    options = layer_options(model, setup)
+    best = None
+    for names in itertools.product(options, repeat=model.layers):
+        total = memory_budget(model, setup, names, options).total_bytes
+        cost = sum(options[n].recompute_flops for n in names)
+        if total <= limit and (best is None or cost < best):
+            best = cost
+    return best, options
+
+
+@pytest.mark.parametrize("layers", [1, 2, 3, 4])
+@pytest.mark.parametrize("kind", ["llama", "gpt"])
+def test_planner_is_optimal_against_brute_force(layers, kind):
+    if kind == "llama":
+        model = ModelShape("llama", 64, 4, 2, 176, layers, 128)
+    else:
+        model = ModelShape.gpt(64, 4, layers, vocab=128)
+    setup = TrainingSetup(seq_len=128, micro_batch=2, tp=1, zero1=False)
+    options = layer_options(model, setup)
+    totals = sorted({memory_budget(model, setup, n, options).total_bytes
+                     for n in itertools.product(options, repeat=layers)})
+    limits = sorted({x + d for x in totals for d in (-1, 0)})
+    for limit in limits:
+        best, _ = _brute_force(model, setup, limit)
+        if best is None:
+            with pytest.raises(NothingFits, match="nothing fits"):
+                plan_recompute(model, setup, limit / GIB, reserve_gib=0)
+            continue
+        plan = plan_recompute(model, setup, limit / GIB, reserve_gib=0)
+        assert plan.limit_bytes == limit and plan.fits
+        assert plan.budget.total_bytes <= limit
+        assert plan.recompute_flops == pytest.approx(best, rel=1e-12), (limit, plan.layers)
+
+
+def test_budget_line_items_follow_zero1_and_dtype():
+    model = ModelShape.from_llama_config(resolve_llama_config("llama2-7b"))
+    items = {i.name: i.nbytes for i in memory_budget(model, TrainingSetup(4096, 1, tp=8, dp=4), "selective").items}
+    n = items["parameters"] // 2
+    assert items["gradients"] == 2 * n
+    assert items["master weights"] == 4 * n // 4 and items["optimizer moments"] == 8 * n // 4
+    plain = {i.name: i.nbytes for i in memory_budget(model, TrainingSetup(4096, 1, tp=8, dp=4, zero1=False),
+                                                      "selective").items}
+    assert plain["master weights"] == 4 * n and plain["optimizer moments"] == 8 * n
+    fp32 = {i.name for i in memory_budget(model, TrainingSetup(4096, 1, tp=8, dtype="fp32", zero1=False)).items}
+    assert "master weights" not in fp32  # fp32 parameters are their own master copy
+    # Pipeline parallelism keeps more micro-batches alive: activations scale, the rest does not.
+    one = memory_budget(model, TrainingSetup(4096, 1, tp=8, dp=4), "selective")
+    two = memory_budget(model, TrainingSetup(4096, 1, tp=8, dp=4, microbatches_in_flight=2), "selective")
+    assert two.activation_bytes == 2 * one.activation_bytes
+    assert two.bytes_of("static") == one.bytes_of("static")
+
+
+def test_llama2_7b_on_trn1_plan():
+    model = ModelShape.from_llama_config(resolve_llama_config("llama2-7b"))
+    setup = TrainingSetup(seq_len=4096, micro_batch=1, tp=8, dp=4)
+    plan = plan_recompute(model, setup, "trn1")  # default reserve: 10%
+    selective = evaluate(model, setup, "selective", plan.limit_bytes)
+    assert plan.fits and selective.fits
+    # 10% of the 16 GiB kept free by default: 14.4 GiB to plan for.
+    assert plan.limit_bytes == 16 * GIB - int(1.6 * GIB)
+    assert plan.counts == {"none": 15, "selective": 17}
+    assert plan.overhead < selective.overhead  # less recompute, by using the memory selective leaves free
+    assert plan.budget.total_bytes > selective.budget.total_bytes
+    assert not evaluate(model, setup, "none", plan.limit_bytes).fits
+
+
+def test_plan_recompute_forms():
+    model = ModelShape("llama", 64, 4, 2, 176, 3, 128)
+    setup = TrainingSetup(seq_len=64, micro_batch=1)
+    limit = 1 << 40
+    assert evaluate(model, setup, "none", limit).recompute is None
+    assert evaluate(model, setup, "selective", limit).recompute == RecomputeConfig(granularity="selective")
+    block = evaluate(model, setup, ("full", "none", "none"), limit).recompute
+    assert block == RecomputeConfig(granularity="full", method="block", num_layers=1)
+    mixed = evaluate(model, setup, ("full", "selective", "none"), limit).recompute
+    assert isinstance(mixed, list) and len(mixed) == 3 and mixed[2] is None
+    assert plan_recompute(model, setup, 1024).layers == ("none",) * 3  # plenty of memory: no recompute
+
+
+# ---------------------------------------------------------------------------------------------
+# Nothing fits: say what would.
+
+
+def test_nothing_fits_names_the_smallest_tp_and_largest_micro_batch():
+    model = ModelShape.from_llama_config(resolve_llama_config("llama2-7b"))
+    setup = TrainingSetup(seq_len=4096, micro_batch=32, tp=8, dp=4)
+    with pytest.raises(NothingFits) as info:
+        plan_recompute(model, setup, "trn1", reserve_gib=0)
+    exc = info.value
+    assert "nothing fits in 16.00 GiB" in str(exc)
+    assert f"tp={exc.smallest_tp}" in str(exc) and f"micro-batch {exc.largest_micro_batch}" in str(exc)
+
+    def fits(**changes):
+        try:
+            plan_recompute(model, TrainingSetup(**{**setup.__dict__, **changes}), "trn1", reserve_gib=0)
+            return True
+        except NothingFits:
+            return False
+
+    bigger = [t for t in valid_tp_degrees(model, setup) if t > setup.tp]
+    assert exc.smallest_tp == next(t for t in bigger if fits(tp=t))
+    assert fits(micro_batch=exc.largest_micro_batch) and not fits(micro_batch=exc.largest_micro_batch + 1)
+
+
+def test_nothing_fits_even_at_micro_batch_one_says_so():
+    model = ModelShape.from_llama_config(resolve_llama_config("llama2-7b"))
+    with pytest.raises(NothingFits, match="no tensor-parallel degree above 32 fits") as info:
+        plan_recompute(model, TrainingSetup(seq_len=4096, micro_batch=1, tp=32, dp=1, zero1=False), 4)
+    assert info.value.smallest_tp is None and info.value.largest_micro_batch is None
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-layer RecomputeConfig lists on a real model.
+
+
+@contextlib.contextmanager
+def _count_calls(classes):
+    counts: dict[int, int] = {}
+    saved = {cls: cls.forward for cls in classes}
+
+    def wrap(original):
+        def counting(self, *args, **kwargs):
+            counts[id(self)] = counts.get(id(self), 0) + 1
+            return original(self, *args, **kwargs)
+        return counting
+
+    for cls in classes:
+        cls.forward = wrap(saved[cls])
+    try:
+        yield lambda module: counts.get(id(module), 0)
+    finally:
+        for cls, original in saved.items():
+            cls.forward = original
+
+
+def _loss_and_grads(per_layer):
+    nc.initialize_model_parallel(1)
+    try:
+        torch.manual_seed(0)
+        # The per-layer list goes straight to the model, as a plan from `neuron-ckpt plan` would.
+        model = LlamaForCausalLM(tiny_config(4), recompute=per_layer).train()
+        ids, labels = _batch(1)
+        layer_cls = type(model.layers[0])
+        with _count_calls([layer_cls, CoreAttention, SwiGLU]) as calls:
+            loss = model(ids, labels=labels).loss
+            loss.backward()
+        counts = [(calls(m), calls(m.self_attn.core_attn), calls(m.mlp.act_fn)) for m in model.layers]
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, counts
+    finally:
+        nc.destroy_distributed()
+
+
+def test_per_layer_list_gives_same_loss_grads_and_right_call_counts():
+    ref_loss, ref_grads, ref_counts = _loss_and_grads(None)
+    per_layer = _configs(("full", "selective", "none", "selective+mlp_act"))
+    loss, grads, counts = _loss_and_grads(per_layer)
+    assert ref_counts == [(1, 1, 1)] * 4
+    # (layer, core attention, SwiGLU) forwards: full reruns everything in layer 0; selective
+    # reruns core attention; mlp_act reruns SwiGLU too.
+    assert counts == [(2, 2, 2), (1, 2, 1), (1, 1, 1), (1, 2, 2)]
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
+    for name in ref_grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_per_layer_list_is_validated():
+    layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(3))
+    with pytest.raises(ValueError, match="one entry per layer: got 2 entries for a stack of 3"):
+        apply_recompute(layers, [None, None])
+    grouped = RecomputeConfig(granularity="full", method="uniform", num_layers=2)
+    with pytest.raises(ValueError, match=r"recompute\[1\].*num_layers=1"):
+        apply_recompute(layers, [None, grouped, None])
+    with pytest.raises(TypeError, match=r"recompute\[0\]"):
+        apply_recompute(layers, ["full", None, None])
+    full = RecomputeConfig(granularity="full", method="uniform", num_layers=1)
+    assert apply_recompute(layers, [full, None, RecomputeConfig()]) == ["0"]
+
+
+# ---------------------------------------------------------------------------------------------
+# The CLI.
+
+
+def _run(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="neuron-ckpt")
+    add_plan_parser(parser.add_subparsers(dest="command"))
+    return run_plan(parser.parse_args(["plan", *argv]))
+
+
+SEVEN_B = ["--config", "llama2-7b", "--tp", "8", "--dp", "4", "--seq", "4096", "--micro-batch", "1"]
+
+
+def test_cli_prints_the_plan(capsys):
+    assert _run([*SEVEN_B, "--device-memory", "trn1"]) == 0
+    out = capsys.readouterr().out
+    assert "plan: 15 x none + 17 x selective" in out and "optimizer moments" in out
+    assert _run([*SEVEN_B, "--device-memory", "16", "--reserve", "0", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["fits"] and data["counts"] == {"none": 20, "selective": 4, "selective+mlp_act": 8}
+    assert data["recompute_is_per_layer"]
+    assert data["alternatives"]["selective"]["fits"] and not data["alternatives"]["none"]["fits"]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--tp", "3", "--seq", "4096", "--device-memory", "trn1"], "tp (3) must divide heads"),
+        (["--seq", "4096", "--device-memory", "trn2x"], "device memory"),
+        (["--seq", "4096", "--device-memory", "-1"], "device memory"),
+        (["--seq", "4096", "--config", "/nonexistent.json", "--device-memory", "16"], "config"),
+        (["--model", "gpt", "--seq", "2048", "--device-memory", "16"], "--hidden"),
+        (["--seq", "0", "--device-memory", "16"], "seq_len"),
+    ],
+)
+def test_cli_bad_input_is_one_line_and_exit_2(capsys, argv, message):
+    assert _run(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err
+
+
+def test_cli_nothing_fits_exits_1_with_the_reason(capsys):
+    assert _run([*SEVEN_B[:-2], "--micro-batch", "64", "--tp", "2", "--device-memory", "trn1"]) == 1
+    err = capsys.readouterr().err
+    assert "nothing fits" in err and "would fit" in err
