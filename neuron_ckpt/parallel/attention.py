@@ -94,10 +94,12 @@ class CoreAttention(torch.nn.Module):
     def _explicit(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float) -> torch.Tensor:
         b, a, s, d = q.shape
         g = k.shape[1]
-        # Fold the a/g query heads of each kv group into the row dim: [b, g, (a/g)*s, d].
-        qg = q.reshape(b, g, (a // g) * s, d)
-        scores = torch.matmul(qg, k.transpose(-1, -2)).mul_(1.0 / math.sqrt(d)).view(b, a, s, s)
-        scores = scores.masked_fill(self.causal_mask(s, q.device), float("-inf"))
+        # Fold the a/g query heads of each kv group into the row dim: [b, g, (a/g)*s, d]. Scale
+        # q (s*d elements) rather than the scores (s*s), and mask the fresh scores in place: on
+        # memory-bound devices every pass over an [b, a, s, s] tensor costs as much as a matmul.
+        qg = q.reshape(b, g, (a // g) * s, d) * (1.0 / math.sqrt(d))
+        scores = torch.matmul(qg, k.transpose(-1, -2)).view(b, a, s, s)
+        scores = scores.masked_fill_(self.causal_mask(s, q.device), float("-inf"))
         if self.softmax_in_fp32:
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         else:
