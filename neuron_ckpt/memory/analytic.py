@@ -181,8 +181,8 @@ def model_activation_bytes(
 
     ``outside_layer_terms`` is the hook for what the layers do not cover: the embedding's
     dropout mask, the final norm's input, the LM head input and the loss's logits (the paper's
-    section 4.3). Nothing is added by default. TODO(planner): provide those terms for Llama,
-    including the vocab-parallel split of the logits.
+    section 4.3). Nothing is added by default; the whole-model budget
+    (:mod:`neuron_ckpt.memory.budget`) adds them for Llama, vocab-parallel logits included.
     """
     _require_positive_int("num_layers", num_layers)
     per_layer = layer_activation_bytes(shape, config)
@@ -317,8 +317,8 @@ def llama_outside_layer_terms(shape: LlamaLayerShape) -> list[ActivationTerm]:
 
     Rotary multiplies q and k by them, which keeps the tables (not q, k: the tables need no
     gradient). Without recompute and with selective recompute every layer reads the same two
-    tables; full recompute keeps none of them. Only these, for now: the embedding, final norm,
-    LM head input and logits are still TODO (see :func:`model_activation_bytes`).
+    tables; full recompute keeps none of them. The embedding, final norm, LM head input and
+    loss terms are in the whole-model budget (:mod:`neuron_ckpt.memory.budget`).
     """
     nbytes = shape.bytes_per_element * shape.seq_len * shape.head_dim
     return [ActivationTerm("rope_cos", nbytes, False), ActivationTerm("rope_sin", nbytes, False)]
