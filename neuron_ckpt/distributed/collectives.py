@@ -81,6 +81,42 @@ def reduce_scatter(tensor: torch.Tensor, dim: int, group: Group) -> torch.Tensor
     return out.movedim(0, dim)
 
 
+class Pending:
+    """A collective started with ``async_op``; :meth:`wait` returns its result.
+
+    Lets a caller overlap communication with computation (backward of the sequence-parallel
+    linear layers). On XLA and for groups of one the result is ready at once: the compiler
+    schedules XLA collectives itself.
+    """
+
+    def __init__(self, result: torch.Tensor, work=None):
+        self._result, self._work = result, work
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        return self._result
+
+
+def all_gather_start(tensor: torch.Tensor, group: Group) -> Pending:
+    """Start :func:`all_gather` along dim 0; ``.wait()`` for the result."""
+    if group.size == 1 or runtime.is_xla():
+        return Pending(all_gather(tensor, 0, group))
+    tensor = tensor.contiguous()
+    out = torch.empty((group.size * tensor.shape[0],) + tensor.shape[1:], dtype=tensor.dtype, device=tensor.device)
+    return Pending(out, _all_gather_single(out, tensor, group=group.process_group, async_op=True))
+
+
+def reduce_scatter_start(tensor: torch.Tensor, group: Group) -> Pending:
+    """Start :func:`reduce_scatter` along dim 0; ``.wait()`` for the result."""
+    if group.size == 1 or runtime.is_xla() or tensor.shape[0] % group.size:
+        return Pending(reduce_scatter(tensor, 0, group))  # (a size error is raised there)
+    tensor = tensor.contiguous()
+    out = torch.empty((tensor.shape[0] // group.size,) + tensor.shape[1:], dtype=tensor.dtype, device=tensor.device)
+    return Pending(out, _reduce_scatter_single(out, tensor, group=group.process_group, async_op=True))
+
+
 def split(tensor: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     """This rank's 1/size chunk of ``tensor`` along ``dim`` (no communication)."""
     if group.size == 1:

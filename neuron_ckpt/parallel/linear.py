@@ -63,25 +63,24 @@ class _SequenceParallelLinear(torch.autograd.Function):
     def backward(ctx, *grad_outs):
         x_local, *weights = ctx.saved_tensors
         needs = ctx.needs_input_grad
-        grad_x, grads, total = None, [], None
-        for i, (w, g) in enumerate(zip(weights, grad_outs)):
-            if g is None:
-                grads += [None, None]
-                continue
-            if needs[0]:
-                gx = g.matmul(w)
-                grad_x = gx if grad_x is None else grad_x + gx
-            g2 = g.reshape(-1, g.shape[-1])
-            grad_w = grad_b = None
+        live = [i for i, g in enumerate(grad_outs) if g is not None]
+        # Overlap, as Megatron does: re-gather the input while computing the input gradient,
+        # then reduce-scatter the input gradient while computing the weight gradients.
+        need_w = any(needs[2 + 2 * i] for i in live)
+        gathering = C.all_gather_start(x_local, ctx.group) if need_w else None
+        scattering = None
+        if needs[0] and live:
+            grad_x = sum(grad_outs[i].matmul(weights[i]) for i in live)
+            scattering = C.reduce_scatter_start(grad_x, ctx.group)
+        total = gathering.wait() if gathering is not None else None
+        grads: list[torch.Tensor | None] = [None] * (2 * len(weights))
+        for i in live:
+            g2 = grad_outs[i].reshape(-1, grad_outs[i].shape[-1])
             if needs[2 + 2 * i]:
-                if total is None:
-                    total = C.all_gather(x_local, 0, ctx.group)
-                grad_w = g2.t().matmul(total.reshape(-1, total.shape[-1]))
+                grads[2 * i] = g2.t().matmul(total.reshape(-1, total.shape[-1]))
             if ctx.has_bias[i] and needs[3 + 2 * i]:
-                grad_b = g2.sum(0)
-            grads += [grad_w, grad_b]
-        if grad_x is not None:
-            grad_x = C.reduce_scatter(grad_x, 0, ctx.group)
+                grads[2 * i + 1] = g2.sum(0)
+        grad_x = scattering.wait() if scattering is not None else None
         return (grad_x, None, *grads)
 
 
