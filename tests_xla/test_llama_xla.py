@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch_xla
+import torch_xla.core.xla_model as xm
 import torch_xla.debug.metrics as met
 from transformers import LlamaConfig
 
@@ -52,6 +53,9 @@ def train(device: torch.device) -> tuple[list[float], list[int], list[int]]:
         losses.append(loss.detach())
         if device.type == "xla":
             torch_xla.sync()  # the training loop's mark_step
+            # Graphs run asynchronously after sync() and the metrics are recorded when they
+            # finish: wait, or a count read now can lag one step behind.
+            xm.wait_device_ops()
             compiles.append(_counter("CompileTime"))
             executions.append(_counter("ExecuteTime"))
     return [x.item() for x in losses], compiles, executions
