@@ -50,10 +50,7 @@ def all_gather(tensor: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
             tensor.contiguous(), dim=dim, groups=[list(g) for g in group.replica_groups], pin_layout=False
         )
     # The flat collective concatenates along dim 0: move ``dim`` first, gather, move it back.
-    moved = tensor.movedim(dim, 0).contiguous()
-    out = torch.empty((group.size * moved.shape[0],) + moved.shape[1:], dtype=tensor.dtype, device=tensor.device)
-    _all_gather_single(out, moved, group=group.process_group)
-    return out.movedim(0, dim)
+    return all_gather_start(tensor.movedim(dim, 0), group).wait().movedim(0, dim)
 
 
 def reduce_scatter(tensor: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
@@ -75,10 +72,7 @@ def reduce_scatter(tensor: torch.Tensor, dim: int, group: Group) -> torch.Tensor
             groups=[list(g) for g in group.replica_groups],
             pin_layout=False,
         )
-    moved = tensor.movedim(dim, 0).contiguous()
-    out = torch.empty((moved.shape[0] // group.size,) + moved.shape[1:], dtype=tensor.dtype, device=tensor.device)
-    _reduce_scatter_single(out, moved, group=group.process_group)
-    return out.movedim(0, dim)
+    return reduce_scatter_start(tensor.movedim(dim, 0), group).wait().movedim(0, dim)
 
 
 class Pending:
