@@ -138,10 +138,11 @@ RECOMPUTE = [
 ]
 
 
-def test_matches_transformers_under_recompute(world):
-    """Selective and full recompute leave logits, loss and gradients unchanged (TP 2, +/- SP)."""
+@pytest.mark.parametrize("t", [1, 2, 4])
+def test_matches_transformers_under_recompute(world, t):
+    """Selective and full recompute leave logits, loss and gradients unchanged (TP t, +/- SP)."""
     cases = [(2, sp, rc) for rc in RECOMPUTE for sp in (False, True)]
-    for rank_results in world(WORLD).run(_run_cases, 2, cases):
+    for rank_results in world(WORLD).run(_run_cases, t, cases):
         for r in rank_results:
             assert r["logits"] < TOL and r["loss"] < TOL and r["grads"] < TOL, r
             assert r["grad_keys"] and r["roundtrip"] and r["recompute_applied"], r
