@@ -29,14 +29,26 @@ def _xm():
     return xm
 
 
-def all_reduce(tensor: torch.Tensor, group: Group) -> torch.Tensor:
-    """Sum ``tensor`` over ``group``; returns the result (a new tensor on XLA, in place otherwise)."""
+REDUCE_OPS = ("sum", "max")
+
+
+def all_reduce(tensor: torch.Tensor, group: Group, op: str = "sum") -> torch.Tensor:
+    """Reduce ``tensor`` over ``group`` elementwise with ``op`` (``"sum"`` or ``"max"``).
+
+    Returns the result (a new tensor on XLA, in place otherwise). An all-reduce has no
+    dimension: every rank ends with the whole reduced tensor.
+    """
+    if op not in REDUCE_OPS:
+        raise ValueError(f"all_reduce: op must be one of {REDUCE_OPS}, got {op!r}")
     if group.size == 1:
         return tensor
     if runtime.is_xla():
-        return _xm().all_reduce(_xm().REDUCE_SUM, tensor, groups=[list(g) for g in group.replica_groups])
+        xm = _xm()
+        reduce_type = xm.REDUCE_SUM if op == "sum" else xm.REDUCE_MAX
+        return xm.all_reduce(reduce_type, tensor, groups=[list(g) for g in group.replica_groups])
     tensor = tensor.contiguous()
-    dist.all_reduce(tensor, group=group.process_group)
+    reduce_op = dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX
+    dist.all_reduce(tensor, op=reduce_op, group=group.process_group)
     return tensor
 
 

@@ -3,9 +3,10 @@
 ``CoreAttention`` takes the local query/key/value projections ``[s, b, heads*d]`` and returns the
 attention output ``[s, b, heads*d]``. Two implementations, same numerics up to rounding:
 
-* ``explicit`` (default): scores ``QK^T/sqrt(d)``, causal mask, softmax, dropout, weighted sum of
-  ``V``, written out. Autograd then keeps the ``[b, a, s, s]`` softmax output, dropout mask and
-  dropout output: the ``5as^2b`` term of Korthikanti et al. that selective recompute removes.
+* ``explicit`` (default): scores ``QK^T/sqrt(d)``, causal mask (a finite ``finfo.min``, not
+  ``-inf``: see :func:`masked_score`), softmax, dropout, weighted sum of ``V``, written out.
+  Autograd then keeps the ``[b, a, s, s]`` softmax output, dropout mask and dropout output: the
+  ``5as^2b`` term of Korthikanti et al. that selective recompute removes.
   Softmax runs in fp32 (``softmax_in_fp32``, as ``transformers`` Llama does), which makes its
   saved output 4 bytes per element instead of 2; set it False to follow the paper's 16-bit
   accounting.
@@ -45,6 +46,20 @@ def causal_mask(s: int, device: torch.device) -> torch.Tensor:
     keeps.
     """
     return torch.ones(s, s, dtype=torch.bool, device=device).triu_(1)
+
+
+def masked_score(dtype: torch.dtype) -> float:
+    """The score written above the diagonal: ``torch.finfo(dtype).min``, finite, not ``-inf``.
+
+    Neuron handles ``-inf`` badly (NxD masks with a large finite negative too). The value gives
+    the same softmax as ``-inf``: the diagonal is never masked, so each row's max ``m`` is a real
+    score and ``min - m`` is either finite and far below the point where ``exp`` underflows to
+    exactly 0 (about -104 in fp32, -17 in fp16) or, for a huge ``m``, rounds to ``-inf``: exp
+    gives 0 either way, never NaN. The probability of a masked position is exactly 0, so its
+    softmax gradient is 0 too, and ``masked_fill`` passes no gradient to the masked scores.
+    ``finfo(bf16).min`` is also finite in fp32, so the fp32-softmax path sees the same value.
+    """
+    return torch.finfo(dtype).min
 
 
 class CoreAttention(torch.nn.Module):
@@ -99,7 +114,7 @@ class CoreAttention(torch.nn.Module):
         # memory-bound devices every pass over an [b, a, s, s] tensor costs as much as a matmul.
         qg = q.reshape(b, g, (a // g) * s, d) * (1.0 / math.sqrt(d))
         scores = torch.matmul(qg, k.transpose(-1, -2)).view(b, a, s, s)
-        scores = scores.masked_fill_(self.causal_mask(s, q.device), float("-inf"))
+        scores = scores.masked_fill_(self.causal_mask(s, q.device), masked_score(scores.dtype))
         if self.softmax_in_fp32:
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         else:

@@ -2,9 +2,11 @@
 
 Each rank holds ``[..., v/t]`` logits. The loss needs three reductions over the group — the max
 (for a stable softmax), the sum of exponentials and the target's logit — all on ``[...]``-sized
-tensors, so the ``[..., v]`` logits are never gathered. Computed in fp32 whatever the logits'
-dtype. Semantics equal ``torch.nn.functional.cross_entropy`` (``ignore_index``; ``mean`` over
-the tokens not ignored).
+tensors, so the ``[..., v]`` logits are never gathered. Two all-reduces, neither along a tensor
+dimension (Neuron, like NxD, wants no collective on the last dim): a MAX of the local maxima,
+then one SUM of the target logit and the sum of exponentials stacked along a new leading dim.
+Computed in fp32 whatever the logits' dtype. Semantics equal
+``torch.nn.functional.cross_entropy`` (``ignore_index``; ``mean`` over the tokens not ignored).
 """
 
 from __future__ import annotations
@@ -23,9 +25,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         logits = logits.float()
         v_local = logits.shape[-1]
         start = group.rank * v_local
-        # Global max via an all-gather of the t local maxima (no MAX all-reduce needed).
-        local_max = logits.max(dim=-1, keepdim=True).values
-        gmax = C.all_gather(local_max, -1, group).max(dim=-1, keepdim=True).values
+        # Global max by a MAX all-reduce of the local maxima: a collective with no dimension (an
+        # all-gather of them would run along the last dim, which Neuron handles badly). The max
+        # only stabilises exp(); it cancels in the loss and its gradient, so it needs no autograd
+        # (forward runs under no_grad; amax returns a fresh tensor, reduced in place on eager).
+        gmax = C.all_reduce(logits.amax(dim=-1), group, op="max").unsqueeze(-1)
         shifted = logits - gmax
         ignored = target == ignore_index
         local_t = target - start
