@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -92,6 +93,41 @@ def test_flipped_payload_byte_fails_the_checksum(tmp_path):
     path.write_bytes(bytes(raw))
     with pytest.raises(ValueError, match=r"train.bin: payload sha256 \(checksum\) is '[0-9a-f]+'"):
         data.PackedDataset(path)
+
+
+def test_full_scans_run_once_per_version_of_the_file(tmp_path, monkeypatch):
+    """The checksum and id-range scans read the whole corpus: once they pass, a stamp beside the
+    file lets later opens (other ranks, later runs) skip them, until the file changes."""
+    from neuron_ckpt.data import packed
+
+    scans = []
+    real = packed._sha256
+    monkeypatch.setattr(packed, "_sha256", lambda rows: scans.append(1) or real(rows))
+    path = tmp_path / "train.bin"
+    _write(path)
+    assert not (tmp_path / "train.bin.verified").exists()  # the writer leaves no stamp
+    scans.clear()  # (the writer hashes what it writes)
+    data.PackedDataset(path)
+    assert len(scans) == 1 and (tmp_path / "train.bin.verified").is_file()
+    data.PackedDataset(path)
+    assert len(scans) == 1  # stamp matches: no second scan
+    data.PackedDataset(path, verify_checksum=False)
+    assert len(scans) == 1
+    # A damaged copy with a later mtime (what any real rewrite has): scanned again, and refused.
+    raw = bytearray(path.read_bytes())
+    raw[-3] ^= 0x01
+    before = path.stat().st_mtime_ns
+    path.write_bytes(bytes(raw))
+    os.utime(path, ns=(before + 10**9, before + 10**9))
+    with pytest.raises(ValueError, match=r"payload sha256 \(checksum\)"):
+        data.PackedDataset(path)
+    assert len(scans) == 2
+    # A new file at the same path (write_packed replaces the inode) is scanned once more.
+    _write(path)
+    del scans[2:]
+    data.PackedDataset(path)
+    data.PackedDataset(path)
+    assert len(scans) == 3
 
 
 def test_wrong_magic_is_rejected(tmp_path):

@@ -67,6 +67,20 @@ def test_backend_detection_and_override(monkeypatch):
         runtime.init_distributed(backend="mpi")
 
 
+@pytest.mark.parametrize("installed", [{"torch_neuronx"}, {"torch_neuronx", "torch_xla"}])
+def test_neuron_sdk_without_torch_xla_is_refused(monkeypatch, installed):
+    """A Neuron SDK >= 2.30 (torch-neuronx, no torch-xla) must not fall through to gloo and train
+    on the host CPU under a trn1 label; with torch-xla beside it, xla is chosen."""
+    monkeypatch.delenv("PJRT_DEVICE", raising=False)
+    monkeypatch.setattr(runtime, "_module_available", lambda name: name in installed)
+    if "torch_xla" in installed:
+        assert runtime.detect_backend() == "xla"
+        return
+    with pytest.raises(RuntimeError, match=r"Neuron SDK 2\.29 or earlier .*torch-xla") as err:
+        runtime.detect_backend()
+    assert "[trn1,tutorial]" in str(err.value) and "backend='gloo'" in str(err.value)
+
+
 def _rng_streams() -> dict:
     st = nc.initialize_model_parallel(2)
     nc.model_parallel_manual_seed(1234)

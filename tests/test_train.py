@@ -208,3 +208,55 @@ def test_recompute_auto_plans_per_layer_and_trains(world, run_files):
     assert out["losses"][0] > out["losses"][-1]
     message = world(4).run(_train_error, common + ["--recompute", "auto"])[0]
     assert "--device-memory" in message
+
+
+def _open_and_count(path: str) -> int:
+    """Child: open the corpus as train.py does; how many full checksum scans this rank ran."""
+    if str(TUTORIAL) not in sys.path:
+        sys.path.insert(0, str(TUTORIAL))
+    import train
+
+    from neuron_ckpt.data import packed
+    from neuron_ckpt.distributed import runtime
+
+    scans = []
+    real = packed._sha256
+    packed._sha256 = lambda rows: scans.append(1) or real(rows)
+    try:
+        try:
+            train._open_dataset(path, runtime.get_runtime())
+        except ValueError as e:
+            return -1 if "checksum" in str(e) else -2
+    finally:
+        packed._sha256 = real
+    return len(scans)
+
+
+def test_corpus_is_scanned_by_one_rank_per_host(world, tmp_path):
+    """Rank 0 (local rank 0) scans and stamps; the others skip. A corrupt corpus fails on every
+    rank with the checksum error, none left waiting."""
+    blocks = np.random.default_rng(1).integers(0, 128, size=(32, 16))
+    good = write_packed(tmp_path / "good.safetensors", blocks, vocab_size=128, tokenizer="random")
+    assert world(2).run(_open_and_count, str(good)) == [1, 0]
+    assert world(2).run(_open_and_count, str(good)) == [0, 0]  # a later run: the stamp holds
+    bad = write_packed(tmp_path / "bad.safetensors", blocks, vocab_size=128, tokenizer="random")
+    raw = bytearray(bad.read_bytes())
+    raw[-2] ^= 0x01
+    bad.write_bytes(bytes(raw))
+    assert world(2).run(_open_and_count, str(bad)) == [-1, -1]
+
+
+def test_log_every_logs_the_interval_and_the_last_step(world, run_files):
+    root, common = run_files
+    out = world(4).run(_train, common + ["--max-steps", "7", "--log-every", "3", "--metrics-file", str(root / "l.jsonl")])
+    lines = [json.loads(x) for x in (root / "l.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [3, 6, 7]
+    assert all(r["step_time_s"] > 0 and r["tokens_seen"] == r["step"] * 8 * 16 for r in lines)
+    every = world(4).run(_train, common + ["--max-steps", "7"])[0]
+    assert out[0]["losses"] == [every["losses"][i] for i in (2, 5, 6)]  # same run, fewer records
+
+
+def test_trn_device_kind_needs_the_xla_backend(world, run_files):
+    root, common = run_files
+    message = world(4).run(_train_error, common + ["--device-kind", "trn1"])[0]
+    assert "--device-kind trn1 needs the xla backend" in message and "'gloo'" in message

@@ -225,12 +225,37 @@ def _open_payload(path: Path) -> tuple[PackedInfo, np.ndarray]:
     return info, tokens
 
 
+def _stamp_path(path: Path) -> Path:
+    return path.with_name(path.name + ".verified")
+
+
+def _stamp(path: Path, info: PackedInfo) -> dict:
+    """What identifies this version of the file: a rewrite (new inode, size or mtime) or another
+    header checksum makes an old stamp stale."""
+    st = path.stat()
+    return {"sha256": info.sha256, "vocab_size": info.vocab_size, "size": st.st_size,
+            "inode": st.st_ino, "mtime_ns": st.st_mtime_ns}  # fmt: skip
+
+
+def _read_stamp(path: Path) -> dict | None:
+    try:
+        return json.loads(_stamp_path(path).read_text())
+    except (OSError, ValueError):
+        return None
+
+
 class PackedDataset(torch.utils.data.Dataset):
     """Fixed-length token blocks from a packed file, validated when opened.
 
     Every check raises ValueError naming the file, the field and what was expected, because a
     silently wrong corpus (truncated copy, other tokenizer, other sequence length) costs a
     training run, not a crash. ``verify_checksum=False`` skips hashing for very large files.
+
+    The two full scans (sha256 of the payload, largest token id) run once per version of the
+    file: when they pass, a stamp ``<file>.verified`` (the checksum, size, inode and mtime) is
+    written beside it, and an open that finds a matching stamp skips them. So 32 ranks opening
+    a corpus do not each read all of it (the tutorial scans on one rank per host first). The
+    header checks above run on every open.
     """
 
     def __init__(
@@ -247,6 +272,9 @@ class PackedDataset(torch.utils.data.Dataset):
             _require(self.path, "block_len (sequence length)", self.block_len, expected_seq_len)
         if expected_vocab_size is not None:
             _require(self.path, "vocab_size", self.info.vocab_size, expected_vocab_size)
+        stamp = _stamp(self.path, self.info)
+        if verify_checksum and _read_stamp(self.path) == stamp:
+            return  # this very file passed both scans before
         if verify_checksum:
             _require(self.path, "payload sha256 (checksum)", _sha256(self.tokens), self.info.sha256)
         if (top := _max_id(self.tokens)) >= self.info.vocab_size:
@@ -254,6 +282,11 @@ class PackedDataset(torch.utils.data.Dataset):
                 f"{self.path}: token id {top} out of range: ids must be < vocab_size "
                 f"{self.info.vocab_size}"
             )
+        if verify_checksum:
+            try:
+                _atomic_write(_stamp_path(self.path), json.dumps(stamp).encode())
+            except OSError:
+                pass  # a read-only data directory: scan again next time
 
     @property
     def block_len(self) -> int:

@@ -9,6 +9,10 @@ Backend choice, unless ``backend=`` overrides it:
   ``PJRT_DEVICE`` is set and torch-xla is importable;
 * ``nccl`` when CUDA is available;
 * ``gloo`` otherwise (CPU).
+
+torch-neuronx without torch-xla is a Neuron SDK of 2.30 or later, which trains through
+TorchNeuron on trn2/trn3 and has no PyTorch/XLA: detection refuses it rather than quietly
+training on the host CPU. trn1 trains with Neuron SDK 2.29 or earlier (torch-xla 2.9).
 """
 
 from __future__ import annotations
@@ -35,6 +39,9 @@ class Runtime:
     world_size: int
     local_rank: int
     device: torch.device
+    host_group: dist.ProcessGroup | None = None
+    """On XLA, a gloo group of all ranks for host-side coordination (barriers): XLA's own
+    ``xm.rendezvous`` runs a device graph and reads its result back each time. None elsewhere."""
 
 
 _RUNTIME: Runtime | None = None
@@ -47,12 +54,23 @@ def _module_available(name: str) -> bool:
         return False
 
 
+NEURON_WITHOUT_XLA = (
+    "torch-neuronx is installed but torch-xla is not: this Neuron SDK (2.30 or later) trains "
+    "through TorchNeuron on trn2/trn3 and has no PyTorch/XLA. Training on trn1 needs Neuron SDK "
+    "2.29 or earlier (torch-neuronx 2.9 with torch-xla 2.9): activate that SDK's venv and "
+    "pip install -e \".[trn1,tutorial]\" (docs/trainium.md). Pass backend='gloo' to train on the "
+    "host CPU instead."
+)
+
+
 def detect_backend() -> str:
     """The backend this process would use: ``xla``, ``nccl`` or ``gloo``."""
-    if _module_available("torch_xla") and (
-        _module_available("torch_neuronx") or os.environ.get("PJRT_DEVICE")
-    ):
-        return "xla"
+    neuron = _module_available("torch_neuronx")
+    if _module_available("torch_xla"):
+        if neuron or os.environ.get("PJRT_DEVICE"):
+            return "xla"
+    elif neuron:
+        raise RuntimeError(NEURON_WITHOUT_XLA)
     if torch.cuda.is_available():
         return "nccl"
     return "gloo"
@@ -136,6 +154,7 @@ def init_distributed(backend: str | None = None, timeout_s: float = 1800.0) -> R
         world_size=dist.get_world_size(),
         local_rank=local_rank,
         device=_device_for(backend, local_rank),
+        host_group=dist.new_group(backend="gloo") if backend == "xla" else None,
     )
     return _RUNTIME
 
@@ -150,6 +169,15 @@ def get_runtime() -> Runtime:
 def is_xla() -> bool:
     """True when this process runs on torch-xla (NeuronCores or XLA:CPU)."""
     return _RUNTIME is not None and _RUNTIME.backend == "xla"
+
+
+def barrier() -> None:
+    """Wait for every rank, on the host: no device graph, no device-to-host read (on XLA through
+    the runtime's gloo ``host_group``). A no-op without a process group."""
+    if _RUNTIME is not None and _RUNTIME.host_group is not None:
+        dist.barrier(group=_RUNTIME.host_group)
+    elif dist.is_initialized():
+        dist.barrier()
 
 
 def destroy_distributed() -> None:

@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from ..distributed import runtime
 from ..distributed.random import RNGState
@@ -42,15 +41,6 @@ LATEST = "latest"
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 FORMAT = "neuron_ckpt.train.checkpoint/1"
 SAFE_GLOBALS = [RNGState]  # the only non-container class a shard holds (RNG tracker snapshots)
-
-
-def _barrier() -> None:
-    if runtime.is_xla():
-        import torch_xla.core.xla_model as xm
-
-        xm.rendezvous("neuron_ckpt.checkpoint")
-    elif dist.is_initialized():
-        dist.barrier()
 
 
 def _fsync_dir(path: Path) -> None:
@@ -120,13 +110,13 @@ class CheckpointManager:
             self.directory.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
-        _barrier()
+        runtime.barrier()
         cpu_shard = to_cpu(shard)
         shard_path = tmp / self._shard_name(self.rank)
         _write_atomic(shard_path, lambda f: torch.save(cpu_shard, f))
         digest = _sha256(shard_path)
         _write_atomic(shard_path.with_name(shard_path.name + ".sha256"), lambda f: f.write(digest.encode()))
-        _barrier()
+        runtime.barrier()
         if self.rank == 0:
             present = sorted(p.name for p in tmp.glob("rank_*.pt.sha256"))
             if len(present) != self.world_size:
@@ -140,7 +130,7 @@ class CheckpointManager:
             _write_atomic(self.directory / LATEST, lambda f: f.write(name.encode()))
             _fsync_dir(self.directory)
             self._prune()
-        _barrier()
+        runtime.barrier()
         return final
 
     def _prune(self) -> None:

@@ -8,6 +8,13 @@ One optimizer step = ``grad_accum`` micro-batches on each DP rank, each loss sca
 ``1/grad_accum`` before backward, so the accumulated gradient is the mean over the rank's
 micro-batches; the optimizer then averages over DP. Every block has the same number of targets
 (``seq_len - 1``), so this equals the token mean over the global batch.
+
+On XLA a step is ``grad_accum + 1`` graphs: one per micro-batch (forward + backward), then one
+for the optimizer step, which also holds the DP mean of the loss. Nothing in a step reads a
+device value on the host, so tracing step N+1 overlaps the device running step N; the loss and
+gradient norm reach the host only on logged steps (``log_every``), through
+``xm.add_step_closure``, and on checkpoint steps. Eager backends log the same way, with the
+closure called at once.
 """
 
 from __future__ import annotations
@@ -25,11 +32,15 @@ from .metrics import MetricsWriter, StepRecord, make_record
 from .schedule import LRSchedule
 
 
+def _xm():
+    import torch_xla.core.xla_model as xm
+
+    return xm
+
+
 def _mark_step() -> None:
     if runtime.is_xla():
-        import torch_xla.core.xla_model as xm
-
-        xm.mark_step()
+        _xm().mark_step()
 
 
 def train_step(
@@ -42,6 +53,8 @@ def train_step(
 
     Returns ``(mean loss on this rank, global grad norm before clipping)`` as tensors (no host
     sync here). The optimizer's ``step()`` must return the grad norm (``Zero1Optimizer`` does).
+    On XLA each micro-batch ends its graph; the optimizer step's graph is left open, for the
+    caller to add what belongs to the step (the loss reduction, logging) before ``mark_step``.
     """
     optimizer.zero_grad(set_to_none=True)
     total = torch.zeros((), dtype=torch.float32, device=device)
@@ -53,7 +66,6 @@ def train_step(
         total = total + loss.detach().float() * scale
         _mark_step()  # XLA: one graph per micro-batch, so graph size does not grow with accumulation
     grad_norm = optimizer.step()
-    _mark_step()
     return total, grad_norm
 
 
@@ -72,6 +84,44 @@ class FitOptions:
     checkpoint_every: int = 0
     """Save every N steps (0: never, except ``save_at_end``)."""
     save_at_end: bool = True
+    log_every: int = 1
+    """Bring the loss and gradient norm to the host and log them every N steps (and on the last
+    and checkpoint steps); the step time logged is the mean over the interval. On XLA every
+    logged step waits for the device, so keep it above 1 there (the tutorial uses 10)."""
+
+    def __post_init__(self) -> None:
+        if self.log_every < 1:
+            raise ValueError(f"log_every must be >= 1, got {self.log_every}")
+
+
+class _Logger:
+    """Turns (loss, grad norm) tensors into :class:`StepRecord` s, timing the logged intervals."""
+
+    def __init__(self, options: FitOptions, metrics: MetricsWriter, world: int, tokens_seen: int):
+        self.options, self.metrics, self.world = options, metrics, world
+        self.tokens_seen = tokens_seen
+        self.records: list[StepRecord] = []
+        self.restart()
+
+    def restart(self) -> None:
+        """Start a new timing interval now (after set-up or a checkpoint: neither is step time)."""
+        self.start, self.steps = time.perf_counter(), 0
+
+    def step_done(self) -> None:
+        self.steps += 1
+        self.tokens_seen += self.options.global_batch * self.options.seq_len
+
+    def log(self, values: torch.Tensor, step: int, lr: float) -> None:
+        """``values`` = ``[loss, grad_norm]``; called when they are on the device (step closure)."""
+        loss, grad_norm = values.tolist()  # the one device-to-host transfer of a logged step
+        now, o = time.perf_counter(), self.options
+        record = make_record(
+            step, loss, lr, grad_norm, (now - self.start) / self.steps, o.global_batch, o.seq_len,
+            o.flops_per_token, o.peak_tflops_per_rank, self.world, self.tokens_seen,
+        )  # fmt: skip
+        self.records.append(record)
+        self.metrics.write(record)
+        self.start, self.steps = now, 0
 
 
 def fit(
@@ -87,38 +137,45 @@ def fit(
     checkpoints: CheckpointManager | None = None,
     checkpoint_payload: Callable[[int], tuple[dict, dict]] | None = None,
 ) -> list[StepRecord]:
-    """Run steps ``start_step .. max_steps - 1``; returns the per-step records (every rank).
+    """Run steps ``start_step .. max_steps - 1``; returns the records of the logged steps.
 
     ``batches``: an iterator of per-step micro-batch lists positioned at ``start_step``.
     ``checkpoint_payload(step) -> (shard, meta)`` builds what :class:`CheckpointManager` saves
     after ``step`` steps are done.
     """
     model.train()
-    records: list[StepRecord] = []
-    tokens_seen = start_step * options.global_batch * options.seq_len
-    world = state.tp_size * state.dp_size
+    xla = runtime.is_xla()
+    # Run what building the model and optimizer (ZeRO-1's flattening of every parameter) or
+    # loading a checkpoint left pending, so that step 1's graph is the steady-state step.
+    _mark_step()
+    logger = _Logger(options, metrics, state.tp_size * state.dp_size, start_step * options.global_batch * options.seq_len)
     last_saved = None
-    t_prev = time.perf_counter()
     for step in range(start_step, options.max_steps):
         lr = schedule.apply(optimizer, step)
         loss, grad_norm = train_step(model, optimizer, next(batches), device)
-        # Mean loss over DP (every TP rank of a replica holds the same loss).
-        loss = collectives.all_reduce(loss.clone(), state.dp) / state.dp_size
-        loss_value, norm_value = float(loss.item()), float(grad_norm.item())  # host sync, once a step
-        now = time.perf_counter()
-        tokens_seen += options.global_batch * options.seq_len
-        record = make_record(
-            step + 1, loss_value, lr, norm_value, now - t_prev, options.global_batch, options.seq_len,
-            options.flops_per_token, options.peak_tflops_per_rank, world, tokens_seen,
-        )  # fmt: skip
-        records.append(record)
-        metrics.write(record)
         done = step + 1
-        if checkpoints is not None and options.checkpoint_every and done % options.checkpoint_every == 0:
+        logger.step_done()
+        save = checkpoints is not None and options.checkpoint_every and done % options.checkpoint_every == 0
+        # Mean loss over DP (every TP rank of a replica holds the same loss). Every step, logged
+        # or not, so that every step traces the same graph; ``values`` stays alive until the
+        # mark_step below, which keeps it in that graph.
+        values = torch.stack([collectives.all_reduce(loss, state.dp) / state.dp_size, grad_norm.float()])
+        if done % options.log_every == 0 or done == options.max_steps or save:
+            if xla:
+                _xm().add_step_closure(logger.log, args=(values, done, lr))
+            else:
+                logger.log(values, done, lr)
+        _mark_step()
+        if save:
             checkpoints.save(done, *checkpoint_payload(done))
             last_saved = done
-        t_prev = time.perf_counter()  # checkpoint time is not step time
+            logger.restart()
     end = max(options.max_steps, start_step)
     if checkpoints is not None and options.save_at_end and last_saved != end and end > start_step:
         checkpoints.save(end, *checkpoint_payload(end))
-    return records
+    if xla:
+        # Let every queued graph finish and every rank arrive before the caller tears the
+        # process group down (otherwise: "Broken pipe" from ranks still running at exit).
+        _xm().wait_device_ops()
+        runtime.barrier()
+    return logger.records

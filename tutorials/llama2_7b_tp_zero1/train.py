@@ -28,6 +28,7 @@ import transformers
 import neuron_ckpt as nc
 from neuron_ckpt.data import DataParallelBatches, PackedDataset
 from neuron_ckpt.distributed import get_rng_tracker
+from neuron_ckpt.distributed.runtime import barrier
 from neuron_ckpt.models import LlamaForCausalLM, flops_per_token
 from neuron_ckpt.optim import Zero1Optimizer
 from neuron_ckpt.recompute import RecomputeConfig
@@ -86,7 +87,10 @@ class TrainConfig:
     grad_clip: float = opt(1.0, "clip the global gradient norm to this (0: no clipping)")
     seed: int = opt(1234, "seed for init, data order and the TP RNG streams")
     # logging, checkpoints
-    metrics_file: Optional[str] = opt(None, "append one JSON line per step here (rank 0)")
+    log_every: Optional[int] = opt(
+        None, "log loss, grad norm and throughput every N steps (default: 10 on XLA, where a logged step waits for the device; 1 elsewhere)"
+    )
+    metrics_file: Optional[str] = opt(None, "append one JSON line per logged step here (rank 0)")
     tensorboard_dir: Optional[str] = opt(None, "also log the step scalars to TensorBoard here (needs tensorboard)")
     device_kind: Optional[str] = opt(None, "device for the MFU peak (default: detected)", ["trn1", "trn2", "h100", "cpu"])
     peak_tflops: Optional[float] = opt(None, "peak dense TFLOP/s per rank for MFU (default: per device kind)")
@@ -107,6 +111,8 @@ class TrainConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.log_every is not None and self.log_every < 1:
+            raise ValueError(f"--log-every must be >= 1, got {self.log_every}")
         if self.resume is not None and self.checkpoint_dir is None and self.resume == "latest":
             raise ValueError("--resume latest needs --checkpoint-dir")
 
@@ -173,6 +179,36 @@ def _auto_recompute(cfg: TrainConfig, config, state, seq_len: int, dtype: torch.
     return plan_recompute(ModelShape.from_llama_config(config), setup, memory)
 
 
+def _open_dataset(path: str, rt) -> PackedDataset:
+    """Open the packed corpus; its full scans (checksum, id range) run on one rank per host.
+
+    That rank leaves a stamp beside the file which the host's other ranks find after the
+    barrier, so they skip the scans. If the scan fails there, there is no stamp: every rank
+    scans and raises the same error, and no rank waits in a collective for a failed one.
+    """
+    dataset, error = None, None
+    if rt.local_rank == 0:
+        try:
+            dataset = PackedDataset(path)
+        except ValueError as e:
+            error = e
+    barrier()
+    if error is not None:
+        raise error
+    return dataset or PackedDataset(path)
+
+
+def _check_device_kind(device_kind: Optional[str], backend: str) -> None:
+    """trn1/trn2 (NeuronCores) are reached through torch-xla only: refuse to label a CPU or GPU
+    run as one (e.g. run_trn1.sh on a machine without the Neuron SDK 2.29 venv active)."""
+    if device_kind in ("trn1", "trn2") and backend != "xla":
+        raise ValueError(
+            f"--device-kind {device_kind} needs the xla backend (torch-neuronx + torch-xla: Neuron SDK "
+            f"2.29 or earlier, see docs/trainium.md), but this process runs {backend!r}. Activate the "
+            "Neuron venv, or pass --device-kind cpu/h100 for a run on this machine."
+        )
+
+
 def _model_fields(config) -> dict:
     keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
     return {k: getattr(config, k) for k in keys}
@@ -184,10 +220,11 @@ def main(argv: list[str] | None = None) -> dict:
     rt = nc.init_distributed(backend=cfg.backend)
     state = nc.initialize_model_parallel(cfg.tp)
     is_main = rt.rank == 0
+    _check_device_kind(cfg.device_kind, rt.backend)
     dtype = DTYPES[cfg.dtype] if cfg.dtype != "auto" else (torch.float32 if rt.backend == "gloo" else torch.bfloat16)
 
     config = transformers.LlamaConfig.from_json_file(cfg.model_config)
-    dataset = PackedDataset(cfg.data, expected_vocab_size=None)
+    dataset = _open_dataset(cfg.data, rt)
     seq_len = dataset.block_len
     if dataset.info.vocab_size > config.vocab_size:
         raise ValueError(f"{cfg.data}: tokenizer vocab {dataset.info.vocab_size} > model vocab_size {config.vocab_size}")
@@ -273,7 +310,8 @@ def main(argv: list[str] | None = None) -> dict:
         )
     metrics = MetricsWriter(cfg.metrics_file, enabled=is_main, append=start_step > 0, tensorboard_dir=cfg.tensorboard_dir)
     stop = min(cfg.max_steps, cfg.stop_at_step or cfg.max_steps)
-    options = FitOptions(stop, cfg.global_batch_size, seq_len, fpt, peak, cfg.checkpoint_every)
+    log_every = cfg.log_every or (10 if rt.backend == "xla" else 1)
+    options = FitOptions(stop, cfg.global_batch_size, seq_len, fpt, peak, cfg.checkpoint_every, log_every=log_every)
     try:
         records = fit(
             model, optimizer, iter(batches), schedule, options, state, rt.device, metrics,
