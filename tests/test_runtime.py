@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -52,7 +53,8 @@ def test_under_torchrun_tp_ranks_are_contiguous(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4", str(script), "2"]
     out = subprocess.run(cmd, env=_clean_env(), capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    infos = sorted((json.loads(l) for l in out.stdout.splitlines() if l.startswith("{")), key=lambda i: i["rank"])
+    # Four processes share one stdout: a line can hold two ranks' objects. Read every object.
+    infos = sorted((json.loads(m) for m in re.findall(r"\{[^{}]*\}", out.stdout)), key=lambda i: i["rank"])
     assert [i["rank"] for i in infos] == [0, 1, 2, 3]
     assert all(i["world"] == 4 and i["backend"] == "gloo" for i in infos)
     assert [i["tp"] for i in infos] == [[0, 1], [0, 1], [2, 3], [2, 3]]
