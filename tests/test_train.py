@@ -260,3 +260,243 @@ def test_trn_device_kind_needs_the_xla_backend(world, run_files):
     root, common = run_files
     message = world(4).run(_train_error, common + ["--device-kind", "trn1"])[0]
     assert "--device-kind trn1 needs the xla backend" in message and "'gloo'" in message
+
+
+# ---- checkpoint format 2: the model once per TP rank, streamed writes, writer rounds ------------
+
+
+def _file_sizes(path: Path) -> dict[str, int]:
+    return {p.name: p.stat().st_size for p in path.iterdir()}
+
+
+def test_checkpoint_writes_model_once_per_tp_rank(world, run_files, tmp_path):
+    """TP 2 x DP 2: only DP rank 0 of each TP rank (ranks 0 and 1) writes a model file; every rank
+    writes its own optimizer slices. The bytes on disk versus the old layout (every rank one file
+    with the model, optimizer, data order and RNG) are printed; the saving is the (DP - 1) extra
+    model copies."""
+    import io
+
+    from safetensors import safe_open
+
+    root, common = run_files
+    world(4).run(_train, common + ["--checkpoint-dir", str(tmp_path), "--stop-at-step", "2"])
+    path = tmp_path / "step_00000002"
+    sizes = _file_sizes(path)
+    ranks = [f"rank_{r:05d}.{ext}" for r in range(4) for ext in ("pt", "safetensors")]
+    models = ["model_tp00000.safetensors", "model_tp00001.safetensors"]
+    want = {"meta.json", *ranks, *models, *(f + ".sha256" for f in ranks + models)}
+    assert set(sizes) == want, sorted(sizes)
+    for tp, name in enumerate(models):
+        with safe_open(str(path / name), "pt") as f:  # a standard safetensors file
+            info = f.metadata()
+            assert info["rank"] == str(tp) and info["tp_rank"] == str(tp) and info["dp_rank"] == "0", info
+            assert "layers.0.mlp.down_proj.weight" in f.keys() and "lm_head.weight" in f.keys()
+    meta = json.loads((path / "meta.json").read_text())
+    assert meta["format"] == "neuron_ckpt.train.checkpoint/2" and meta["shared"] == {"model": models}
+    assert {k: v for k, v in meta["files"].items()} == {k: v for k, v in sizes.items() if k != "meta.json"}
+
+    # The old layout, rebuilt from this checkpoint: rank r's file held torch.save of its whole
+    # state (model slice of its TP rank included), plus a .sha256 beside it, plus meta.json.
+    old = sizes["meta.json"]
+    for r in range(4):
+        ps = SimpleNamespace(tp_rank=r % 2, tp_size=2, dp_rank=r // 2, dp_size=2)
+        shard, _ = CheckpointManager(tmp_path, rank=r, world_size=4, parallel_state=ps).load(path, {})
+        assert set(shard) == {"model", "optimizer", "data", "rng"}
+        buf = io.BytesIO()
+        torch.save(shard, buf)
+        old += len(buf.getvalue()) + 64
+    new = sum(sizes.values())
+    model_bytes = sum(sizes[m] for m in models)
+    print(f"\ncheckpoint bytes at TP 2 x DP 2: old layout {old}, new layout {new} ({new / old:.1%}); model files {model_bytes}")
+    assert new < old
+    assert old - new > 0.8 * model_bytes  # DP - 1 = 1 extra copy of every TP rank's model slice gone
+
+
+def _timed_save(directory: str, writers: int, delay: float) -> tuple[float, float]:
+    """Worker: TP 2 x DP 2 save with each file write slowed by ``delay`` s; this rank's write span."""
+    import time
+
+    import neuron_ckpt as nc
+    from neuron_ckpt.distributed import runtime
+    from neuron_ckpt.train import checkpoint as ck
+
+    state = nc.initialize_model_parallel(2)
+    rt = runtime.get_runtime()
+    mgr = CheckpointManager(directory, 1, rt.rank, rt.world_size, parallel_state=state, writers=writers)
+    real = ck._write_tensor_file
+
+    def slow(*args, **kwargs):
+        time.sleep(delay)
+        return real(*args, **kwargs)
+
+    ck._write_tensor_file = slow
+    try:
+        shard = {"model": {"w": torch.full((4,), float(state.tp_rank))}, "opt": torch.full((3,), float(rt.rank))}
+        mgr.save(1, shard, {})
+    finally:
+        ck._write_tensor_file = real
+    assert mgr.rounds()[0] == (1 if writers == 0 else -(-4 // writers))
+    return mgr.write_spans[-1]
+
+
+def _max_overlap(spans: list[tuple[float, float]]) -> int:
+    events = sorted([(s, 1) for s, _ in spans] + [(e, -1) for _, e in spans], key=lambda x: (x[0], x[1]))
+    now = most = 0
+    for _, d in events:
+        now += d
+        most = max(most, now)
+    return most
+
+
+def test_checkpoint_writers_per_host_are_limited(world, tmp_path):
+    """Ranks write in rounds of ``writers`` local ranks (LocalWorld: local rank = rank). Every
+    write is slowed down, so ranks writing at once would overlap; with no limit they do."""
+    spans = {w: world(4).run(_timed_save, str(tmp_path / f"w{w}"), w, 0.3) for w in (1, 2, 0)}
+    print("\nwrite spans (start, end) per rank:", {w: [(round(a % 100, 2), round(b % 100, 2)) for a, b in s] for w, s in spans.items()})
+    one = spans[1]
+    assert all(one[r][1] <= one[r + 1][0] for r in range(3)), one  # one at a time, in local-rank order
+    two = spans[2]
+    assert _max_overlap(two) <= 2 and max(e for _, e in two[:2]) <= min(s for s, _ in two[2:]), two
+    assert _max_overlap(spans[0]) > 1, spans[0]  # the check can fail: unlimited writers overlap
+    loaded, _ = CheckpointManager(tmp_path / "w2").load(tmp_path / "w2" / "step_00000001", {"world_size": 4})
+    assert torch.equal(loaded["model"]["w"], torch.zeros(4)) and torch.equal(loaded["opt"], torch.zeros(3))
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "header", "missing"])
+def test_corrupt_or_missing_model_file_is_named(tmp_path, damage):
+    mgr = CheckpointManager(tmp_path)
+    path = mgr.save(1, {"model": {"w": torch.arange(1000.0), "b": torch.ones(3)}, "step": 1}, {"tp_size": 1})
+    model = path / "model_tp00000.safetensors"
+    data = model.read_bytes()
+    if damage == "truncate":
+        model.write_bytes(data[: len(data) // 2])
+    elif damage == "flip":
+        model.write_bytes(data[:-100] + bytes([data[-100] ^ 0xFF]) + data[-99:])
+    elif damage == "header":
+        model.write_bytes(data[:20] + b"\x00" + data[21:])
+    else:
+        model.unlink()
+    needle = "missing" if damage == "missing" else "truncated or corrupt"
+    with pytest.raises(ValueError, match=needle) as err:
+        mgr.load(path, {"tp_size": 1})
+    assert str(model) in str(err.value)
+
+
+def test_older_checkpoint_format_is_refused(tmp_path):
+    mgr = CheckpointManager(tmp_path)
+    path = mgr.save(1, {"w": torch.ones(2)}, {"tp_size": 1})
+    meta = json.loads((path / "meta.json").read_text())
+    (path / "meta.json").write_text(json.dumps({**meta, "format": "neuron_ckpt.train.checkpoint/1"}))
+    with pytest.raises(ValueError, match="checkpoint format 'neuron_ckpt.train.checkpoint/1'") as err:
+        mgr.load(path, {"tp_size": 1})
+    assert "reads 'neuron_ckpt.train.checkpoint/2' only" in str(err.value) and "--init-hf" in str(err.value)
+
+
+def test_checkpoint_tensors_reach_the_host_a_group_at_a_time(tmp_path, monkeypatch):
+    """With chunk_mb = 16 KiB, tensors go to the host in groups of at most 16 KiB (a larger
+    tensor alone); the nested state, dtypes and the log line come back right."""
+    from neuron_ckpt.train import checkpoint as ck
+
+    groups = []
+    real = ck._to_host
+    monkeypatch.setattr(ck, "_to_host", lambda ts: groups.append([t.numel() * t.element_size() for t in ts]) or real(ts))
+    lines = []
+    mgr = CheckpointManager(tmp_path, chunk_mb=16 / 1024, log=lines.append)
+    model = {f"layer{i}.weight": torch.randn(32, 32) for i in range(6)}  # 4 KiB each
+    model["embed.weight"] = torch.randn(64, 128)  # 32 KiB: a group of its own
+    model["norm.weight"] = torch.ones(8, dtype=torch.bfloat16)
+    shard = {
+        "model": model,
+        "optimizer": {"inner": {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.randn(5000)}},
+                                "param_groups": [{"lr": 0.1, "betas": (0.9, 0.95), "params": [0]}]},
+                      "master": [torch.randn(7, dtype=torch.float64)], "meta": {"shapes": [(2, 3)]}},
+        "flags": torch.tensor([True, False]), "empty": torch.zeros(0, 3), "n": 5,
+    }  # fmt: skip
+    path = mgr.save(1, shard, {})
+    limit = 16 * 1024
+    assert len(groups) >= 4 and all(sum(g) <= limit or len(g) == 1 for g in groups), groups
+    assert [32 * 1024] in groups
+    assert len(lines) == 1 and "checkpoint step_00000001:" in lines[0] and " KB on disk" in lines[0] and " s " in lines[0]
+    assert mgr.last_save.total_bytes == sum(p.stat().st_size for p in path.iterdir())
+    loaded, _ = mgr.load(path, {})
+    assert list(loaded["model"]) == list(model) and all(torch.equal(loaded["model"][k], v) for k, v in model.items())
+    assert loaded["model"]["norm.weight"].dtype == torch.bfloat16
+    opt = loaded["optimizer"]
+    assert torch.equal(opt["inner"]["state"][0]["exp_avg"], shard["optimizer"]["inner"]["state"][0]["exp_avg"])
+    assert opt["inner"]["param_groups"][0]["betas"] == (0.9, 0.95) and opt["meta"] == {"shapes": [(2, 3)]}
+    assert torch.equal(opt["master"][0], shard["optimizer"]["master"][0]) and opt["master"][0].dtype == torch.float64
+    assert torch.equal(loaded["flags"], shard["flags"]) and loaded["empty"].shape == (0, 3) and loaded["n"] == 5
+
+
+def test_train_state_round_trip_restores_every_rng_stream(tmp_path):
+    """TrainState: model, optimizer, batch order, the CPU generator and the tracker's streams, one
+    state dict; after a load, the next draws and the next optimizer step repeat exactly."""
+    from neuron_ckpt.distributed.random import RNGStatesTracker
+    from neuron_ckpt.train import TrainState
+
+    class Order:
+        def __init__(self):
+            self.step = 0
+
+        def state_dict(self):
+            return {"step": self.step}
+
+        def load_state_dict(self, s):
+            self.step = s["step"]
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    tracker = RNGStatesTracker()
+    tracker.add("tp", 99)
+    order = Order()
+    ts = TrainState(model, opt, order, rng_tracker=tracker)
+
+    def step():
+        opt.zero_grad()
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        order.step += 1
+        with tracker.fork("tp"):
+            return torch.rand(3)
+
+    step()
+    mgr = CheckpointManager(tmp_path)
+    path = ts.save(mgr, 1, {})
+    after = [step(), torch.rand(2), model.weight.detach().clone(), order.step]
+    assert ts.resume(mgr, "latest", {})[1]["step"] == 1 and order.step == 1
+    again = [step(), torch.rand(2), model.weight.detach().clone(), order.step]
+    assert all(torch.equal(a, b) for a, b in zip(after[:3], again[:3])) and after[3] == again[3] == 2
+    assert set(ts.state_dict()) == {"model", "optimizer", "data", "rng"} and path.name == "step_00000001"
+
+
+def _save_failing_on_rank_2(directory: str) -> str:
+    """Worker: rank 2's write fails (disk full, say) in the second of 4 writer rounds."""
+    import neuron_ckpt as nc
+    from neuron_ckpt.distributed import runtime
+    from neuron_ckpt.train import checkpoint as ck
+
+    state = nc.initialize_model_parallel(2)
+    rt = runtime.get_runtime()
+    mgr = CheckpointManager(directory, 1, rt.rank, rt.world_size, parallel_state=state, writers=1)
+    real = ck._write_pt
+
+    def full(path, obj):
+        raise OSError(28, "No space left on device")
+
+    ck._write_pt = full if rt.rank == 2 else real
+    try:
+        mgr.save(1, {"model": {"w": torch.ones(2)}, "x": torch.ones(1)}, {})
+    except (OSError, RuntimeError) as e:
+        return f"{type(e).__name__}: {e}"
+    finally:
+        ck._write_pt = real
+    return "saved"
+
+
+def test_a_failed_write_on_one_rank_fails_the_save_everywhere(world, tmp_path):
+    """No rank is left waiting in a writer round or commits: all raise, ``latest`` is not written."""
+    out = world(4).run(_save_failing_on_rank_2, str(tmp_path))
+    assert out[2] == "OSError: [Errno 28] No space left on device", out
+    assert all(o.startswith("RuntimeError: writing checkpoint") and "another rank" in o for i, o in enumerate(out) if i != 2), out
+    assert not (tmp_path / "latest").exists() and CheckpointManager(tmp_path).complete() == []

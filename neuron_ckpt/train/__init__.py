@@ -1,9 +1,10 @@
-"""Training utilities shared by the tutorials: LR schedule, metrics/MFU, sharded checkpoints, loop."""
+"""Training utilities shared by the tutorials: LR schedule, metrics/MFU, sharded checkpoints, train state, loop."""
 
-from .checkpoint import CheckpointManager
+from .checkpoint import CheckpointManager, SaveReport
 from .loop import FitOptions, fit, train_step
 from .metrics import PEAK_TFLOPS, MetricsWriter, StepRecord, detect_device_kind, peak_tflops
 from .schedule import LRSchedule
+from .state import TrainState
 
 __all__ = [
     "PEAK_TFLOPS",
@@ -11,7 +12,9 @@ __all__ = [
     "FitOptions",
     "LRSchedule",
     "MetricsWriter",
+    "SaveReport",
     "StepRecord",
+    "TrainState",
     "detect_device_kind",
     "fit",
     "peak_tflops",

@@ -27,7 +27,6 @@ import transformers
 
 import neuron_ckpt as nc
 from neuron_ckpt.data import DataParallelBatches, PackedDataset
-from neuron_ckpt.distributed import get_rng_tracker
 from neuron_ckpt.distributed.runtime import barrier
 from neuron_ckpt.models import LlamaForCausalLM, flops_per_token
 from neuron_ckpt.optim import Zero1Optimizer
@@ -37,6 +36,7 @@ from neuron_ckpt.train import (
     FitOptions,
     LRSchedule,
     MetricsWriter,
+    TrainState,
     detect_device_kind,
     fit,
     peak_tflops,
@@ -97,6 +97,9 @@ class TrainConfig:
     checkpoint_dir: Optional[str] = opt(None, "sharded checkpoints go here")
     checkpoint_every: int = opt(0, "save every N steps (0: only at the end, when --checkpoint-dir is set)")
     keep_last: int = opt(3, "checkpoints to keep")
+    checkpoint_writers: int = opt(
+        8, "ranks per host that write (and, on resume, read) checkpoint files at the same time; 0: all"
+    )
     resume: Optional[str] = opt(None, "'latest' (under --checkpoint-dir; a fresh start if none) or a checkpoint path")
     init_hf: Optional[str] = opt(None, "initial weights: a transformers Llama state dict (.safetensors or torch file)")
     export_hf: Optional[str] = opt(None, "at the end, write the full transformers state dict here (.safetensors)")
@@ -111,6 +114,8 @@ class TrainConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.checkpoint_writers < 0:
+            raise ValueError(f"--checkpoint-writers must be >= 0 (0: all), got {self.checkpoint_writers}")
         if self.log_every is not None and self.log_every < 1:
             raise ValueError(f"--log-every must be >= 1, got {self.log_every}")
         if self.resume is not None and self.checkpoint_dir is None and self.resume == "latest":
@@ -209,6 +214,10 @@ def _check_device_kind(device_kind: Optional[str], backend: str) -> None:
         )
 
 
+def _print(message: str) -> None:
+    print(message, flush=True)
+
+
 def _model_fields(config) -> dict:
     keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
     return {k: getattr(config, k) for k in keys}
@@ -266,34 +275,17 @@ def main(argv: list[str] | None = None) -> dict:
         dataset, cfg.micro_batch_size, state.dp_rank, state.dp_size, cfg.seed, grad_accum=grad_accum
     )
 
+    train_state = TrainState(model, optimizer, batches)
     layout = {"tp_size": state.tp_size, "dp_size": state.dp_size, "model": _model_fields(config), "dtype": str(dtype)}
-    checkpoints, start_step = None, 0
-    if cfg.checkpoint_dir:
-        checkpoints = CheckpointManager(cfg.checkpoint_dir, cfg.keep_last, rt.rank, rt.world_size)
-    if cfg.resume:
-        path = checkpoints.resolve(cfg.resume) if checkpoints else CheckpointManager(".").resolve(cfg.resume)
-        if path is None:
-            if is_main:
-                print(f"--resume {cfg.resume}: no checkpoint under {cfg.checkpoint_dir} yet, starting fresh")
-        else:
-            shard, meta = (checkpoints or CheckpointManager(path.parent, 1, rt.rank, rt.world_size)).load(path, layout)
-            model.load_state_dict(shard["model"])
-            optimizer.load_state_dict(shard["optimizer"])
-            batches.load_state_dict(shard["data"])
-            torch.set_rng_state(shard["rng"]["cpu"])
-            get_rng_tracker().set_states(shard["rng"]["tracker"])
-            start_step = meta["step"]
-            if is_main:
-                print(f"resumed from {path} at step {start_step}")
-
-    def payload(step: int) -> tuple[dict, dict]:
-        shard = {
-            "model": model.state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "data": batches.state_dict(),
-            "rng": {"cpu": torch.get_rng_state(), "tracker": get_rng_tracker().get_states()},
-        }
-        return shard, {**layout, "train_config": dataclasses.asdict(cfg)}
+    checkpoints = CheckpointManager(
+        cfg.checkpoint_dir or ".", cfg.keep_last, rt.rank, rt.world_size, parallel_state=state,
+        local_rank=rt.local_rank, writers=cfg.checkpoint_writers, log=_print if is_main else None,
+    )  # fmt: skip
+    resumed = train_state.resume(checkpoints, cfg.resume, layout) if cfg.resume else None
+    start_step = resumed[1]["step"] if resumed else 0
+    if is_main and cfg.resume:
+        print(f"resumed from {resumed[0]} at step {start_step}" if resumed else
+              f"--resume {cfg.resume}: no checkpoint under {cfg.checkpoint_dir} yet, starting fresh")  # fmt: skip
 
     device_kind = cfg.device_kind or detect_device_kind(rt.backend)
     peak = cfg.peak_tflops or peak_tflops(device_kind, dtype)
@@ -315,7 +307,8 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         records = fit(
             model, optimizer, iter(batches), schedule, options, state, rt.device, metrics,
-            start_step=start_step, checkpoints=checkpoints, checkpoint_payload=payload,
+            start_step=start_step, checkpoints=checkpoints if cfg.checkpoint_dir else None,
+            checkpoint_payload=lambda step: (train_state.state_dict(), {**layout, "train_config": dataclasses.asdict(cfg)}),
         )  # fmt: skip
     finally:
         metrics.close()

@@ -1,0 +1,97 @@
+"""Everything a resumed run needs, behind one ``state_dict()`` / ``load_state_dict()``.
+
+:class:`TrainState` gathers the model, the optimizer (``Zero1Optimizer``: this rank's slices),
+the batch order (``DataParallelBatches``) and every RNG stream: the default stream (the CPU
+generator and the device's, CUDA or XLA, through :func:`neuron_ckpt.distributed.random.get_rng_state`)
+and the tensor-parallel tracker's named streams. Restoring all of them is what makes a resumed
+run continue bit-identically (``tests/test_train.py::test_resume_continues_exactly``).
+
+With a :class:`~neuron_ckpt.train.CheckpointManager` the ``"model"`` entry is written once per
+TP rank (by DP rank 0) and the rest per rank; :meth:`TrainState.resume` reads it back in the
+manager's writer rounds.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..distributed import runtime
+from ..distributed.random import RNGStatesTracker, get_rng_state, get_rng_tracker, set_rng_state
+from .checkpoint import CheckpointManager
+
+KEYS = ("model", "optimizer", "data", "rng")
+
+
+class TrainState:
+    """``model``, ``optimizer``, ``batches`` (anything with ``state_dict``/``load_state_dict``;
+    ``batches`` may be None) and the RNG streams of this process, saved and restored together."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        batches: Any = None,
+        rng_tracker: RNGStatesTracker | None = None,
+    ):
+        self.model, self.optimizer, self.batches = model, optimizer, batches
+        self.rng_tracker = rng_tracker if rng_tracker is not None else get_rng_tracker()
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"model", "optimizer", "data", "rng": {"default", "tracker"}}``; tensors are
+        references (device tensors included): save them before the next step."""
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "data": self.batches.state_dict() if self.batches is not None else None,
+            "rng": {"default": get_rng_state(), "tracker": self.rng_tracker.get_states()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned (tensors on the CPU are fine).
+
+        On XLA the copies into the device tensors run here, as one graph, so the host copies can
+        be freed at once; the step graphs that follow are the same as without a resume.
+        """
+        missing = [k for k in KEYS if k not in state]
+        if missing:
+            raise ValueError(f"TrainState.load_state_dict: no {missing} in the state (keys: {sorted(state)})")
+        if (state["data"] is None) != (self.batches is None):
+            raise ValueError("TrainState.load_state_dict: the state and this TrainState disagree on having a batch order")
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.batches is not None:
+            self.batches.load_state_dict(state["data"])
+        set_rng_state(state["rng"]["default"])
+        self.rng_tracker.set_states(state["rng"]["tracker"])
+        _xla_sync()
+
+    def save(self, manager: CheckpointManager, step: int, meta: dict[str, Any]) -> Path:
+        """A collective: checkpoint this state as step ``step`` (``meta`` goes to meta.json)."""
+        return manager.save(step, self.state_dict(), meta)
+
+    def resume(self, manager: CheckpointManager, which: str, expect: dict[str, Any]) -> tuple[Path, dict[str, Any]] | None:
+        """A collective: load checkpoint ``which`` (``"latest"`` or a path) into this state.
+
+        Returns ``(path, meta)`` (``meta["step"]``: the steps done), or None when ``"latest"``
+        finds no checkpoint yet. ``expect``: meta fields that must match (the layout).
+        """
+        path = manager.resolve(which)
+        if path is None:
+            return None
+        # XLA: run what is pending (building the model and optimizer, which may hold collectives)
+        # on every rank now, so that each reader round's graph holds only its own local copies.
+        _xla_sync()
+        return path, manager.restore(path, expect, self.load_state_dict)
+
+
+def _xla_sync() -> None:
+    """On XLA: run the pending graph and wait for it (nothing elsewhere)."""
+    if runtime.is_xla():
+        import torch_xla
+        import torch_xla.core.xla_model as xm
+
+        (getattr(torch_xla, "sync", None) or xm.mark_step)()
+        xm.wait_device_ops()
