@@ -4,18 +4,38 @@ Every data-parallel rank holds the whole model and computes full gradients, but 
 1/dp slice of the flattened parameters: it keeps fp32 master weights and optimizer state for that
 slice alone. A step is
 
-1. reduce-scatter the flattened gradients over DP (each rank receives the DP-mean of its slice),
-2. global gradient norm: squares of the slice, each parameter weighted 1/(TP ranks holding the
+1. reduce-scatter the gradients over DP, bucket by bucket (each rank receives the DP-mean of its
+   slice of every bucket),
+2. global gradient norm: squares of the slices, each parameter weighted 1/(TP ranks holding the
    same values), summed over DP then TP, so TP-sharded parameters count once per shard and
    replicated ones once,
 3. clip (same formula as ``torch.nn.utils.clip_grad_norm_``),
-4. the inner optimizer (AdamW, ...) updates the fp32 slice,
-5. all-gather the updated slices over DP and copy them into the model parameters.
+4. the inner optimizer (AdamW, ...) updates the fp32 slices,
+5. all-gather the updated slices over DP, bucket by bucket, into the model parameters.
 
-Parameters are grouped per user param group and dtype into one flat buffer each, padded so the
-length divides the DP size. Gradients of TP-replicated parameters that saw only a
-sequence-parallel slice must already be complete (the parallel layers all-reduce them in
-backward, see :mod:`neuron_ckpt.parallel.params`); this optimizer never reduces over TP.
+Layout. The parameters of one (user param group, dtype) are laid end to end in one *flat*
+sequence, padded at its end to a multiple of DP. The flat is cut into *buckets* of exactly
+``bucket_cap_mb`` worth of elements of the dtype the gradients are reduced in, rounded down to a
+multiple of DP (the last bucket is shorter), so every bucket divides by DP and only the last one
+of a flat carries padding. A parameter that straddles a cut is split between two
+buckets, and one larger than the cap spans several: the cap bounds every collective, whatever the
+parameter sizes (Neuron produces NaN within a few steps for collectives above ~140 MB, and an
+embedding at TP 1 is 262 MB in bf16). Each bucket has its own fp32 master slice (the rank's
+``1/dp`` of it), which is one parameter of the inner optimizer.
+
+fp32 gradient accumulation (``accumulate_fp32``; on by default for 16-bit parameters). Each flat
+owns a persistent fp32 gradient buffer in the flat layout. A post-accumulate-grad hook adds every
+backward's ``p.grad`` into the parameter's view of it and sets ``p.grad = None``, so micro-batch
+gradients are summed in fp32 (summing 256 bf16 micro-batch gradients in bf16 loses ~2%), no 16-bit
+gradient outlives its backward, and buckets are reduce-scattered straight from the buffer in fp32
+with no flattening copy. **After backward, ``p.grad`` is None** for these parameters; read the
+accumulated (this rank's, not yet DP-reduced) gradient with :meth:`Zero1Optimizer.accumulated_grad`.
+Without it, ``p.grad`` is kept as usual and each bucket is flattened from it at ``step()`` and
+reduced in the parameter dtype.
+
+Gradients of TP-replicated parameters that saw only a sequence-parallel slice must already be
+complete (the parallel layers all-reduce them in backward, see :mod:`neuron_ckpt.parallel.params`);
+this optimizer never reduces over TP.
 
 All collectives go through :mod:`neuron_ckpt.distributed.collectives`, and the step has no host
 synchronisation (the norm stays a tensor), so it traces into one graph on XLA.
@@ -23,81 +43,146 @@ synchronisation (the norm stays a tensor), so it traces into one graph on XLA.
 
 from __future__ import annotations
 
+import bisect
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..distributed import collectives
 from ..distributed.parallel_state import ParallelState, get_parallel_state
 from ..parallel.params import tensor_parallel_duplicates
 
+LAYOUT_VERSION = 2
+"""``state_dict()["version"]``. 1: one unbucketed flat buffer per (group, dtype), no version key."""
+
+_MB = 2**20
+_SIXTEEN_BIT = (torch.bfloat16, torch.float16)
+
+# Parameter -> the optimizer whose accumulation hook owns its gradient. Two hooks on one
+# parameter would be silently wrong (the first sets p.grad = None before the second sees it).
+_HOOK_OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
 
 @dataclass
-class _FlatShard:
-    """Parameters of one (param group, dtype) laid end to end, and this rank's slice of them.
+class _Bucket:
+    """Elements ``[start, end)`` of a flat; ``end - start`` divides by DP.
 
-    ``norm_segments`` are ``(start, end, weight)`` ranges of the slice with the 1/duplicates
-    weight of the parameter they cover, so the norm needs no per-element weight tensor.
+    ``pieces`` are ``(param index, first, last, offset in bucket)`` runs of the parameters it
+    holds; ``norm_segments`` are ``(start, end, weight)`` ranges of this rank's slice with the
+    1/duplicates weight of the parameter they cover, so the norm needs no per-element weights.
     """
+
+    start: int
+    end: int
+    master: torch.Tensor
+    pieces: list[tuple[int, int, int, int]]
+    norm_segments: list[tuple[int, int, float]]
+
+
+@dataclass
+class _Flat:
+    """The parameters of one (param group, dtype) end to end, cut into buckets."""
 
     group: int
     dtype: torch.dtype
+    reduce_dtype: torch.dtype
     params: list[torch.Tensor]
     offsets: list[int]
-    padding: int
-    master: torch.Tensor
-    norm_segments: list[tuple[int, int, float]] = field(default_factory=list)
+    numel: int
+    padded: int
+    grad: torch.Tensor | None = None  # fp32 accumulation buffer, ``padded`` long
+    buckets: list[_Bucket] = field(default_factory=list)
+
+    def pieces(self, lo: int, hi: int) -> list[tuple[int, int, int, int]]:
+        """Runs of parameters inside flat elements ``[lo, hi)``: ``(index, first, last, offset - lo)``."""
+        out = []
+        i = max(bisect.bisect_right(self.offsets, lo) - 1, 0)
+        while i < len(self.params) and self.offsets[i] < hi:
+            off, n = self.offsets[i], self.params[i].numel()
+            a, b = max(lo, off), min(hi, off + n)
+            if a < b:
+                out.append((i, a - off, b - off, a - lo))
+            i += 1
+        return out
+
+    def gather(self, lo: int, hi: int, tensors: list[torch.Tensor | None], dtype: torch.dtype) -> torch.Tensor:
+        """Flat elements ``[lo, hi)`` of ``tensors`` (laid out like the params; None reads as
+        zeros) as a new 1-D ``dtype`` tensor; padding reads as zeros."""
+        device = self.params[0].device
+        parts, covered = [], 0
+        for i, a, b, _ in self.pieces(lo, hi):
+            t = tensors[i]
+            parts.append(torch.zeros(b - a, dtype=dtype, device=device) if t is None else t.reshape(-1)[a:b].to(dtype))
+            covered += b - a
+        if covered < hi - lo:
+            parts.append(torch.zeros(hi - lo - covered, dtype=dtype, device=device))
+        return torch.cat(parts)
 
     def meta(self) -> dict[str, Any]:
         return {
             "group": self.group,
             "dtype": str(self.dtype),
+            "reduce_dtype": str(self.reduce_dtype),
             "shapes": [tuple(p.shape) for p in self.params],
-            "numels": [p.numel() for p in self.params],
-            "padding": self.padding,
-            "shard_numel": self.master.numel(),
+            "padding": self.padded - self.numel,
+            "buckets": [(b.start, b.end) for b in self.buckets],
         }
 
 
-def _flatten(tensors: list[torch.Tensor], padding: int, dtype: torch.dtype) -> torch.Tensor:
-    parts = [t.reshape(-1).to(dtype) for t in tensors]
-    if padding:
-        parts.append(torch.zeros(padding, dtype=dtype, device=tensors[0].device))
-    return torch.cat(parts)
+def _bucket_numel(cap_mb: float | None, dtype: torch.dtype, dp: int, padded: int) -> int:
+    """Elements per bucket: the cap in ``dtype``, rounded down to a multiple of DP."""
+    if cap_mb is None:
+        return padded
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    n = int(cap_mb * _MB) // itemsize // dp * dp
+    if n == 0:
+        raise ValueError(
+            f"bucket_cap_mb={cap_mb} holds {int(cap_mb * _MB) // itemsize} {dtype} elements, fewer than "
+            f"dp={dp}: allowed is None or at least {dp * itemsize / _MB:.3g}"
+        )
+    return n
 
 
-def _norm_segments(shard: _FlatShard, lo: int, tp_size: int) -> list[tuple[int, int, float]]:
-    """Where each parameter falls inside this rank's slice ``[lo, lo + shard_numel)``."""
-    hi = lo + shard.master.numel()
-    segments: list[tuple[int, int, float]] = []
-    for p, off in zip(shard.params, shard.offsets):
-        start, end = max(lo, off), min(hi, off + p.numel())
-        if start >= end:
-            continue
-        weight = 1.0 / tensor_parallel_duplicates(p, tp_size)
-        if segments and segments[-1][1] == start - lo and segments[-1][2] == weight:
-            segments[-1] = (segments[-1][0], end - lo, weight)
-        else:
-            segments.append((start - lo, end - lo, weight))
-    return segments
-
-
-def _build_shard(group: int, params: list[torch.Tensor], ps: ParallelState) -> _FlatShard:
-    dp = ps.dp_size
+def _build_flat(
+    group: int, params: list[torch.Tensor], ps: ParallelState, cap_mb: float | None, accumulate: bool
+) -> _Flat:
+    dp, r = ps.dp_size, ps.dp_rank
     offsets = [0]
     for p in params[:-1]:
         offsets.append(offsets[-1] + p.numel())
     numel = offsets[-1] + params[-1].numel()
-    padding = -numel % dp
-    shard_numel = (numel + padding) // dp
-    lo = ps.dp_rank * shard_numel
+    dtype = params[0].dtype
+    # Accumulate in at least fp32 (an fp64 parameter keeps fp64).
+    reduce_dtype = torch.promote_types(dtype, torch.float32) if accumulate else dtype
+    flat = _Flat(group, dtype, reduce_dtype, params, offsets, numel, numel + -numel % dp)
+    step = _bucket_numel(cap_mb, reduce_dtype, dp, flat.padded)
+    values = [p.detach() for p in params]
     with torch.no_grad():
-        flat = _flatten([p.detach() for p in params], padding, params[0].dtype)
-        master = flat[lo : lo + shard_numel].to(torch.float32).clone()
-    shard = _FlatShard(group, params[0].dtype, params, offsets, padding, master)
-    shard.norm_segments = _norm_segments(shard, lo, ps.tp_size)
-    return shard
+        for start in range(0, flat.padded, step):
+            end = min(start + step, flat.padded)
+            shard = (end - start) // dp
+            lo = start + r * shard
+            master = flat.gather(lo, lo + shard, values, torch.float32)
+            norm = _norm_segments(flat, lo, lo + shard, ps.tp_size)
+            flat.buckets.append(_Bucket(start, end, master, flat.pieces(start, end), norm))
+        if accumulate:
+            flat.grad = torch.zeros(flat.padded, dtype=reduce_dtype, device=params[0].device)
+    return flat
+
+
+def _norm_segments(flat: _Flat, lo: int, hi: int, tp_size: int) -> list[tuple[int, int, float]]:
+    """Where each parameter falls inside this rank's slice ``[lo, hi)`` of the flat."""
+    segments: list[tuple[int, int, float]] = []
+    for i, a, b, at in flat.pieces(lo, hi):
+        weight = 1.0 / tensor_parallel_duplicates(flat.params[i], tp_size)
+        if segments and segments[-1][1] == at and segments[-1][2] == weight:
+            segments[-1] = (segments[-1][0], at + b - a, weight)
+        else:
+            segments.append((at, at + b - a, weight))
+    return segments
 
 
 def _param_groups(params: Iterable[torch.Tensor] | Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -113,11 +198,24 @@ def _param_groups(params: Iterable[torch.Tensor] | Iterable[dict[str, Any]]) -> 
         for p in ps:
             if id(p) in seen:
                 raise ValueError("Zero1Optimizer: a parameter appears more than once in params")
+            if p.requires_grad and not p.is_contiguous():
+                raise ValueError(f"Zero1Optimizer: parameters must be contiguous, got one of shape {tuple(p.shape)}")
             seen.add(id(p))
         out.append({**g, "params": [p for p in ps if p.requires_grad]})
     if not any(g["params"] for g in out):
         raise ValueError("Zero1Optimizer: no parameter requires grad")
     return out
+
+
+def _accumulate_hook(opt_ref: weakref.ref, flat_index: int, param_index: int) -> Callable[[torch.Tensor], None]:
+    # A weak reference: the hook lives on the parameter, which must not keep a dropped optimizer
+    # (and its fp32 buffers) alive.
+    def hook(p: torch.Tensor) -> None:
+        opt = opt_ref()
+        if opt is not None and p.grad is not None:
+            opt._fold_grad(opt._flats[flat_index], param_index)
+
+    return hook
 
 
 class Zero1Optimizer(torch.optim.Optimizer):
@@ -126,9 +224,16 @@ class Zero1Optimizer(torch.optim.Optimizer):
     ``Zero1Optimizer(model.parameters(), torch.optim.AdamW, grad_clip_norm=1.0, lr=3e-4)``.
     ``params`` may be tensors or param-group dicts (per-group options such as
     ``weight_decay=0.0`` for norms pass through). ``**defaults`` go to ``optimizer_class``.
-    Parameters with ``requires_grad=False`` are left alone; a parameter whose ``.grad`` is None
+    Parameters with ``requires_grad=False`` are left alone; a parameter whose gradient is missing
     is treated as having a zero gradient (unlike torch optimizers, which skip it: weight decay
     still applies and the moments still decay, the same on every rank).
+
+    ``bucket_cap_mb`` (MiB, default 128; None: one bucket per param group and dtype) bounds the
+    bytes of every reduce-scatter and all-gather, counted in the dtype gradients are reduced in.
+    ``accumulate_fp32`` (None: for bf16/fp16 parameters only) accumulates gradients in fp32
+    buffers through post-accumulate-grad hooks, which leave ``p.grad`` None after backward (see
+    :meth:`accumulated_grad`) and reduce in fp32. The hooks are removed when the optimizer is
+    garbage-collected or by :meth:`remove_hooks`.
 
     ``param_groups`` is the inner optimizer's list, so an LR scheduler
     (``torch.optim.lr_scheduler.LambdaLR(zero1, ...)``) sets the learning rate that is used.
@@ -142,34 +247,118 @@ class Zero1Optimizer(torch.optim.Optimizer):
         optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW,
         parallel_state: ParallelState | None = None,
         grad_clip_norm: float | None = None,
+        bucket_cap_mb: float | None = 128,
+        accumulate_fp32: bool | None = None,
         **defaults: Any,
     ) -> None:
         if grad_clip_norm is not None and not grad_clip_norm > 0:
             raise ValueError(f"grad_clip_norm must be None or > 0, got {grad_clip_norm!r}")
+        cap_ok = isinstance(bucket_cap_mb, (int, float)) and not isinstance(bucket_cap_mb, bool) and bucket_cap_mb > 0
+        if bucket_cap_mb is not None and not cap_ok:
+            raise ValueError(f"bucket_cap_mb must be None (no cap) or a number > 0 (MiB), got {bucket_cap_mb!r}")
+        if not (accumulate_fp32 is None or isinstance(accumulate_fp32, bool)):
+            raise ValueError(
+                f"accumulate_fp32 must be None (auto: for bf16/fp16 parameters), True or False, got {accumulate_fp32!r}"
+            )
         self.parallel_state = parallel_state or get_parallel_state()
         self.grad_clip_norm = grad_clip_norm
+        self.bucket_cap_mb = bucket_cap_mb
         self.last_grad_norm: torch.Tensor | None = None
-        self.shards: list[_FlatShard] = []
+        self._flats: list[_Flat] = []
         inner_groups = []
         for i, group in enumerate(_param_groups(params)):
-            masters = [s.master for s in self._add_shards(i, group["params"])]
+            by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+            for p in group["params"]:
+                by_dtype.setdefault(p.dtype, []).append(p)
+            masters = []
+            for dtype, ps in by_dtype.items():
+                accumulate = dtype in _SIXTEEN_BIT if accumulate_fp32 is None else accumulate_fp32
+                flat = _build_flat(i, ps, self.parallel_state, bucket_cap_mb, accumulate)
+                self._flats.append(flat)
+                masters += [b.master for b in flat.buckets]
             inner_groups.append({**group, "params": masters})
+        self._hooks = self._register_hooks()
         self.inner = optimizer_class(inner_groups, **defaults)
         # Share, not copy: schedulers and users edit the hyperparameters the inner step reads.
         self.defaults = self.inner.defaults
         self.param_groups = self.inner.param_groups
         self.state = self.inner.state
 
-    def _add_shards(self, group: int, params: list[torch.Tensor]) -> list[_FlatShard]:
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for p in params:
-            by_dtype.setdefault(p.dtype, []).append(p)
-        new = [_build_shard(group, ps, self.parallel_state) for ps in by_dtype.values()]
-        self.shards.extend(new)
-        return new
+    def _register_hooks(self) -> list[Any]:
+        handles = []
+        me = weakref.ref(self)
+        for fi, flat in enumerate(self._flats):
+            if flat.grad is None:
+                continue
+            for pi, p in enumerate(flat.params):
+                owner = _HOOK_OWNERS.get(p)
+                if owner is not None and owner() is not None:
+                    for h in handles:
+                        h.remove()
+                    raise ValueError(
+                        f"Zero1Optimizer: a parameter of shape {tuple(p.shape)} already accumulates into "
+                        "another Zero1Optimizer; call remove_hooks() on that one first"
+                    )
+                _HOOK_OWNERS[p] = me
+                handles.append(p.register_post_accumulate_grad_hook(_accumulate_hook(me, fi, pi)))
+        self._me = me
+        weakref.finalize(self, _remove_handles, handles, self._hooked_params(), me)
+        return handles
+
+    def _hooked_params(self) -> list[torch.Tensor]:
+        return [p for f in self._flats if f.grad is not None for p in f.params]
+
+    def remove_hooks(self) -> None:
+        """Stop accumulating into the fp32 buffers: later gradients stay in ``p.grad`` (and are
+        still added to the buffers at the next ``step()``)."""
+        _remove_handles(self._hooks, self._hooked_params(), self._me)
+        self._hooks = []
+
+    @property
+    def buckets(self) -> list[_Bucket]:
+        """Every bucket, in the order of ``state_dict()["master"]`` and the inner parameters."""
+        return [b for f in self._flats for b in f.buckets]
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         raise NotImplementedError("Zero1Optimizer flattens parameters at construction; pass all groups then")
+
+    # ---- gradients -------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def _fold_grad(self, flat: _Flat, i: int) -> None:
+        p = flat.params[i]
+        off = flat.offsets[i]
+        flat.grad[off : off + p.numel()].add_(p.grad.reshape(-1))
+        p.grad = None
+
+    def accumulated_grad(self, param: torch.Tensor) -> torch.Tensor | None:
+        """The gradient ``param`` contributes to the next step on this rank (before the DP mean).
+
+        With fp32 accumulation a view of the fp32 buffer (in ``param``'s shape), else ``param.grad``.
+        """
+        for flat in self._flats:
+            for i, p in enumerate(flat.params):
+                if p is param:
+                    if flat.grad is None:
+                        return p.grad
+                    if p.grad is not None:  # set without backward: fold it in first
+                        self._fold_grad(flat, i)
+                    return flat.grad[flat.offsets[i] : flat.offsets[i] + p.numel()].view_as(p)
+        raise ValueError("accumulated_grad: this parameter is not managed by this Zero1Optimizer")
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear ``p.grad`` (None or zeros, as asked) and zero the fp32 accumulation buffers
+        (always zeroed in place: they are reused every step)."""
+        for flat in self._flats:
+            if flat.grad is not None:
+                flat.grad.zero_()
+            for p in flat.params:
+                if p.grad is None:
+                    continue
+                if set_to_none or flat.grad is not None:
+                    p.grad = None
+                else:
+                    p.grad.detach_().zero_()
 
     # ---- step ------------------------------------------------------------------------------
 
@@ -179,53 +368,71 @@ class Zero1Optimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 closure()
-        grads = [self._reduce_scatter_grad(s) for s in self.shards]
-        norm = self._global_grad_norm(grads)
+        for flat in self._flats:
+            if flat.grad is not None:
+                # Gradients the hooks did not see (assigned directly, or hooks removed).
+                for i, p in enumerate(flat.params):
+                    if p.grad is not None:
+                        self._fold_grad(flat, i)
+        grads = self._reduce_scatter_grads()
+        buckets = self.buckets
+        norm = self._global_grad_norm(buckets, grads)
         if self.grad_clip_norm is not None:
             # Same formula as clip_grad_norm_, as a tensor: no host sync on XLA.
             coef = torch.clamp(self.grad_clip_norm / (norm + 1e-6), max=1.0)
             for g in grads:
                 g.mul_(coef)
-        for s, g in zip(self.shards, grads):
-            s.master.grad = g
+        for b, g in zip(buckets, grads):
+            b.master.grad = g
         self.inner.step()
-        for s in self.shards:
-            s.master.grad = None
-            self._all_gather_params(s)
+        for b in buckets:
+            b.master.grad = None
+        self._all_gather_params()
         self.last_grad_norm = norm
         return norm
 
-    def _reduce_scatter_grad(self, shard: _FlatShard) -> torch.Tensor:
-        """This rank's slice of the DP-mean gradient, in fp32 (a fresh tensor it may scale)."""
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in shard.params]
-        flat = _flatten(grads, shard.padding, shard.dtype)
-        mine = collectives.reduce_scatter(flat, 0, self.parallel_state.dp)
-        return mine.to(torch.float32).div_(self.parallel_state.dp_size)
+    # Eager backends run a started collective in the background: keep this many buckets in
+    # flight, so flattening (or copying out) one overlaps another's communication while the
+    # transient copies stay bounded by a few buckets. On XLA collectives are graph nodes and the
+    # compiler schedules them; the loops below then trace the same ops in the same order.
+    _IN_FLIGHT = 4
 
-    def _global_grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        device = self.shards[0].master.device
-        sq = torch.zeros((), dtype=torch.float32, device=device)
-        for s, g in zip(self.shards, grads):
-            for start, end, weight in s.norm_segments:
+    def _reduce_scatter_grads(self) -> list[torch.Tensor]:
+        """Every bucket's slice of the DP-mean gradient on this rank, in fp32, as fresh tensors
+        the step may scale in place (at DP 1 the reduced tensor is the accumulation buffer)."""
+        dp = self.parallel_state.dp
+        pending, out = [], []
+        for flat in self._flats:
+            for b in flat.buckets:
+                if flat.grad is not None:
+                    full = flat.grad[b.start : b.end]
+                else:
+                    full = flat.gather(b.start, b.end, [p.grad for p in flat.params], flat.dtype)
+                pending.append(collectives.reduce_scatter_start(full, dp))
+                if len(pending) == self._IN_FLIGHT:
+                    out.append(pending.pop(0).wait())
+        out += [p.wait() for p in pending]
+        return [mine.to(torch.float32) / dp.size for mine in out]
+
+    def _global_grad_norm(self, buckets: list[_Bucket], grads: list[torch.Tensor]) -> torch.Tensor:
+        sq = torch.zeros((), dtype=torch.float32, device=buckets[0].master.device)
+        for b, g in zip(buckets, grads):
+            for start, end, weight in b.norm_segments:
                 sq = sq + g[start:end].pow(2).sum() * weight
         sq = collectives.all_reduce(sq, self.parallel_state.dp)
         sq = collectives.all_reduce(sq, self.parallel_state.tp)
         return sq.sqrt()
 
-    def _all_gather_params(self, shard: _FlatShard) -> None:
-        flat = collectives.all_gather(shard.master.to(shard.dtype), 0, self.parallel_state.dp)
-        for p, off in zip(shard.params, shard.offsets):
-            p.copy_(flat[off : off + p.numel()].view_as(p))
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for s in self.shards:
-            for p in s.params:
-                if p.grad is None:
-                    continue
-                if set_to_none:
-                    p.grad = None
-                else:
-                    p.grad.detach_().zero_()
+    def _all_gather_params(self) -> None:
+        """Gather every bucket's updated slices over DP into the model parameters."""
+        pending = []
+        for flat in self._flats:
+            for b in flat.buckets:
+                pending.append((flat, b, collectives.all_gather_start(b.master.to(flat.dtype), self.parallel_state.dp)))
+                if len(pending) == self._IN_FLIGHT:
+                    _copy_into_params(*pending.pop(0))
+        for args in pending:
+            _copy_into_params(*args)
 
     # ---- checkpoint ------------------------------------------------------------------------
 
@@ -236,31 +443,48 @@ class Zero1Optimizer(torch.optim.Optimizer):
             "dp_rank": ps.dp_rank,
             "tp_size": ps.tp_size,
             "tp_rank": ps.tp_rank,
-            "buffers": [s.meta() for s in self.shards],
+            "bucket_cap_mb": self.bucket_cap_mb,
+            "flats": [f.meta() for f in self._flats],
         }
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's slice: inner optimizer state, fp32 master weights and layout metadata.
+        """This rank's slices: inner optimizer state, fp32 master weights and layout metadata.
 
         Tensors are references, as with torch optimizers; save them before the next step.
-        Every rank saves its own (``optim_dp{dp_rank}_tp{tp_rank}.pt``, say).
+        Every rank saves its own (``optim_dp{dp_rank}_tp{tp_rank}.pt``, say). Accumulated
+        gradients are not state (as ``p.grad`` is not).
         """
         return {
+            "version": LAYOUT_VERSION,
             "inner": self.inner.state_dict(),
-            "master": [s.master for s in self.shards],
+            "master": [b.master for b in self.buckets],
             "meta": self._meta(),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a slice saved by :meth:`state_dict` with the same layout.
+        """Load slices saved by :meth:`state_dict` with the same layout.
 
-        Raises ValueError naming every mismatched field (dp_size, tp_size, ranks, dtypes,
-        parameter shapes) before touching any state. Model parameters are not changed: load
-        them from the model checkpoint.
+        Raises ValueError naming every mismatched field (version, dp_size, tp_size, ranks,
+        dtypes, parameter shapes, bucket boundaries with the bucket cap that made them) before
+        touching any state. A version-1 state (before bucketing) loads into an optimizer with one
+        bucket per param group and dtype (``bucket_cap_mb=None``), whose layout is the same.
+        Model parameters are not changed: load them from the model checkpoint.
         """
         if not isinstance(state_dict, dict) or not {"inner", "master", "meta"} <= state_dict.keys():
-            raise ValueError("Zero1Optimizer.load_state_dict: expected keys 'inner', 'master', 'meta'")
-        problems = _meta_mismatches(state_dict["meta"], self._meta())
+            raise ValueError("Zero1Optimizer.load_state_dict: expected keys 'version', 'inner', 'master', 'meta'")
+        version = state_dict.get("version", 1)
+        if version == 1:
+            saved = self._meta_from_v1(state_dict["meta"])
+        elif version == LAYOUT_VERSION:
+            saved = state_dict["meta"]
+        else:
+            raise ValueError(
+                f"Zero1Optimizer.load_state_dict: version: checkpoint {version!r}, "
+                f"this optimizer reads 1 and {LAYOUT_VERSION}"
+            )
+        problems = _meta_mismatches(saved, self._meta())
+        if not problems and len(state_dict["master"]) != len(self.buckets):
+            problems = [f"master slices: checkpoint {len(state_dict['master'])}, here {len(self.buckets)}"]
         if problems:
             mismatch = "; ".join(problems)
             raise ValueError(f"Zero1Optimizer.load_state_dict: checkpoint does not match: {mismatch}")
@@ -269,8 +493,52 @@ class Zero1Optimizer(torch.optim.Optimizer):
         # scheduler attached to this optimizer would stop reaching the inner one.
         self.param_groups, self.state = self.inner.param_groups, self.inner.state
         with torch.no_grad():
-            for s, m in zip(self.shards, state_dict["master"]):
-                s.master.copy_(m)
+            for b, m in zip(self.buckets, state_dict["master"]):
+                b.master.copy_(m)
+
+    def _meta_from_v1(self, old: dict[str, Any]) -> dict[str, Any]:
+        """Version 1 (one flat buffer per (group, dtype), sliced over DP) is this layout with one
+        bucket per flat; refuse it where this optimizer has more."""
+        split = [f"param group {f.group} {f.dtype}: {len(f.buckets)}" for f in self._flats if len(f.buckets) > 1]
+        if split:
+            raise ValueError(
+                "Zero1Optimizer.load_state_dict: version: checkpoint 1 (saved before bucketing: one flat "
+                f"buffer per param group and dtype), here {LAYOUT_VERSION} with more than one bucket for "
+                f"{', '.join(split)}. Load it into Zero1Optimizer(..., bucket_cap_mb=None), which has the "
+                "version-1 layout, or start the optimizer state fresh"
+            )
+        flats = [
+            {**{k: b[k] for k in ("group", "dtype", "shapes", "padding")},
+             "reduce_dtype": None, "buckets": [(0, sum(_numel(s) for s in b["shapes"]) + b["padding"])]}
+            for b in old.get("buffers", [])
+        ]  # fmt: skip
+        ranks = {k: old.get(k) for k in ("dp_size", "dp_rank", "tp_size", "tp_rank")}
+        return {**ranks, "bucket_cap_mb": None, "flats": flats}
+
+
+def _copy_into_params(flat: _Flat, b: _Bucket, gathered: collectives.Pending) -> None:
+    full = gathered.wait()
+    for i, first, last, at in b.pieces:
+        p, src = flat.params[i], full[at : at + last - first]
+        if last - first == p.numel():
+            p.copy_(src.view_as(p))
+        else:  # the part of a parameter split between buckets that lies in this one
+            p.view(-1)[first:last].copy_(src)
+
+
+def _numel(shape: Iterable[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _remove_handles(handles: list[Any], params: list[torch.Tensor], owner: weakref.ref) -> None:
+    for h in handles:
+        h.remove()
+    for p in params:
+        if _HOOK_OWNERS.get(p) is owner:  # not a later optimizer's claim
+            del _HOOK_OWNERS[p]
 
 
 def _meta_mismatches(saved: dict[str, Any], here: dict[str, Any]) -> list[str]:
@@ -280,19 +548,31 @@ def _meta_mismatches(saved: dict[str, Any], here: dict[str, Any]) -> list[str]:
         for k in ("dp_size", "tp_size", "dp_rank", "tp_rank")
         if saved.get(k) != here[k]
     ]
-    a, b = saved.get("buffers", []), here["buffers"]
+    a, b = saved.get("flats", []), here["flats"]
     if len(a) != len(b):
         out.append(f"number of flat buffers (param group x dtype): checkpoint {len(a)}, here {len(b)}")
         return out
     for i, (x, y) in enumerate(zip(a, b)):
-        name = f"buffers[{i}]"
-        for k in ("group", "dtype", "padding", "shard_numel"):
+        name = f"flats[{i}]"
+        for k in ("group", "dtype", "padding"):
             if x[k] != y[k]:
                 out.append(f"{name}.{k}: checkpoint {x[k]}, here {y[k]}")
         if len(x["shapes"]) != len(y["shapes"]):
             out.append(f"{name} parameter count: checkpoint {len(x['shapes'])}, here {len(y['shapes'])}")
             continue
+        shapes_differ = False
         for j, (sx, sy) in enumerate(zip(x["shapes"], y["shapes"])):
             if tuple(sx) != tuple(sy):
+                shapes_differ = True
                 out.append(f"{name} parameter {j} shape: checkpoint {tuple(sx)}, here {tuple(sy)}")
+        bx, by = [tuple(t) for t in x["buckets"]], [tuple(t) for t in y["buckets"]]
+        if bx != by and not shapes_differ:
+            # Same parameters, different cuts: the cap, or the dtype it is counted in, changed.
+            first = next((k for k, (u, v) in enumerate(zip(bx, by)) if u != v), min(len(bx), len(by)))
+            out.append(
+                f"{name}.buckets: checkpoint {len(bx)} (bucket_cap_mb={saved.get('bucket_cap_mb')}, reduced in "
+                f"{x['reduce_dtype']}), here {len(by)} (bucket_cap_mb={here['bucket_cap_mb']}, reduced in "
+                f"{y['reduce_dtype']}); first difference at bucket {first}: checkpoint "
+                f"{bx[first] if first < len(bx) else None}, here {by[first] if first < len(by) else None}"
+            )
     return out
