@@ -282,8 +282,8 @@ def test_checkpoint_writes_model_once_per_tp_rank(world, run_files, tmp_path):
     world(4).run(_train, common + ["--checkpoint-dir", str(tmp_path), "--stop-at-step", "2"])
     path = tmp_path / "step_00000002"
     sizes = _file_sizes(path)
-    ranks = [f"rank_{r:05d}.{ext}" for r in range(4) for ext in ("pt", "safetensors")]
-    models = ["model_tp00000.safetensors", "model_tp00001.safetensors"]
+    ranks = [f"rank_{r:05d}{ext}" for r in range(4) for ext in (".pt", "-00001-of-00001.safetensors")]
+    models = ["model_tp00000-00001-of-00001.safetensors", "model_tp00001-00001-of-00001.safetensors"]
     want = {"meta.json", *ranks, *models, *(f + ".sha256" for f in ranks + models)}
     assert set(sizes) == want, sorted(sizes)
     for tp, name in enumerate(models):
@@ -292,7 +292,8 @@ def test_checkpoint_writes_model_once_per_tp_rank(world, run_files, tmp_path):
             assert info["rank"] == str(tp) and info["tp_rank"] == str(tp) and info["dp_rank"] == "0", info
             assert "layers.0.mlp.down_proj.weight" in f.keys() and "lm_head.weight" in f.keys()
     meta = json.loads((path / "meta.json").read_text())
-    assert meta["format"] == "neuron_ckpt.train.checkpoint/2" and meta["shared"] == {"model": models}
+    assert meta["format"] == "neuron_ckpt.train.checkpoint/2" and meta["shared"] == {"model": ["model_tp00000", "model_tp00001"]}
+    assert [f for prefix in meta["shared"]["model"] for f in meta["groups"][prefix]] == models
     assert {k: v for k, v in meta["files"].items()} == {k: v for k, v in sizes.items() if k != "meta.json"}
 
     # The old layout, rebuilt from this checkpoint: rank r's file held torch.save of its whole
@@ -323,18 +324,18 @@ def _timed_save(directory: str, writers: int, delay: float) -> tuple[float, floa
     state = nc.initialize_model_parallel(2)
     rt = runtime.get_runtime()
     mgr = CheckpointManager(directory, 1, rt.rank, rt.world_size, parallel_state=state, writers=writers)
-    real = ck._write_tensor_file
+    real = ck.write_tensors
 
     def slow(*args, **kwargs):
         time.sleep(delay)
         return real(*args, **kwargs)
 
-    ck._write_tensor_file = slow
+    ck.write_tensors = slow
     try:
         shard = {"model": {"w": torch.full((4,), float(state.tp_rank))}, "opt": torch.full((3,), float(rt.rank))}
         mgr.save(1, shard, {})
     finally:
-        ck._write_tensor_file = real
+        ck.write_tensors = real
     assert mgr.rounds()[0] == (1 if writers == 0 else -(-4 // writers))
     return mgr.write_spans[-1]
 
@@ -366,7 +367,7 @@ def test_checkpoint_writers_per_host_are_limited(world, tmp_path):
 def test_corrupt_or_missing_model_file_is_named(tmp_path, damage):
     mgr = CheckpointManager(tmp_path)
     path = mgr.save(1, {"model": {"w": torch.arange(1000.0), "b": torch.ones(3)}, "step": 1}, {"tp_size": 1})
-    model = path / "model_tp00000.safetensors"
+    model = path / "model_tp00000-00001-of-00001.safetensors"
     data = model.read_bytes()
     if damage == "truncate":
         model.write_bytes(data[: len(data) // 2])
@@ -394,12 +395,15 @@ def test_older_checkpoint_format_is_refused(tmp_path):
 
 def test_checkpoint_tensors_reach_the_host_a_group_at_a_time(tmp_path, monkeypatch):
     """With chunk_mb = 16 KiB, tensors go to the host in groups of at most 16 KiB (a larger
-    tensor alone); the nested state, dtypes and the log line come back right."""
-    from neuron_ckpt.train import checkpoint as ck
+    tensor alone), each group its own standard safetensors file; the nested state, dtypes and
+    the log line come back right."""
+    from safetensors import safe_open
+
+    from neuron_ckpt.train import tensor_files
 
     groups = []
-    real = ck._to_host
-    monkeypatch.setattr(ck, "_to_host", lambda ts: groups.append([t.numel() * t.element_size() for t in ts]) or real(ts))
+    real = tensor_files._to_host
+    monkeypatch.setattr(tensor_files, "_to_host", lambda ts: groups.append([t.numel() * t.element_size() for t in ts]) or real(ts))
     lines = []
     mgr = CheckpointManager(tmp_path, chunk_mb=16 / 1024, log=lines.append)
     model = {f"layer{i}.weight": torch.randn(32, 32) for i in range(6)}  # 4 KiB each
@@ -416,6 +420,11 @@ def test_checkpoint_tensors_reach_the_host_a_group_at_a_time(tmp_path, monkeypat
     limit = 16 * 1024
     assert len(groups) >= 4 and all(sum(g) <= limit or len(g) == 1 for g in groups), groups
     assert [32 * 1024] in groups
+    in_files = []
+    for name in sorted(f.name for f in path.glob("*.safetensors")):
+        with safe_open(str(path / name), "pt") as f:
+            in_files.append(sorted(f.get_tensor(k).numel() * f.get_tensor(k).element_size() for k in f.keys()))
+    assert sorted(in_files) == sorted(sorted(g) for g in groups), (in_files, groups)
     assert len(lines) == 1 and "checkpoint step_00000001:" in lines[0] and " KB on disk" in lines[0] and " s " in lines[0]
     assert mgr.last_save.total_bytes == sum(p.stat().st_size for p in path.iterdir())
     loaded, _ = mgr.load(path, {})
@@ -479,18 +488,18 @@ def _save_failing_on_rank_2(directory: str) -> str:
     state = nc.initialize_model_parallel(2)
     rt = runtime.get_runtime()
     mgr = CheckpointManager(directory, 1, rt.rank, rt.world_size, parallel_state=state, writers=1)
-    real = ck._write_pt
+    real = ck.write_structure
 
     def full(path, obj):
         raise OSError(28, "No space left on device")
 
-    ck._write_pt = full if rt.rank == 2 else real
+    ck.write_structure = full if rt.rank == 2 else real
     try:
         mgr.save(1, {"model": {"w": torch.ones(2)}, "x": torch.ones(1)}, {})
     except (OSError, RuntimeError) as e:
         return f"{type(e).__name__}: {e}"
     finally:
-        ck._write_pt = real
+        ck.write_structure = real
     return "saved"
 
 
