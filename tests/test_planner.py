@@ -27,8 +27,11 @@ from neuron_ckpt.memory.budget import (
     GIB,
     ModelShape,
     TrainingSetup,
+    largest_collective_bytes,
     layer_options,
+    local_parameters,
     memory_budget,
+    optimizer_step_bytes,
     resolve_llama_config,
 )
 from neuron_ckpt.memory.measure import SavedTensorRecorder
@@ -145,7 +148,9 @@ def test_budget_line_items_follow_zero1_and_dtype():
     model = ModelShape.from_llama_config(resolve_llama_config("llama2-7b"))
     items = {i.name: i.nbytes for i in memory_budget(model, TrainingSetup(4096, 1, tp=8, dp=4), "selective").items}
     n = items["parameters"] // 2
-    assert items["gradients"] == 2 * n
+    assert items["gradients"] == 4 * n  # ZeRO-1 accumulates bf16 gradients in fp32 buffers
+    bf16_grads = memory_budget(model, TrainingSetup(4096, 1, tp=8, dp=4, accumulate_fp32=False), "selective")
+    assert {i.name: i.nbytes for i in bf16_grads.items}["gradients"] == 2 * n
     assert items["master weights"] == 4 * n // 4 and items["optimizer moments"] == 8 * n // 4
     plain = {i.name: i.nbytes for i in memory_budget(model, TrainingSetup(4096, 1, tp=8, dp=4, zero1=False),
                                                       "selective").items}
@@ -159,6 +164,43 @@ def test_budget_line_items_follow_zero1_and_dtype():
     assert two.bytes_of("static") == one.bytes_of("static")
 
 
+def test_zero1_step_is_bounded_by_the_bucket_cap():
+    """Bucketed, the step's largest collective is the cap and its transient about the fp32
+    gradient slices; one bucket moves every local gradient at once (the layout before buckets)."""
+    model = ModelShape.from_llama_config(resolve_llama_config("llama2-7b"))
+    setup = TrainingSetup(4096, 1, tp=8, dp=4)
+    n = local_parameters(model, 8)
+    assert largest_collective_bytes(model, setup) == 128 * 2**20
+    assert optimizer_step_bytes(model, setup) == -(-n // 4) * 4 + 128 * 2**20
+    one = TrainingSetup(4096, 1, tp=8, dp=4, bucket_cap_mb=None, accumulate_fp32=False)
+    assert largest_collective_bytes(model, one) == 2 * n  # 1.57 GiB in one reduce-scatter
+    assert optimizer_step_bytes(model, one) > 2.5 * optimizer_step_bytes(model, setup)
+    with pytest.raises(ValueError, match="bucket_cap_mb"):
+        TrainingSetup(4096, bucket_cap_mb=0)
+
+
+def test_host_budget_counts_the_model_once_per_tp_rank():
+    """Checkpoint bytes: the model once per TP rank and the ZeRO-1 state once in all, so more DP
+    replicas add no bytes; host moments: construction on every rank at once, saving by the
+    writers only."""
+    from neuron_ckpt.memory.host import host_budget
+
+    model = ModelShape.from_llama_config(resolve_llama_config("llama2-7b"))
+    n = local_parameters(model, 8)
+    four = host_budget(model, TrainingSetup(4096, 1, tp=8, dp=4))
+    two = host_budget(model, TrainingSetup(4096, 1, tp=8, dp=2), instance="trn1.32xlarge")
+    assert four.checkpoint_model_bytes == two.checkpoint_model_bytes == 8 * n * 2
+    assert four.checkpoint_optimizer_bytes == pytest.approx(8 * n * 12, rel=1e-6)
+    moments = {m.name: m for m in four.moments}
+    assert moments["model construction"].per_host == 32 * moments["model construction"].per_rank
+    assert moments["checkpoint save"].per_host == 8 * 256 * 2**20
+    assert four.fits and four.peak_per_rank < 16 * GIB
+    everyone = host_budget(model, TrainingSetup(4096, 1, tp=8, dp=4), writers=0)
+    assert {m.name: m for m in everyone.moments}["checkpoint save"].per_host == 32 * 256 * 2**20
+    with pytest.raises(ValueError, match="instance must be one of"):
+        host_budget(model, TrainingSetup(4096, 1, tp=8, dp=4), instance="trn9")
+
+
 def test_llama2_7b_on_trn1_plan():
     model = ModelShape.from_llama_config(resolve_llama_config("llama2-7b"))
     setup = TrainingSetup(seq_len=4096, micro_batch=1, tp=8, dp=4)
@@ -167,7 +209,7 @@ def test_llama2_7b_on_trn1_plan():
     assert plan.fits and selective.fits
     # 10% of the 16 GiB kept free by default: 14.4 GiB to plan for.
     assert plan.limit_bytes == 16 * GIB - int(1.6 * GIB)
-    assert plan.counts == {"none": 15, "selective": 17}
+    assert plan.counts == {"none": 11, "selective": 21}
     assert plan.overhead < selective.overhead  # less recompute, by using the memory selective leaves free
     assert plan.budget.total_bytes > selective.budget.total_bytes
     assert not evaluate(model, setup, "none", plan.limit_bytes).fits
@@ -301,10 +343,14 @@ SEVEN_B = ["--config", "llama2-7b", "--tp", "8", "--dp", "4", "--seq", "4096", "
 def test_cli_prints_the_plan(capsys):
     assert _run([*SEVEN_B, "--device-memory", "trn1"]) == 0
     out = capsys.readouterr().out
-    assert "plan: 15 x none + 17 x selective" in out and "optimizer moments" in out
+    assert "plan: 11 x none + 21 x selective" in out and "optimizer moments" in out
+    assert "optimizer step: largest collective 128 MiB" in out and "host memory (trn1.32xlarge" in out
+    assert "checkpoint on disk per step" in out
     assert _run([*SEVEN_B, "--device-memory", "16", "--reserve", "0", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["fits"] and data["counts"] == {"none": 20, "selective": 4, "selective+mlp_act": 8}
+    assert data["fits"] and data["counts"] == {"none": 16, "selective": 1, "selective+mlp_act": 15}
+    assert data["optimizer_step"]["largest_collective_bytes"] == 128 * 2**20
+    assert data["host"]["instance"] == "trn1.32xlarge" and data["host"]["fits"]
     assert data["recompute_is_per_layer"]
     assert data["alternatives"]["selective"]["fits"] and not data["alternatives"]["none"]["fits"]
 

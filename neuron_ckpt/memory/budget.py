@@ -168,6 +168,10 @@ class TrainingSetup:
         ZeRO-1 (``Zero1Optimizer`` always keeps an fp32 slice, even of fp32 parameters).
     microbatches_in_flight: activations of how many micro-batches are alive at once: 1 without
         pipeline parallelism (gradient accumulation runs them one after another).
+    bucket_cap_mb: ZeRO-1's bucket cap (``Zero1Optimizer(bucket_cap_mb=...)``): the largest
+        collective of the optimizer step; None: one bucket for everything (no cap).
+    accumulate_fp32: ZeRO-1 accumulates 16-bit gradients in fp32 buffers (4 bytes per
+        parameter) and reduces them in fp32; None: on for bf16/fp16 with ZeRO-1, as the optimizer.
     """
 
     seq_len: int
@@ -179,6 +183,8 @@ class TrainingSetup:
     zero1: bool = True
     master_weights: bool | None = None
     microbatches_in_flight: int = 1
+    bucket_cap_mb: float | None = 128.0
+    accumulate_fp32: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "micro_batch", "tp", "dp", "microbatches_in_flight"):
@@ -187,6 +193,8 @@ class TrainingSetup:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"dtype must be one of {tuple(DTYPE_BYTES)}, got {self.dtype!r}")
+        if self.bucket_cap_mb is not None and not self.bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb must be None or > 0, got {self.bucket_cap_mb!r}")
         if self.zero1 and self.master_weights is False:
             raise ValueError("master_weights=False with zero1=True: Zero1Optimizer always keeps an fp32 master slice")
 
@@ -203,6 +211,12 @@ class TrainingSetup:
     @property
     def optimizer_shards(self) -> int:
         return self.dp if self.zero1 else 1
+
+    @property
+    def grad_width(self) -> int:
+        """Bytes per gradient element: fp32 buffers when ZeRO-1 accumulates 16-bit gradients."""
+        on = self.accumulate_fp32 if self.accumulate_fp32 is not None else self.width < _FP32
+        return _FP32 if self.zero1 and on else self.width
 
 
 # --------------------------------------------------------------------------------------------
@@ -374,14 +388,47 @@ def local_parameters(model: ModelShape, tp: int) -> int:
     return model.layers * per_layer + v // tp * h + 2 * h
 
 
+def largest_collective_bytes(model: ModelShape, setup: TrainingSetup) -> int:
+    """The optimizer step's largest collective operand on one rank: ZeRO-1 reduce-scatters the
+    gradients (in ``grad_width``) and all-gathers the parameters bucket by bucket, so at most the
+    bucket cap; without a cap (or without ZeRO-1: a DP all-reduce of every gradient) all of them."""
+    n = local_parameters(model, setup.tp)
+    whole = n * setup.grad_width
+    if not setup.zero1 or setup.bucket_cap_mb is None:
+        return whole
+    return min(whole, int(setup.bucket_cap_mb * 2**20))
+
+
+def optimizer_step_bytes(model: ModelShape, setup: TrainingSetup) -> int:
+    """Device bytes the optimizer step allocates on top of the static ones (activations freed).
+
+    ZeRO-1 keeps every bucket's reduce-scattered fp32 slice (``n/dp`` values) until the update,
+    plus one bucket-sized collective buffer at a time (the flattened gradients going out, or the
+    all-gathered parameters coming back; with fp32 accumulation the reduce-scatter reads the
+    gradient buffer itself). Eager backends keep up to 4 buckets in flight: add 3 caps when
+    planning for those. Unbucketed: the whole flattened gradient and its slice in the gradient
+    dtype. Plain AdamW: about one fp32 temporary per parameter (foreach kernels).
+    """
+    n = local_parameters(model, setup.tp)
+    if not setup.zero1:
+        return n * _FP32
+    per_shard = -(-n // setup.optimizer_shards)
+    if setup.bucket_cap_mb is None:
+        return n * setup.grad_width + per_shard * (setup.grad_width + _FP32)
+    return per_shard * _FP32 + largest_collective_bytes(model, setup)
+
+
 def _static_items(model: ModelShape, setup: TrainingSetup) -> tuple[list[LineItem], int]:
     n = local_parameters(model, setup.tp)
     shards = setup.optimizer_shards
     per_shard = -(-n // shards)  # ZeRO-1 pads the flat buffer to a multiple of dp
     where = f"/dp={shards} (ZeRO-1)" if setup.zero1 else "(not sharded)"
+    fp32_grads = setup.grad_width != setup.width
     items = [
         LineItem("parameters", n * setup.width, "static", f"{n / 1e6:,.1f} M local parameters, {setup.dtype}"),
-        LineItem("gradients", n * setup.width, "static", f"{setup.dtype}, full local size (ZeRO-1 keeps them whole)"),
+        LineItem("gradients", n * setup.grad_width, "static",
+                 "fp32 accumulation buffers, full local size (ZeRO-1)" if fp32_grads
+                 else f"{setup.dtype}, full local size (ZeRO-1 keeps them whole)"),
     ]
     if setup.keeps_master_weights:
         items.append(LineItem("master weights", per_shard * _FP32, "static", f"fp32 {where}"))
@@ -390,14 +437,7 @@ def _static_items(model: ModelShape, setup: TrainingSetup) -> tuple[list[LineIte
     s = setup.seq_len
     items.append(LineItem("attention mask", s * s * _BOOL, "static",
                           "explicit CoreAttention: one [s, s] bool mask shared by every layer"))
-    # The optimizer step runs after backward freed the activations. ZeRO-1: the flattened
-    # gradients (or the all-gathered parameters, same size), this rank's reduce-scattered slice
-    # and its fp32 copy. Plain AdamW: about one fp32 temporary per parameter (foreach kernels).
-    if setup.zero1:
-        step = n * setup.width + per_shard * (setup.width + _FP32)
-    else:
-        step = n * _FP32
-    return items, step
+    return items, optimizer_step_bytes(model, setup)
 
 
 def _outside_items(model: ModelShape, setup: TrainingSetup) -> tuple[list[LineItem], int]:
@@ -479,7 +519,7 @@ def memory_budget(
     candidates = [
         (loss_transient, "loss: logits + fp32 temporaries of the cross entropy"),
         (recompute, "a recomputed layer's activations during its backward"),
-        (step - saved, "optimizer step: flattened gradients + fp32 slices (activations freed)"),
+        (step - saved, "optimizer step: fp32 gradient slices + one bucket buffer (activations freed)"),
     ]
     extra, why = max(candidates, key=lambda c: c[0])
     items.append(LineItem("peak workspace", max(extra, 0), "workspace", why))
@@ -509,6 +549,7 @@ def step_flops(model: ModelShape, setup: TrainingSetup) -> float:
 
 __all__ = [
     "GIB", "KNOWN_MODELS", "LayerOption", "LineItem", "MemoryBudget", "ModelShape", "OPTION_NAMES",
-    "TrainingSetup", "canonical_order", "layer_options", "local_parameters", "memory_budget",
+    "TrainingSetup", "canonical_order", "largest_collective_bytes", "layer_options", "local_parameters",
+    "memory_budget", "optimizer_step_bytes",
     "resolve_llama_config", "step_flops",
 ]

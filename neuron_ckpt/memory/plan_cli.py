@@ -7,7 +7,9 @@
 
 Prints the per-device budget of the chosen plan (GiB per line item), the plan (layers per
 option, the ``RecomputeConfig`` or per-layer list to pass to the model) and its recompute
-FLOPs as a share of a step, with the uniform choices beside it. Bad input: one line on stderr,
+FLOPs as a share of a step, with the uniform choices beside it; then the optimizer step's
+largest collective and transient bytes, host memory per rank at its peaks against the instance
+(:mod:`.host`) and the checkpoint size on disk. Bad input: one line on stderr,
 exit status 2. Nothing fits: the reason and what would fit on stderr, exit status 1.
 """
 
@@ -17,7 +19,11 @@ import argparse
 import json
 import sys
 
-from .budget import DTYPE_BYTES, GIB, OPTION_NAMES, ModelShape, TrainingSetup, resolve_llama_config
+from .budget import (
+    DTYPE_BYTES, GIB, OPTION_NAMES, ModelShape, TrainingSetup, largest_collective_bytes, optimizer_step_bytes,
+    resolve_llama_config,
+)  # fmt: skip
+from .host import INSTANCES, host_budget
 from .planner import NothingFits, Plan, evaluate, plan_recompute
 
 HELP = "plan recompute per layer so a training job fits a device's memory"
@@ -46,6 +52,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--zero1", action=argparse.BooleanOptionalAction, default=True,
                         help="shard fp32 master weights and AdamW moments over dp (default on)")
     parser.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--bucket-cap-mb", type=float, default=128.0,
+                        help="ZeRO-1 bucket cap in MiB: the optimizer step's largest collective (default 128)")
+    parser.add_argument("--instance", choices=sorted(INSTANCES), default="trn1.32xlarge",
+                        help="host whose memory the ranks share (default trn1.32xlarge: 512 GiB, 32 ranks)")
+    parser.add_argument("--checkpoint-writers", type=int, default=8,
+                        help="ranks per host writing a checkpoint at once (train.py's default 8; 0: all)")
     parser.add_argument("--json", action="store_true", help="one JSON object instead of tables")
 
 
@@ -68,8 +80,11 @@ def _model(args: argparse.Namespace) -> ModelShape:
 def build(args: argparse.Namespace) -> tuple[ModelShape, TrainingSetup]:
     """The model and setup the arguments describe (ValueError naming the field when invalid)."""
     model = _model(args)
+    if args.checkpoint_writers < 0:
+        raise ValueError(f"--checkpoint-writers must be >= 0 (0: all), got {args.checkpoint_writers}")
     setup = TrainingSetup(seq_len=args.seq, micro_batch=args.micro_batch, tp=args.tp, dp=args.dp,
-                          dtype=args.dtype, sequence_parallel=args.sequence_parallel, zero1=args.zero1)
+                          dtype=args.dtype, sequence_parallel=args.sequence_parallel, zero1=args.zero1,
+                          bucket_cap_mb=args.bucket_cap_mb)
     return model, setup
 
 
@@ -107,6 +122,16 @@ def _print_plan(model: ModelShape, setup: TrainingSetup, plan: Plan) -> None:
         print(f"  {alt.describe():<26}{alt.budget.total_gib:>8.2f} GiB  {verdict:<13} recompute {alt.overhead:.2%}")
 
 
+def _print_step_and_host(model: ModelShape, setup: TrainingSetup, args: argparse.Namespace) -> None:
+    print(f"\noptimizer step: largest collective {largest_collective_bytes(model, setup) / 2**20:,.0f} MiB, "
+          f"transient {optimizer_step_bytes(model, setup) / GIB:.2f} GiB per device")
+    print(_host(model, setup, args).table())
+
+
+def _host(model: ModelShape, setup: TrainingSetup, args: argparse.Namespace):
+    return host_budget(model, setup, args.instance, writers=args.checkpoint_writers)
+
+
 def run_plan(args: argparse.Namespace) -> int:
     """Run ``neuron-ckpt plan``; returns the exit status (0 fits, 1 nothing fits, 2 bad input)."""
     try:
@@ -128,9 +153,13 @@ def run_plan(args: argparse.Namespace) -> int:
         out["alternatives"] = {alt.layers[0]: {"total_gib": round(alt.budget.total_gib, 4), "fits": alt.fits,
                                                "overhead": alt.overhead}
                                for alt in _alternatives(model, setup, plan)}
+        out["optimizer_step"] = {"largest_collective_bytes": largest_collective_bytes(model, setup),
+                                 "transient_bytes": optimizer_step_bytes(model, setup)}
+        out["host"] = _host(model, setup, args).to_dict()
         print(json.dumps(out, indent=2))
     else:
         _print_plan(model, setup, plan)
+        _print_step_and_host(model, setup, args)
     return 0
 
 
