@@ -509,3 +509,42 @@ def test_a_failed_write_on_one_rank_fails_the_save_everywhere(world, tmp_path):
     assert out[2] == "OSError: [Errno 28] No space left on device", out
     assert all(o.startswith("RuntimeError: writing checkpoint") and "another rank" in o for i, o in enumerate(out) if i != 2), out
     assert not (tmp_path / "latest").exists() and CheckpointManager(tmp_path).complete() == []
+
+
+def test_export_hf_then_init_hf_at_another_tp(world, run_files, tmp_path):
+    """--export-hf writes a directory transformers loads; --init-hf reads it back at TP 4 with no
+    --model-config (its config.json is used), and with a step too small to move any fp32 weight
+    (lr 1e-30: AdamW moves each weight by about lr, far below half an ulp of weights ~1e-2) the
+    weights come out bit-identical."""
+    import transformers
+    from safetensors.torch import load_file
+
+    root, common = run_files
+    world(4).run(_train, common + ["--max-steps", "2", "--export-hf", str(tmp_path / "a")])
+    hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "a")
+    assert hf.config.num_hidden_layers == TINY["num_hidden_layers"]
+    argv = [a for a in common if a not in ("--model-config", str(root / "tiny.json"))]
+    tp4 = [a if a != "2" or argv[i - 1] != "--tp" else "4" for i, a in enumerate(argv)]
+    out = world(4).run(_train, tp4 + ["--max-steps", "1", "--lr", "1e-30", "--weight-decay", "0",
+                                     "--init-hf", str(tmp_path / "a"), "--export-hf", str(tmp_path / "b")])
+    assert out[0]["steps"] == 1
+    before, after = load_file(tmp_path / "a" / "model.safetensors"), load_file(tmp_path / "b" / "model.safetensors")
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    assert hf.state_dict()["lm_head.weight"].equal(before["lm_head.weight"])
+
+
+def _train_os_error(argv: list[str]) -> str:
+    try:
+        _train(argv)
+    except OSError as e:
+        return str(e)
+    return ""
+
+
+def test_unwritable_export_fails_before_training(world, run_files, tmp_path):
+    root, common = run_files
+    (tmp_path / "file").write_text("not a directory")
+    message = world(4).run(_train_os_error, common + ["--export-hf", str(tmp_path / "file" / "hf"),
+                                                      "--metrics-file", str(tmp_path / "m.jsonl")])[0]
+    assert "cannot write the HF checkpoint" in message
+    assert not (tmp_path / "m.jsonl").exists()  # no step ran

@@ -1,6 +1,19 @@
 """Models built from the parallel layers, and their ``transformers`` checkpoint conversion."""
 
 from .flops import flops_per_token, num_parameters
+from .hf_checkpoint import check_hf_config, hf_config_for, load_hf_checkpoint, read_hf_config
+from .hf_export import check_writable, save_hf_checkpoint
 from .llama import CausalLMOutput, LlamaForCausalLM
 
-__all__ = ["CausalLMOutput", "LlamaForCausalLM", "flops_per_token", "num_parameters"]
+__all__ = [
+    "CausalLMOutput",
+    "LlamaForCausalLM",
+    "check_hf_config",
+    "check_writable",
+    "flops_per_token",
+    "hf_config_for",
+    "load_hf_checkpoint",
+    "num_parameters",
+    "read_hf_config",
+    "save_hf_checkpoint",
+]

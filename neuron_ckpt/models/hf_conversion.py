@@ -10,9 +10,15 @@ a tagged parameter is split along ``partition_dim`` into ``t / replicas`` shards
 holds shard ``r // replicas``. That one rule covers column weights (dim 0), row weights (dim 1),
 the vocab-parallel embedding and GQA key/value heads replicated on ``t / num_kv_heads`` ranks
 (rank ``r`` holds kv head ``r // (t / num_kv_heads)``). Untagged parameters are replicated.
+
+These functions take whole in-memory state dicts. Checkpoint directories on disk:
+:mod:`.hf_checkpoint` loads one with each rank reading only its slices, :mod:`.hf_export` writes
+one gathering a layer at a time on rank 0.
 """
 
 from __future__ import annotations
+
+from typing import Mapping
 
 import torch
 
@@ -58,6 +64,21 @@ def full_shape(param: torch.Tensor, tp_size: int) -> tuple[int, ...]:
     return tuple(shape)
 
 
+def shard_range(param: torch.Tensor, tp_rank: int, tp_size: int) -> tuple[int, int, int] | None:
+    """``(dim, start, stop)``: this rank's piece of the full tensor is ``[start:stop]`` along ``dim``.
+
+    None when ``param`` is replicated (the whole tensor). The piece index is ``tp_rank // replicas``
+    (GQA kv heads replicated on ``replicas`` consecutive ranks), as in :func:`shard`.
+    """
+    layout = _layout(param, tp_size)
+    if layout is None:
+        return None
+    dim, _, replicas = layout
+    size = param.shape[dim]
+    index = tp_rank // replicas
+    return dim, index * size, (index + 1) * size
+
+
 def shard(full: torch.Tensor, param: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
     """This rank's piece of ``full`` for ``param``."""
     layout = _layout(param, tp_size)
@@ -73,12 +94,43 @@ def gather(local: torch.Tensor, param: torch.Tensor, tp) -> torch.Tensor:
     if layout is None or tp.size == 1:
         return local
     dim, _, replicas = layout
-    pieces = C.all_gather(local.contiguous(), dim, tp).chunk(tp.size, dim=dim)
+    gathered = C.all_gather(local.contiguous(), dim, tp)
+    if replicas == 1:
+        return gathered
+    pieces = gathered.chunk(tp.size, dim=dim)
     return torch.cat(pieces[::replicas], dim=dim)  # one copy of each replicated kv head
 
 
 def expected_hf_keys(model: torch.nn.Module) -> dict[str, tuple[str, torch.nn.Parameter]]:
     return {to_hf_name(name): (name, p) for name, p in model.named_parameters()}
+
+
+def check_hf_shapes(
+    model: torch.nn.Module, shapes: Mapping[str, tuple[int, ...]], what: str = "state dict"
+) -> dict[str, tuple[str, torch.nn.Parameter]]:
+    """Check a checkpoint's keys and full shapes against ``model``; returns :func:`expected_hf_keys`.
+
+    ``shapes``: ``transformers`` key -> full shape (``rotary_emb.inv_freq`` buffers are ignored).
+    Raises ``KeyError`` listing every missing and unexpected key, then ``ValueError`` listing
+    every shape mismatch: the caller writes no parameter before this returns.
+    """
+    tp_size = model.state.tp.size
+    expected = expected_hf_keys(model)
+    given = {k for k in shapes if not k.endswith(_IGNORED_SUFFIXES)}
+    missing, unexpected = sorted(set(expected) - given), sorted(given - set(expected))
+    if missing or unexpected:
+        raise KeyError(
+            f"{what} does not match the model ({model.config.num_hidden_layers} layers): "
+            f"missing keys {missing or 'none'}; unexpected keys {unexpected or 'none'}"
+        )
+    wrong = []
+    for key, (_, p) in expected.items():
+        want = full_shape(p, tp_size)
+        if tuple(shapes[key]) != want:
+            wrong.append(f"{key}: checkpoint {tuple(shapes[key])}, model expects {want}")
+    if wrong:
+        raise ValueError(f"shape mismatch between the {what} and the model config:\n  " + "\n  ".join(wrong))
+    return expected
 
 
 def load_hf_state_dict(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
@@ -88,33 +140,23 @@ def load_hf_state_dict(model: torch.nn.Module, state_dict: dict[str, torch.Tenso
     mismatch, before any parameter is written.
     """
     tp = model.state.tp
-    expected = expected_hf_keys(model)
-    given = {k for k in state_dict if not k.endswith(_IGNORED_SUFFIXES)}
-    missing, unexpected = sorted(set(expected) - given), sorted(given - set(expected))
-    if missing or unexpected:
-        raise KeyError(
-            f"state dict does not match the model ({model.config.num_hidden_layers} layers): "
-            f"missing keys {missing or 'none'}; unexpected keys {unexpected or 'none'}"
-        )
-    wrong = []
-    for key, (_, p) in expected.items():
-        want = full_shape(p, tp.size)
-        if tuple(state_dict[key].shape) != want:
-            wrong.append(f"{key}: checkpoint {tuple(state_dict[key].shape)}, model expects {want}")
-    if wrong:
-        raise ValueError("shape mismatch between the state dict and the model config:\n  " + "\n  ".join(wrong))
+    expected = check_hf_shapes(model, {k: tuple(v.shape) for k, v in state_dict.items()}, "state dict")
     with torch.no_grad():
         for key, (_, p) in expected.items():
             p.copy_(shard(state_dict[key], p, tp.rank, tp.size).to(device=p.device, dtype=p.dtype))
 
 
 def hf_state_dict(model: torch.nn.Module, grads: bool = False) -> dict[str, torch.Tensor]:
-    """The full ``transformers`` state dict (or gradients) on CPU, gathered over TP on every rank."""
+    """The full ``transformers`` state dict (or gradients) on CPU, gathered over TP on every rank.
+
+    Holds the whole model on every rank's host: for checkpoints of real models use
+    :func:`neuron_ckpt.models.hf_export.save_hf_checkpoint` (one layer at a time, rank 0 only).
+    """
     tp = model.state.tp
     out = {}
     for name, p in model.named_parameters():
         local = p.detach()
         if grads:
             local = p.grad.detach() if p.grad is not None else torch.zeros_like(local)
-        out[to_hf_name(name)] = gather(local, p, tp).cpu().clone()
+        out[to_hf_name(name)] = gather(local, p, tp).cpu().clone(memory_format=torch.contiguous_format)
     return out

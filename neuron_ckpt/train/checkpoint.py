@@ -275,8 +275,8 @@ class CheckpointManager:
                 f"{FORMAT!r} only (format 1 stored the whole model slice in every rank's file; format 2 "
                 "stores it once per TP rank, in model_tp*.safetensors). Continue that run with the "
                 "neuron_ckpt version that wrote it, or export its weights there (train.py --export-hf "
-                "weights.safetensors --max-steps <its step> --resume <it>) and start from them here with "
-                "--init-hf weights.safetensors (optimizer state starts fresh)."
+                "hf_weights/ --max-steps <its step> --resume <it>) and start from them here with "
+                "--init-hf hf_weights/ (optimizer state starts fresh)."
             )
         raise ValueError(f"{path / 'meta.json'}: format must be {FORMAT!r}, got {got!r}")
 
@@ -295,8 +295,8 @@ class CheckpointManager:
                 f"cannot resume from {path}: {said}. A sharded checkpoint holds per-rank tensor-parallel "
                 "weight slices and ZeRO-1 optimizer slices, so it loads only at the layout it was saved "
                 "with. To change the layout, export the weights at the old layout (train.py --export-hf "
-                "weights.safetensors --max-steps <the checkpoint's step> --resume latest) and start the new "
-                "run from them with --init-hf weights.safetensors (optimizer state starts fresh)."
+                "hf_weights/ --max-steps <the checkpoint's step> --resume latest) and start the new run "
+                "from them with --init-hf hf_weights/ (optimizer state starts fresh)."
             )
 
         def tensors_of(prefix: str) -> dict[str, torch.Tensor]:

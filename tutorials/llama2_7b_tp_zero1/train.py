@@ -19,7 +19,6 @@ import json
 import sys
 import time
 from dataclasses import dataclass, field, fields
-from pathlib import Path
 from typing import Optional
 
 import torch
@@ -28,7 +27,14 @@ import transformers
 import neuron_ckpt as nc
 from neuron_ckpt.data import DataParallelBatches, PackedDataset
 from neuron_ckpt.distributed.runtime import barrier
-from neuron_ckpt.models import LlamaForCausalLM, flops_per_token
+from neuron_ckpt.models import (
+    LlamaForCausalLM,
+    check_writable,
+    flops_per_token,
+    hf_config_for,
+    load_hf_checkpoint,
+    save_hf_checkpoint,
+)
 from neuron_ckpt.optim import Zero1Optimizer
 from neuron_ckpt.recompute import RecomputeConfig
 from neuron_ckpt.train import (
@@ -53,7 +59,9 @@ def opt(default, help: str, choices=None):
 class TrainConfig:
     """All options of a run; validated at construction."""
 
-    model_config: str = opt("configs/tiny.json", "transformers LlamaConfig JSON")
+    model_config: Optional[str] = opt(
+        None, "transformers LlamaConfig JSON (default: --init-hf's config.json, else configs/tiny.json)"
+    )
     data: str = opt("data/train.safetensors", "packed token file from prepare_data.py")
     # parallelism
     tp: int = opt(1, "tensor-parallel size (ranks per TP group, contiguous); DP = world / tp")
@@ -101,8 +109,10 @@ class TrainConfig:
         8, "ranks per host that write (and, on resume, read) checkpoint files at the same time; 0: all"
     )
     resume: Optional[str] = opt(None, "'latest' (under --checkpoint-dir; a fresh start if none) or a checkpoint path")
-    init_hf: Optional[str] = opt(None, "initial weights: a transformers Llama state dict (.safetensors or torch file)")
-    export_hf: Optional[str] = opt(None, "at the end, write the full transformers state dict here (.safetensors)")
+    init_hf: Optional[str] = opt(
+        None, "initial weights: a transformers checkpoint directory (save_pretrained's) or one .safetensors / torch file"
+    )
+    export_hf: Optional[str] = opt(None, "at the end, write a transformers checkpoint directory here (from_pretrained loads it)")
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -144,14 +154,6 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
         return TrainConfig(**vars(p.parse_args(argv)))
     except ValueError as e:
         p.error(str(e))
-
-
-def _load_state_dict_file(path: str) -> dict[str, torch.Tensor]:
-    if path.endswith(".safetensors"):
-        from safetensors.torch import load_file
-
-        return load_file(path)
-    return torch.load(path, map_location="cpu", weights_only=True)
 
 
 def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -232,7 +234,12 @@ def main(argv: list[str] | None = None) -> dict:
     _check_device_kind(cfg.device_kind, rt.backend)
     dtype = DTYPES[cfg.dtype] if cfg.dtype != "auto" else (torch.float32 if rt.backend == "gloo" else torch.bfloat16)
 
-    config = transformers.LlamaConfig.from_json_file(cfg.model_config)
+    config = transformers.LlamaConfig.from_json_file(cfg.model_config) if cfg.model_config else None
+    if cfg.init_hf:
+        config = hf_config_for(cfg.init_hf, config)  # its config.json, checked against --model-config
+    config = config or transformers.LlamaConfig.from_json_file("configs/tiny.json")
+    if cfg.export_hf:
+        check_writable(cfg.export_hf)  # every rank, now: not after the run
     dataset = _open_dataset(cfg.data, rt)
     seq_len = dataset.block_len
     if dataset.info.vocab_size > config.vocab_size:
@@ -260,7 +267,7 @@ def main(argv: list[str] | None = None) -> dict:
         config, cfg.sequence_parallel, recompute, cfg.attention, dtype, parallel_state=state
     ).to(rt.device)
     if cfg.init_hf:
-        model.load_hf_state_dict(_load_state_dict_file(cfg.init_hf))
+        load_hf_checkpoint(model, cfg.init_hf)  # each rank reads only its slices
     optimizer = Zero1Optimizer(
         _param_groups(model, cfg.weight_decay),
         torch.optim.AdamW,
@@ -314,12 +321,7 @@ def main(argv: list[str] | None = None) -> dict:
         metrics.close()
 
     if cfg.export_hf:
-        full = model.hf_state_dict()  # collective: every rank gathers
-        if is_main:
-            from safetensors.torch import save_file
-
-            Path(cfg.export_hf).parent.mkdir(parents=True, exist_ok=True)
-            save_file({k: v.contiguous() for k, v in full.items()}, cfg.export_hf)
+        save_hf_checkpoint(model, cfg.export_hf, config)  # collective: a layer at a time, rank 0 writes
     summary = _summary(records, time.perf_counter() - t_start, start_step)
     if plan is not None:
         summary["recompute_plan"] = plan.counts

@@ -1,0 +1,262 @@
+"""Load a ``transformers`` Llama checkpoint from disk, each rank reading only its own slices.
+
+``load_hf_checkpoint(model, path)`` takes what ``save_pretrained`` writes (a directory with
+``config.json`` and ``model.safetensors``, or ``model-0000X-of-0000N.safetensors`` shards with
+``model.safetensors.index.json``), or one ``.safetensors`` file. It never materialises the full
+state dict: every rank opens the files with ``safetensors.safe_open`` (a memory map), takes its
+piece of each tensor with ``get_slice`` along the parameter's partition dimension (rules in
+:mod:`.hf_conversion`: rank ``r`` holds piece ``r // replicas``, GQA kv heads included) and
+copies it into the parameter. Each tensor is read through its own ``safe_open`` handle, so the
+file pages it touched are unmapped before the next one: a rank's host memory for loading is its
+shard plus about one tensor (a row-parallel slice touches every page of its tensor), instead of
+the whole checkpoint on every rank. Torch ``.bin``/``.pt`` files (and ``pytorch_model.bin``
+shards) load the same way through ``torch.load(mmap=True)``; an old non-zip torch file falls
+back to a full load.
+
+Keys and full shapes are checked against the model from the file headers, before any parameter
+is written (``KeyError`` for missing/unexpected keys, ``ValueError`` for shapes), as
+:func:`.hf_conversion.load_hf_state_dict` does. The directory's ``config.json``, when there is
+one, is checked against ``model.config`` on the fields that define the model
+(:data:`MODEL_FIELDS`); :func:`hf_config_for` reads it, or checks a given config against it.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import hf_conversion
+from .llama import head_dim_of
+from .rotary import _rope_parameters
+
+CONFIG_NAME = "config.json"
+SAFE_WEIGHTS_NAME = "model.safetensors"
+SAFE_INDEX_NAME = "model.safetensors.index.json"
+TORCH_WEIGHTS_NAME = "pytorch_model.bin"
+TORCH_INDEX_NAME = "pytorch_model.bin.index.json"
+TORCH_SUFFIXES = (".bin", ".pt", ".pth")
+
+MODEL_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "rms_norm_eps",
+    "rope_theta",
+    "rope_scaling",
+    "tie_word_embeddings",
+    "max_position_embeddings",
+)
+"""The config fields compared by :func:`check_hf_config`: those that change the weights' shapes
+or the function the model computes (``head_dim``: the explicit one, else hidden / heads;
+``rope_theta`` and the rest of the RoPE parameters read from ``transformers`` 4.x or 5.x)."""
+
+
+# --- config.json ----------------------------------------------------------------------------
+
+
+def _field(config: Any, name: str) -> Any:
+    if name == "head_dim":
+        return head_dim_of(config)
+    if name in ("rope_theta", "rope_scaling"):
+        params = _rope_parameters(config)
+        if name == "rope_theta":
+            return float(params.get("rope_theta", 10000.0))
+        rest = {k: v for k, v in params.items() if k not in ("rope_theta", "type")}
+        return None if rest == {"rope_type": "default"} else rest
+    if name == "num_key_value_heads":
+        return getattr(config, name, None) or config.num_attention_heads
+    if name == "tie_word_embeddings":
+        return bool(getattr(config, name, False))
+    return getattr(config, name, None)
+
+
+def config_differences(config: Any, other: Any) -> dict[str, tuple[Any, Any]]:
+    """``{field: (config's value, other's value)}`` for every :data:`MODEL_FIELDS` entry that differs."""
+    out = {}
+    for name in MODEL_FIELDS:
+        a, b = _field(config, name), _field(other, name)
+        if a != b:
+            out[name] = (a, b)
+    return out
+
+
+def check_hf_config(config: Any, hf_config: Any, source: str = "the checkpoint's config.json") -> None:
+    """Raise ``ValueError`` naming every model-defining field where ``config`` and ``hf_config`` differ."""
+    diff = config_differences(config, hf_config)
+    if diff:
+        lines = "\n  ".join(f"{k}: model config {a!r}, {source} {b!r}" for k, (a, b) in diff.items())
+        raise ValueError(f"the model config does not match {source} on {len(diff)} field(s):\n  {lines}")
+
+
+def _config_path(path: str | Path) -> Path | None:
+    path = Path(path)
+    return path / CONFIG_NAME if path.is_dir() and (path / CONFIG_NAME).is_file() else None
+
+
+def read_hf_config(path: str | Path):
+    """The ``transformers.LlamaConfig`` of a checkpoint directory (its ``config.json``); None when
+    ``path`` is a file or a directory without one."""
+    config_file = _config_path(path)
+    if config_file is None:
+        return None
+    import transformers
+
+    data = json.loads(config_file.read_text())
+    model_type = data.get("model_type", "llama")
+    if model_type != "llama":
+        warnings.warn(f"{config_file}: model_type {model_type!r} read as a Llama config", stacklevel=2)
+    return transformers.LlamaConfig.from_json_file(str(config_file))
+
+
+def hf_config_for(path: str | Path, config: Any = None):
+    """The config to build the model with before loading ``path``.
+
+    ``config`` given: checked against ``path``'s ``config.json`` when there is one (``ValueError``
+    naming each differing field), and returned. ``config`` None: read from ``config.json``; a
+    ``ValueError`` when ``path`` has none (a bare weights file: pass a config).
+    """
+    hf_config = read_hf_config(path)
+    if config is None:
+        if hf_config is None:
+            raise ValueError(
+                f"{path}: no {CONFIG_NAME} to read the model config from (it is a file, or a directory "
+                f"without one): pass a model config (a transformers LlamaConfig JSON)"
+            )
+        return hf_config
+    if hf_config is not None:
+        check_hf_config(config, hf_config, f"{_config_path(path)}")
+    return config
+
+
+# --- weight files ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Entry:
+    file: Path
+    shape: tuple[int, ...]
+
+
+def _index_files(index_file: Path) -> list[Path]:
+    weight_map = json.loads(index_file.read_text()).get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise ValueError(f"{index_file}: no 'weight_map' object")
+    files = sorted(set(weight_map.values()))
+    absent = [f for f in files if not (index_file.parent / f).is_file()]
+    if absent:
+        raise FileNotFoundError(f"{index_file} names shard files that do not exist: {absent}")
+    return [index_file.parent / f for f in files]
+
+
+def weight_files(path: str | Path) -> list[Path]:
+    """The weight files of a checkpoint directory (as ``save_pretrained`` names them), or ``[path]``."""
+    path = Path(path)
+    if path.is_file():
+        return [path]
+    if not path.is_dir():
+        raise FileNotFoundError(f"HF checkpoint {path} does not exist")
+    for name in (SAFE_INDEX_NAME, TORCH_INDEX_NAME):
+        if (path / name).is_file():
+            return _index_files(path / name)
+    for name in (SAFE_WEIGHTS_NAME, TORCH_WEIGHTS_NAME):
+        if (path / name).is_file():
+            return [path / name]
+    found = sorted(path.glob("*.safetensors"))
+    if len(found) == 1:
+        return found
+    raise FileNotFoundError(
+        f"{path}: no {SAFE_INDEX_NAME}, {SAFE_WEIGHTS_NAME}, {TORCH_INDEX_NAME} or {TORCH_WEIGHTS_NAME}"
+        + (f" (and {len(found)} other .safetensors files: pass one)" if found else "")
+    )
+
+
+def _is_safetensors(file: Path) -> bool:
+    return file.suffix == ".safetensors"
+
+
+def _torch_load(file: Path, mmap: bool) -> dict[str, torch.Tensor]:
+    return torch.load(file, map_location="cpu", weights_only=True, mmap=mmap)
+
+
+def _scan(files: list[Path]) -> tuple[dict[str, _Entry], dict[Path, dict[str, torch.Tensor]]]:
+    """Key -> (file, full shape) from the headers; plus the fully loaded dicts of old torch files."""
+    entries: dict[str, _Entry] = {}
+    loaded: dict[Path, dict[str, torch.Tensor]] = {}
+    for file in files:
+        if _is_safetensors(file):
+            from safetensors import safe_open
+
+            with safe_open(str(file), framework="pt") as f:
+                shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+        elif file.suffix in TORCH_SUFFIXES:
+            try:
+                sd = _torch_load(file, mmap=True)
+            except RuntimeError:  # not a zip-format file: it cannot be memory-mapped
+                warnings.warn(
+                    f"{file}: an old-format torch file cannot be memory-mapped; every rank loads it whole",
+                    stacklevel=3,
+                )
+                sd = loaded[file] = _torch_load(file, mmap=False)
+            shapes = {k: tuple(v.shape) for k, v in sd.items()}
+            del sd
+        else:
+            raise ValueError(f"{file}: not a .safetensors or torch ({', '.join(TORCH_SUFFIXES)}) weights file")
+        for key, shape in shapes.items():
+            if key in entries:
+                raise ValueError(f"{key} is in both {entries[key].file} and {file}")
+            entries[key] = _Entry(file, shape)
+    return entries, loaded
+
+
+def _index(rng: tuple[int, int, int] | None) -> tuple[slice, ...]:
+    if rng is None:
+        return (slice(None),)
+    dim, start, stop = rng
+    return (slice(None),) * dim + (slice(start, stop),)
+
+
+def load_hf_checkpoint(model: torch.nn.Module, path: str | Path, check_config: bool = True) -> None:
+    """Copy this rank's slices of the ``transformers`` checkpoint at ``path`` into ``model``.
+
+    ``path``: a ``save_pretrained`` directory or one weights file (see the module docstring).
+    Every rank calls it (no collective: each reads the files itself). ``check_config``: compare
+    ``model.config`` with the directory's ``config.json`` first. Raises before writing any
+    parameter: ``ValueError`` for a config mismatch, ``KeyError`` for missing/unexpected keys,
+    ``ValueError`` listing every shape mismatch.
+    """
+    if check_config:
+        hf_config = read_hf_config(path)
+        if hf_config is not None:
+            check_hf_config(model.config, hf_config, str(_config_path(path)))
+    entries, loaded = _scan(weight_files(path))
+    expected = hf_conversion.check_hf_shapes(model, {k: e.shape for k, e in entries.items()}, f"checkpoint {path}")
+    tp = model.state.tp
+    files = list(dict.fromkeys(e.file for e in entries.values()))
+    order = sorted(expected, key=lambda k: files.index(entries[k].file))  # file by file, model order within
+    with torch.no_grad():
+        for key in order:
+            p = expected[key][1]
+            piece = _read(entries[key].file, key, _index(hf_conversion.shard_range(p, tp.rank, tp.size)), loaded)
+            p.copy_(piece.to(dtype=p.dtype).to(device=p.device))  # cast on the host: no graph on XLA
+            del piece  # (and its file mapping, before the next tensor)
+
+
+def _read(file: Path, key: str, index: tuple[slice, ...], loaded: dict) -> torch.Tensor:
+    """One tensor's slice; a view of a fresh memory map, released when the caller drops it."""
+    if file in loaded:
+        return loaded[file][key][index]
+    if _is_safetensors(file):
+        from safetensors import safe_open
+
+        with safe_open(str(file), framework="pt") as f:
+            return f.get_slice(key)[index]
+    return _torch_load(file, mmap=True)[key][index]
