@@ -25,8 +25,20 @@ A save never leaves something that looks complete but is not: every rank writes 
 ``.tmp_step_...``, all ranks agree that every write succeeded, then rank 0 checks that every
 rank's and TP rank's files are all there, writes ``meta.json``, fsyncs and renames the
 directory to ``step_...`` and only then replaces ``latest``. A crash at any point leaves
-``latest`` on the previous complete checkpoint. Checkpoints beyond the newest ``keep_last`` are
-then deleted.
+``latest`` on the previous complete checkpoint.
+
+Nothing a run needs is deleted (:meth:`CheckpointManager._prune`). After each save, checkpoints
+beyond the newest ``keep_last`` are deleted, where "newest" ranks the checkpoints this manager
+saved above every other one: the checkpoint just written is always kept, and one this run wrote
+is never deleted in favour of an older run's checkpoint with a higher step. Another run's
+checkpoints with a higher step than the one just written (e.g. after ``--resume`` of an earlier
+path) are not this run's to delete and are kept. A directory is removed by renaming it to
+``.deleting_step_...`` first, then deleting that: a kill part-way leaves either the complete
+checkpoint or a ``.deleting_`` leftover, which :meth:`~CheckpointManager.complete` ignores and
+the next prune deletes, never a ``step_...`` with ``meta.json`` but a shard gone.
+:meth:`~CheckpointManager.check_fresh_start` refuses to start a new run in a directory that
+already holds complete checkpoints; :meth:`~CheckpointManager.resolve` falls back to the newest
+complete checkpoint when ``latest`` is missing or names one that is not there, and says so.
 
 Loading checks before deserialising anything: ``meta.json`` must parse, have this format and
 match the run's layout, and each file must match its sha256. A shard holds only this rank's
@@ -43,6 +55,7 @@ import os
 import re
 import shutil
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -50,16 +63,21 @@ from typing import Any, Callable
 
 import torch
 
-from .rounds import DEFAULT_WRITERS, WriterRounds, agree
+from .rounds import DEFAULT_WRITERS, WriterRounds, agree, all_max
 from .tensor_files import fsync_dir, group_files, join, read_structure, read_tensors, split
 from .tensor_files import write_atomic, write_structure, write_tensors
 
 LATEST = "latest"
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
+_DELETING = ".deleting_"
 _FORMAT_NAME = "neuron_ckpt.train.checkpoint"
 FORMAT_VERSION = 2
 FORMAT = f"{_FORMAT_NAME}/{FORMAT_VERSION}"
 DEFAULT_CHUNK_MB = 256.0
+
+
+def _step_of(path: Path) -> int:
+    return int(_STEP_DIR.match(path.name).group(1))
 
 
 def rank_prefix(rank: int) -> str:
@@ -151,13 +169,42 @@ class CheckpointManager:
         """(start, end) of this rank's writing in each save, ``time.monotonic()`` (the same
         clock for every process of a host)."""
         self.last_save: SaveReport | None = None
+        self.saved: list[str] = []
+        """Names (``step_...``) of the checkpoints this manager saved, in order: never pruned in
+        favour of another run's checkpoints."""
+        self._reported: set[str] = set()  # another run's later checkpoints, said to be kept
 
     def complete(self) -> list[Path]:
-        """Complete checkpoints (directories with ``meta.json``), oldest first."""
+        """Complete checkpoints (``step_...`` directories with ``meta.json``), lowest step first.
+
+        Temporary (``.tmp_step_...``) and half-removed (``.deleting_step_...``) directories are
+        not listed."""
         if not self.directory.is_dir():
             return []
         found = [p for p in self.directory.iterdir() if _STEP_DIR.match(p.name) and (p / "meta.json").is_file()]
-        return sorted(found, key=lambda p: int(_STEP_DIR.match(p.name).group(1)))
+        return sorted(found, key=_step_of)
+
+    def check_fresh_start(self) -> None:
+        """A collective: refuse (ValueError, on every rank) to start a new run here when the
+        directory already holds complete checkpoints.
+
+        A new run's checkpoints would mix with the old run's (its ``latest`` replaced, its later
+        steps left beside the new run's). Call it at start-up, before any work, when not resuming.
+        """
+        found = self.complete() if self.rank == 0 else []
+        if not all_max(1 if found else 0):
+            return
+        ways = (
+            "To continue that run, pass --resume latest (or --resume <one of them>); to start a new run, "
+            "pass a new --checkpoint-dir (or delete the old checkpoints yourself)."
+        )
+        if self.rank != 0:
+            raise ValueError(f"{self.directory} already holds complete checkpoints (rank 0 names them). {ways}")
+        names = ", ".join(p.name for p in found[-4:])
+        raise ValueError(
+            f"{self.directory} already holds {len(found)} complete checkpoint{'s' * (len(found) > 1)} "
+            f"(newest: {names}); a new run there would mix its checkpoints with them. {ways}"
+        )
 
     def rounds(self) -> tuple[int, int]:
         """``(number of writer rounds, this rank's round)``. The first call is a collective."""
@@ -209,6 +256,9 @@ class CheckpointManager:
         agree(error, f"committing checkpoint {tmp}")
         report.seconds = time.perf_counter() - start
         self.last_save = report
+        if name in self.saved:
+            self.saved.remove(name)
+        self.saved.append(name)
         if self.rank == 0 and self.log is not None:
             self.log(report.describe())
         return final
@@ -230,35 +280,107 @@ class CheckpointManager:
         }  # fmt: skip
         write_atomic(tmp / "meta.json", json.dumps(full_meta, indent=1).encode())
         fsync_dir(tmp)
+        replaced = None
         if final.exists():  # the same step saved again (e.g. after a resume): replace it
-            shutil.rmtree(final)
+            replaced = self._rename_away(final)
         os.replace(tmp, final)
         write_atomic(self.directory / LATEST, final.name.encode())
         fsync_dir(self.directory)
-        self._prune()
+        if replaced is not None:
+            shutil.rmtree(replaced, ignore_errors=True)
+        self._prune(final.name)
         model_files = [f for ps in shared_prefixes.values() for p in ps for f in groups[p]]
         report.total_bytes = sum(files.values()) + (final / "meta.json").stat().st_size
         report.shared_bytes = sum(files[f] + files[f + ".sha256"] for f in model_files)
         report.files = len(files) + 1
 
-    def _prune(self) -> None:
-        keep = self.complete()[-self.keep_last :]
-        for path in self.complete():
-            if path not in keep:
-                shutil.rmtree(path, ignore_errors=True)
+    def _rename_away(self, path: Path) -> Path:
+        """Rename ``path`` to ``.deleting_<name>`` (atomic): from here on no reader sees it."""
+        away = self.directory / f"{_DELETING}{path.name}"
+        if away.exists():
+            shutil.rmtree(away)
+        os.replace(path, away)
+        fsync_dir(self.directory)
+        return away
+
+    def _remove(self, path: Path) -> None:
+        """Delete a checkpoint: renamed away first, so a kill part-way never leaves a ``step_...``
+        directory that has ``meta.json`` but not all of its files."""
+        shutil.rmtree(self._rename_away(path), ignore_errors=True)
+
+    def _prune(self, just_saved: str) -> None:
+        """Delete checkpoints beyond the newest ``keep_last`` (rank 0, after a save).
+
+        Newest: this manager's saves (in the order saved, ``just_saved`` last), then the others by
+        step. Others with a step above ``just_saved``'s are another run's later state: kept, not
+        counted. Leftovers of an interrupted removal (``.deleting_step_...``) are deleted here.
+        A failure to delete is reported (``log``), not raised: the checkpoint is already saved.
+        """
+        try:
+            for leftover in self.directory.glob(f"{_DELETING}step_*"):
+                shutil.rmtree(leftover, ignore_errors=True)
+            mine = [n for n in self.saved if n != just_saved and (self.directory / n / "meta.json").is_file()]
+            mine.append(just_saved)
+            step = _step_of(Path(just_saved))
+            others = [p.name for p in self.complete() if p.name not in mine]
+            older = [n for n in others if _step_of(Path(n)) < step]
+            later = [n for n in others if _step_of(Path(n)) > step and n not in self._reported]
+            ranked = older + mine  # oldest first
+            for name in ranked[: max(0, len(ranked) - self.keep_last)]:
+                if name != just_saved and (self.directory / name).is_dir():
+                    self._remove(self.directory / name)
+            self._reported.update(later)
+            if later and self.log is not None:
+                self.log(
+                    f"keeping {', '.join(later)} under {self.directory}: later steps than {just_saved}, "
+                    "written by another run (not pruned; delete them yourself if they are not wanted)"
+                )
+        except OSError as e:
+            if self.log is not None:
+                self.log(f"pruning old checkpoints under {self.directory} failed: {e}")
+            else:
+                warnings.warn(f"pruning old checkpoints under {self.directory} failed: {e}", stacklevel=2)
 
     def resolve(self, which: str) -> Path | None:
-        """``"latest"`` -> the checkpoint ``latest`` names (None if there is none yet); else a path."""
+        """``"latest"`` -> the checkpoint ``latest`` names (None if there is no checkpoint yet);
+        else the path ``which``.
+
+        When ``latest`` is missing, or names a checkpoint that is not complete, the newest
+        complete checkpoint (highest step) is taken instead and rank 0 says so (``log``, else a
+        warning). Not a collective: every rank reads the same directory.
+        """
         if which == LATEST:
             pointer = self.directory / LATEST
-            if not pointer.is_file():
+            named = pointer.read_text().strip() if pointer.is_file() else None
+            if named and (self.directory / named / "meta.json").is_file():
+                return self.directory / named
+            found = self.complete()
+            if not found:
+                if named:
+                    raise FileNotFoundError(
+                        f"{pointer} names {named}, which is not a complete checkpoint (no "
+                        f"{self.directory / named / 'meta.json'}), and {self.directory} holds no other"
+                    )
                 return None
-            path = self.directory / pointer.read_text().strip()
-        else:
-            path = Path(which)
+            path = found[-1]
+            why = f"names {named}, which is not a complete checkpoint" if named else "is missing"
+            self._say(
+                f"{pointer} {why}; resuming from the newest complete checkpoint under "
+                f"{self.directory} instead: {path.name}"
+            )
+            return path
+        path = Path(which)
         if not (path / "meta.json").is_file():
             raise FileNotFoundError(f"{path} is not a complete checkpoint (no meta.json)")
         return path
+
+    def _say(self, message: str) -> None:
+        if self.rank != 0:
+            return
+        if self.log is not None:
+            self.log(message)
+        else:
+            warnings.warn(message, stacklevel=3)
 
     def read_meta(self, path: Path) -> dict[str, Any]:
         """``meta.json`` of the checkpoint at ``path``, refused unless it is this format."""

@@ -95,9 +95,55 @@ def format_record(r: StepRecord) -> str:
     )
 
 
+def drop_after_step(path: str | os.PathLike, step: int) -> int:
+    """Rewrite the JSON-lines file ``path`` without its records of steps after ``step``; returns
+    how many were dropped.
+
+    For a resume from a checkpoint at ``step``: the interrupted run went on logging past its last
+    checkpoint, and the resumed run logs those steps again. A torn last line (a kill mid-write)
+    is dropped too; lines without a step are kept. The file is replaced atomically (a temporary
+    file, fsynced, renamed over it), so a kill here leaves the old file or the new one. No file:
+    nothing to do.
+    """
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return 0
+    lines = text.splitlines(keepends=True)
+    kept = []
+    for line in lines:
+        if not line.endswith("\n"):
+            continue  # torn by a kill
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            kept.append(line)
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] > step:
+            continue
+        kept.append(line)
+    dropped = len(lines) - len(kept)
+    if dropped:
+        tmp = path.with_name(f".{path.name}.tmp")
+        with open(tmp, "w") as f:
+            f.writelines(kept)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    return dropped
+
+
 class MetricsWriter:
     """Prints each record, appends it as one JSON line to ``path`` and, with ``tensorboard_dir``,
-    logs its scalars to TensorBoard (rank 0 only; ``path=None``: no file)."""
+    logs its scalars to TensorBoard (rank 0 only; ``path=None``: no file).
+
+    ``append``: continue the file (a resumed run) instead of starting it anew. With
+    ``resume_step`` (the step of the checkpoint resumed from), the records of later steps are
+    dropped from the file first (:func:`drop_after_step`) and TensorBoard's are purged, so each
+    step is listed once: the interrupted run's records up to ``resume_step``, then the resumed
+    run's.
+    """
 
     def __init__(
         self,
@@ -105,12 +151,23 @@ class MetricsWriter:
         enabled: bool = True,
         append: bool = False,
         tensorboard_dir: str | os.PathLike | None = None,
+        resume_step: int | None = None,
     ):
         self.enabled = enabled
         self._file = None
         self._tb = None
+        self.dropped = 0
+        """Records of steps after ``resume_step`` dropped from the file."""
         if enabled and path is not None:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
+            if append and resume_step is not None:
+                self.dropped = drop_after_step(path, resume_step)
+                if self.dropped:
+                    print(
+                        f"{path}: dropped {self.dropped} records after step {resume_step} "
+                        "(the interrupted run logged them past its last checkpoint; this run logs them again)",
+                        flush=True,
+                    )
             self._file = open(path, "a" if append else "w", buffering=1)
         if enabled and tensorboard_dir is not None:
             try:
@@ -119,7 +176,8 @@ class MetricsWriter:
                 raise ValueError(
                     "--tensorboard-dir needs the tensorboard package: pip install tensorboard"
                 ) from None
-            self._tb = SummaryWriter(log_dir=str(tensorboard_dir))
+            purge = resume_step + 1 if append and resume_step is not None else None
+            self._tb = SummaryWriter(log_dir=str(tensorboard_dir), purge_step=purge)
 
     def write(self, record: StepRecord, **extra) -> None:
         if not self.enabled:
