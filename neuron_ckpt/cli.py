@@ -1,7 +1,10 @@
 """The ``neuron-ckpt`` command: ``neuron-ckpt memory ...`` and ``neuron-ckpt plan ...``.
 
 Each subcommand is a module exposing ``add_arguments(parser)`` and ``run(args) -> int``; this
-file only dispatches. Bad input of any kind ends in one line on stderr and exit status 2.
+file only dispatches. Bad input of any kind ends in one line on stderr and exit status 2: an
+option argparse refuses, a ``ValueError``/``TypeError`` naming the field, a number that
+overflows, a file that cannot be read or written (:data:`INPUT_ERRORS`), a missing optional
+dependency.
 """
 
 from __future__ import annotations
@@ -11,6 +14,10 @@ import sys
 from typing import Sequence
 
 PROG = "neuron-ckpt"
+
+# What bad input raises: invalid values and combinations (json.JSONDecodeError and UnicodeError
+# are ValueErrors), wrong types, file-system errors, overflow, a missing optional dependency.
+INPUT_ERRORS = (ValueError, TypeError, OSError, ArithmeticError, ImportError)
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -23,6 +30,17 @@ class _OneLineParser(argparse.ArgumentParser):
 def _fail(line: str) -> None:
     print(" ".join(line.split()), file=sys.stderr)  # one line, whatever the message holds
     raise SystemExit(2)
+
+
+def error_message(exc: BaseException) -> str:
+    """The one-line text of an :data:`INPUT_ERRORS` exception."""
+    if isinstance(exc, OSError) and exc.filename is not None:
+        return f"{exc.filename}: {exc.strerror or exc}"
+    if isinstance(exc, ImportError):
+        return f"{exc} (an optional dependency: pip install 'neuron_ckpt[tutorial]')"
+    if isinstance(exc, ArithmeticError):
+        return f"a number is out of range ({type(exc).__name__}: {exc})"
+    return str(exc) or type(exc).__name__
 
 
 def _subcommands():
@@ -49,8 +67,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     module, _ = _subcommands()[args.command]
     try:
         return module.run(args)
-    except ValueError as exc:  # invalid sizes or combinations, named by field
-        _fail(f"{PROG} {args.command}: error: {exc}")
+    except INPUT_ERRORS as exc:  # invalid sizes or combinations named by field, files, overflow
+        _fail(f"{PROG} {args.command}: error: {error_message(exc)}")
     return 2  # not reached
 
 

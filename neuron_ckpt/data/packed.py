@@ -70,7 +70,10 @@ def _atomic_write(path: Path, data: bytes) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass  # e.g. the parent is not a directory: the error being raised says why
         raise
     dir_fd = os.open(path.parent, os.O_RDONLY)
     try:

@@ -28,7 +28,6 @@ measured ``LlamaForCausalLM``. The GPT terms outside the layers are analytic onl
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -133,14 +132,18 @@ class ModelShape:
 
 def resolve_llama_config(path_or_name: str) -> Any:
     """A ``transformers.LlamaConfig`` from a JSON file, a directory holding ``config.json``, or a
-    known name (``llama2-7b``: the tutorial's config file if present, else built-in numbers)."""
+    known name (``llama2-7b``: the tutorial's config file if present, else built-in numbers).
+    Files are read strictly (:func:`~neuron_ckpt.models.config_file.load_llama_config`): an
+    unknown or missing key, a wrong type or invalid JSON is a ``ValueError`` naming file and key."""
     import transformers  # lazily: heavy, and only Llama needs it
+
+    from ..models.config_file import load_llama_config
 
     key = str(path_or_name).lower()
     if key in KNOWN_MODELS:
         path, builtin = KNOWN_MODELS[key]
         if path.is_file():
-            return transformers.LlamaConfig.from_json_file(str(path))
+            return load_llama_config(path)
         return transformers.LlamaConfig(**builtin)
     path = Path(path_or_name)
     if path.is_dir():
@@ -150,10 +153,7 @@ def resolve_llama_config(path_or_name: str) -> Any:
             f"config: {path_or_name!r} is neither a JSON file, a directory with config.json, nor a known "
             f"name ({', '.join(KNOWN_MODELS)})"
         )
-    try:
-        return transformers.LlamaConfig.from_json_file(str(path))
-    except (json.JSONDecodeError, OSError, TypeError) as exc:
-        raise ValueError(f"config: cannot read {path}: {exc}") from None
+    return load_llama_config(path)
 
 
 @dataclass(frozen=True)

@@ -11,33 +11,61 @@ FLOPs as a share of a step, with the uniform choices beside it; then the optimiz
 largest collective and transient bytes, host memory per rank at its peaks against the instance
 (:mod:`.host`) and the checkpoint size on disk. Bad input: one line on stderr,
 exit status 2. Nothing fits: the reason and what would fit on stderr, exit status 1.
+
+Every option given is used or refused: ``--hidden/--heads/--layers/--vocab`` describe a
+``--model gpt`` (a Llama's shape comes from ``--config``, which a GPT does not take);
+``--bucket-cap-mb`` sizes ZeRO-1's buckets (refused with ``--no-zero1``). Sizes in GiB must be
+finite, and ``--reserve`` must leave some of the device.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
+from ..cli import INPUT_ERRORS, error_message
 from .budget import (
     DTYPE_BYTES, GIB, OPTION_NAMES, ModelShape, TrainingSetup, largest_collective_bytes, optimizer_step_bytes,
     resolve_llama_config,
 )  # fmt: skip
 from .host import INSTANCES, host_budget
-from .planner import NothingFits, Plan, evaluate, plan_recompute
+from .planner import DEVICE_PRESETS, NothingFits, Plan, device_memory_bytes, evaluate, plan_recompute
 
 HELP = "plan recompute per layer so a training job fits a device's memory"
+
+DEFAULT_CONFIG = "llama2-7b"
+DEFAULT_VOCAB = 51200
+DEFAULT_BUCKET_CAP_MB = 128.0
+GPT_ONLY = ("hidden", "heads", "layers", "vocab")
+
+
+def _finite(low: float, low_ok: bool):
+    """An argparse type: a finite float above ``low`` (or equal to it when ``low_ok``)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value) or value < low or (value == low and not low_ok):
+            raise argparse.ArgumentTypeError(f"expected a finite number {'>=' if low_ok else '>'} {low:g}, got {text!r}")
+        return value
+
+    return parse
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``plan`` options, on an existing parser."""
     parser.add_argument("--model", choices=("llama", "gpt"), default="llama")
-    parser.add_argument("--config", default="llama2-7b",
-                        help="llama: a config.json path, a directory holding one, or a known name (llama2-7b)")
+    parser.add_argument("--config", default=None,
+                        help=f"llama: a config.json path, a directory holding one, or a known name "
+                             f"(default {DEFAULT_CONFIG})")
     parser.add_argument("--hidden", type=int, help="gpt: hidden size")
     parser.add_argument("--heads", type=int, help="gpt: attention heads")
     parser.add_argument("--layers", type=int, help="gpt: number of layers")
-    parser.add_argument("--vocab", type=int, default=51200, help="gpt: vocabulary size (default 51200)")
+    parser.add_argument("--vocab", type=int, default=None, help=f"gpt: vocabulary size (default {DEFAULT_VOCAB})")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
     parser.add_argument("--dp", type=int, default=1, help="data-parallel degree (ZeRO-1 shards over it)")
     parser.add_argument("--seq", type=int, required=True, help="sequence length")
@@ -45,15 +73,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device-memory", default=None,
                         help="GiB per device or a preset (trn1 = 16 GiB per NeuronCore); default: the CUDA device")
     parser.add_argument(
-        "--reserve", type=float, default=None,
+        "--reserve", type=_finite(0.0, True), default=None,
         help="GiB to keep free for the runtime, collectives and fragmentation (default: 10%% of the device)",
     )
     parser.add_argument("--dtype", choices=tuple(DTYPE_BYTES), default="bf16")
     parser.add_argument("--zero1", action=argparse.BooleanOptionalAction, default=True,
                         help="shard fp32 master weights and AdamW moments over dp (default on)")
     parser.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--bucket-cap-mb", type=float, default=128.0,
-                        help="ZeRO-1 bucket cap in MiB: the optimizer step's largest collective (default 128)")
+    parser.add_argument("--bucket-cap-mb", type=_finite(0.0, False), default=None,
+                        help=f"ZeRO-1 bucket cap in MiB: the optimizer step's largest collective "
+                             f"(default {DEFAULT_BUCKET_CAP_MB:g})")
     parser.add_argument("--instance", choices=sorted(INSTANCES), default="trn1.32xlarge",
                         help="host whose memory the ranks share (default trn1.32xlarge: 512 GiB, 32 ranks)")
     parser.add_argument("--checkpoint-writers", type=int, default=8,
@@ -70,11 +99,40 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
 
 def _model(args: argparse.Namespace) -> ModelShape:
     if args.model == "llama":
-        return ModelShape.from_llama_config(resolve_llama_config(args.config), name=args.config)
+        given = [f"--{n}" for n in GPT_ONLY if getattr(args, n, None) is not None]
+        if given:
+            raise ValueError(
+                f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} for --model gpt; a Llama's shape comes "
+                f"from its config: use --config (a config.json path, a directory holding one, or {DEFAULT_CONFIG})"
+            )
+        name = args.config or DEFAULT_CONFIG
+        return ModelShape.from_llama_config(resolve_llama_config(name), name=name)
+    if args.config is not None:
+        raise ValueError("--config is for --model llama; a GPT's shape comes from --hidden, --heads, --layers "
+                         "and --vocab")
     missing = [f"--{n}" for n in ("hidden", "heads", "layers") if getattr(args, n) is None]
     if missing:
         raise ValueError(f"--model gpt needs {', '.join(missing)}")
-    return ModelShape.gpt(args.hidden, args.heads, args.layers, args.vocab, name="gpt")
+    vocab = DEFAULT_VOCAB if args.vocab is None else args.vocab
+    return ModelShape.gpt(args.hidden, args.heads, args.layers, vocab, name="gpt")
+
+
+def device_gib(args: argparse.Namespace) -> float:
+    """The device memory in GiB, checked: finite, and more than ``--reserve``."""
+    spec = args.device_memory
+    if isinstance(spec, str) and spec.lower() not in DEVICE_PRESETS:
+        try:
+            number = float(spec)
+        except ValueError:
+            number = None
+        if number is not None and not math.isfinite(number * GIB):  # inf, nan, or overflows in bytes
+            raise ValueError(f"--device-memory must be a finite number of GiB (one that fits in bytes) or a preset "
+                             f"({', '.join(DEVICE_PRESETS)}), got {spec!r}")
+    total = device_memory_bytes(spec) / GIB
+    if args.reserve is not None and args.reserve >= total:
+        raise ValueError(f"--reserve {args.reserve:g} GiB leaves nothing of a {total:g} GiB device: "
+                         f"give a reserve below {total:g} GiB (default: 10% of the device)")
+    return total
 
 
 def build(args: argparse.Namespace) -> tuple[ModelShape, TrainingSetup]:
@@ -82,9 +140,13 @@ def build(args: argparse.Namespace) -> tuple[ModelShape, TrainingSetup]:
     model = _model(args)
     if args.checkpoint_writers < 0:
         raise ValueError(f"--checkpoint-writers must be >= 0 (0: all), got {args.checkpoint_writers}")
+    if args.bucket_cap_mb is not None and not args.zero1:
+        raise ValueError("--bucket-cap-mb sizes ZeRO-1's buckets; with --no-zero1 there are none (a DP "
+                         "all-reduce of every gradient): drop it or use --zero1")
+    bucket_cap_mb = DEFAULT_BUCKET_CAP_MB if args.bucket_cap_mb is None else args.bucket_cap_mb
     setup = TrainingSetup(seq_len=args.seq, micro_batch=args.micro_batch, tp=args.tp, dp=args.dp,
                           dtype=args.dtype, sequence_parallel=args.sequence_parallel, zero1=args.zero1,
-                          bucket_cap_mb=args.bucket_cap_mb)
+                          bucket_cap_mb=bucket_cap_mb)
     return model, setup
 
 
@@ -137,7 +199,7 @@ def run_plan(args: argparse.Namespace) -> int:
     try:
         model, setup = build(args)
         try:
-            plan = plan_recompute(model, setup, args.device_memory, reserve_gib=args.reserve)
+            plan = plan_recompute(model, setup, device_gib(args), reserve_gib=args.reserve)
         except NothingFits as exc:
             if args.json:
                 print(json.dumps({"fits": False, "message": str(exc), "smallest_tp": exc.smallest_tp,
@@ -145,8 +207,8 @@ def run_plan(args: argparse.Namespace) -> int:
                                   "least_memory": exc.least.to_dict()}, indent=2))
             print(f"neuron-ckpt plan: {exc}", file=sys.stderr)
             return 1
-    except (ValueError, TypeError) as exc:
-        print(" ".join(f"neuron-ckpt plan: error: {exc}".split()), file=sys.stderr)
+    except INPUT_ERRORS as exc:  # bad input named by field, unreadable files, overflow
+        print(" ".join(f"neuron-ckpt plan: error: {error_message(exc)}".split()), file=sys.stderr)
         return 2
     if args.json:
         out = plan.to_dict()

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from dataclasses import asdict
+from pathlib import Path
 
 from .analytic import RECOMPUTE_MODES
 from .layers import measure_on_ranks
@@ -152,9 +154,37 @@ def format_report(report: dict) -> str:
     return "\n".join(lines)
 
 
+def check_plot_path(path: str) -> None:
+    """Refuse a ``--plot`` path that cannot be written, before anything is computed or measured:
+    a missing or unwritable directory, a directory given as the file, matplotlib not installed.
+    Raises ``ValueError`` naming the path."""
+    target = Path(path)
+    parent = target.parent
+    if target.is_dir():
+        raise ValueError(f"--plot {path}: is a directory; give a file name such as {target / 'memory.png'}")
+    if not parent.is_dir():
+        what = "is not a directory" if parent.exists() else "does not exist"
+        raise ValueError(f"--plot {path}: directory {str(parent)!r} {what}")
+    existed = target.exists()
+    try:  # open it for real: os.access answers for the real uid, and says yes to root on any mode
+        with open(target, "ab"):
+            pass
+    except OSError as exc:
+        raise ValueError(f"--plot {path}: cannot write there: {exc.strerror or exc}") from None
+    finally:
+        if not existed and target.exists():
+            os.unlink(target)
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ValueError("--plot needs matplotlib (pip install 'neuron_ckpt[tutorial]')") from None
+
+
 def run(args: argparse.Namespace) -> int:
     """The ``memory`` command. Raises ``ValueError`` on bad input (the CLI prints one line)."""
     spec = spec_from_args(args)
+    if args.plot:
+        check_plot_path(args.plot)
     measured = None
     if args.measure:
         measured = measure([spec])[0]

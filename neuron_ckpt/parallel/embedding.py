@@ -5,9 +5,18 @@ the TP group completes every lookup. With ``sequence_parallel`` the sum is a red
 along the sequence, so the output is already the ``[s/t, b, h]`` layout the first norm wants:
 pass ids sequence-first, ``[s, b]``.
 
-Out-of-range ids (negative or >= ``num_embeddings``) are not checked here: checking would force
-a device-to-host sync every step on XLA. At t > 1 they embed to zeros; validate ids in the data
-pipeline.
+Out-of-range ids (negative or >= ``num_embeddings``) raise a ``ValueError`` naming the id and
+the vocabulary size, at every TP size, on eager backends (CPU, CUDA): the check reads the ids'
+min and max on the host, one small device-to-host sync per call. Without it an id outside the
+vocabulary would, at t > 1, fall outside every rank's row range and silently embed as zeros (at
+t = 1 ``F.embedding`` raises an IndexError, or a device-side assert on CUDA). The ids are the
+same on every TP rank, so each rank's local check raises on all of them and none is left waiting
+in the TP reduction.
+
+On XLA the check is skipped (reading the ids back would cut the step's graph and sync every
+step); there the ids come from ``neuron_ckpt.data.PackedDataset``, which range-checks the whole
+file on the host when it opens it (and ``write_packed`` refuses bad ids when it writes one). The
+check is also skipped for meta tensors and while ``torch.compile`` traces.
 """
 
 from __future__ import annotations
@@ -20,6 +29,11 @@ from ..distributed.parallel_state import ParallelState
 from .init import InitMethod, check_divisible, normal_init, shard_of_full
 from .linear import _check_features, _state, check_sequence_divisible
 from .params import set_tensor_parallel_attributes
+
+
+def _compiling() -> bool:
+    compiler = getattr(torch, "compiler", None)
+    return bool(compiler is not None and hasattr(compiler, "is_compiling") and compiler.is_compiling())
 
 
 class VocabParallelEmbedding(torch.nn.Module):
@@ -50,6 +64,7 @@ class VocabParallelEmbedding(torch.nn.Module):
         set_tensor_parallel_attributes(self.weight, partition_dim=0)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        self.check_ids(ids)  # before any collective: every TP rank sees the same ids and raises
         tp = self.state.tp
         if tp.size == 1:
             return F.embedding(ids, self.weight)
@@ -60,6 +75,26 @@ class VocabParallelEmbedding(torch.nn.Module):
             check_sequence_divisible(out, tp.size, "VocabParallelEmbedding")
             return reduce_scatter_to_sequence_parallel_region(out, tp)
         return reduce_from_tensor_parallel_region(out, tp)
+
+    def check_ids(self, ids: torch.Tensor) -> None:
+        """Raise ``ValueError`` if an id is outside ``[0, num_embeddings)``; a no-op on XLA.
+
+        Eager only: one host sync (the ids' min and max). See the module docstring.
+        """
+        if ids.device.type in ("xla", "meta") or ids.numel() == 0 or _compiling():
+            return
+        if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+            return  # F.embedding refuses these itself, with its own message
+        lo, hi = (int(v) for v in torch.aminmax(ids.detach()))
+        if lo >= 0 and hi < self.num_embeddings:
+            return
+        bad = lo if lo < 0 else hi
+        count = int(((ids < 0) | (ids >= self.num_embeddings)).sum())
+        raise ValueError(
+            f"VocabParallelEmbedding: token id {bad} is outside the vocabulary [0, {self.num_embeddings}) "
+            f"(vocab size {self.num_embeddings}; {count} of {ids.numel()} ids out of range, "
+            f"min {lo}, max {hi}): check the tokenizer and the data against the model's vocab_size"
+        )
 
     def extra_repr(self) -> str:
         return (

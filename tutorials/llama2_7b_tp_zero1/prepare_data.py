@@ -75,11 +75,48 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def check_outputs(args: argparse.Namespace) -> list[Path]:
+    """The files this run writes (OUTPUT, and its .val file with --val-fraction > 0), checked
+    before any tokenising: ValueError naming --output if one cannot be written there. Creates the
+    parent directories (probing them with a temporary file)."""
+    from neuron_ckpt.data import val_path_for
+    from neuron_ckpt.train.paths import file_problem
+
+    outputs = [args.output] + ([val_path_for(args.output)] if args.val_fraction > 0 else [])
+    for path in outputs:
+        problem = file_problem(path)
+        if problem is not None:
+            raise ValueError(f"argument --output: cannot write {path}: {problem}")
+    return outputs
+
+
+def _write_all(outputs: list[tuple[Path, object]], meta: dict) -> list[Path]:
+    """Write each (path, blocks); if one fails, remove the ones already written by this call,
+    and raise that first error (a failure while removing is only noted, never raised instead)."""
+    from neuron_ckpt import data
+
+    written: list[Path] = []
+    try:
+        for path, blocks in outputs:
+            written.append(data.write_packed(path, blocks, **meta))
+    except BaseException as error:
+        for path in written:
+            try:
+                path.unlink(missing_ok=True)
+            except OSError as cleanup:
+                note = f"(also could not remove the partial output {path}: {cleanup})"
+                if hasattr(error, "add_note"):  # Python 3.11+
+                    error.add_note(note)
+        raise
+    return written
+
+
 def prepare(args: argparse.Namespace) -> None:
-    """Tokenise, pack, split, write, and print a summary."""
+    """Check the output, tokenise, pack, split, write, and print a summary."""
     from neuron_ckpt import data
 
     t0 = time.perf_counter()
+    check_outputs(args)  # before reading or tokenising anything
     files = data.expand_inputs(args.input)
     tokenizer = data.load_tokenizer(args.tokenizer)
     packed = data.tokenize_and_pack(
@@ -89,9 +126,8 @@ def prepare(args: argparse.Namespace) -> None:
     train, val = data.split_blocks(packed.blocks, args.val_fraction, args.seed)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     meta = dict(vocab_size=tokenizer.vocab_size, tokenizer=tokenizer.name, eos_id=tokenizer.eos_id)
-    written = [(data.write_packed(args.output, train, **meta), len(train))]
-    if len(val):
-        written.append((data.write_packed(data.val_path_for(args.output), val, **meta), len(val)))
+    outputs = [(args.output, train)] + ([(data.val_path_for(args.output), val)] if len(val) else [])
+    written = list(zip(_write_all(outputs, meta), [len(train), len(val)]))
     print(
         f"documents {packed.num_documents} | tokens {packed.num_tokens} "
         f"(dropped {packed.num_dropped}) | blocks {len(packed.blocks)} x {args.seq_len} "
@@ -106,9 +142,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         prepare(args)
-    except ValueError as e:  # bad input data or tokenizer: say what, not a traceback
+    except ValueError as e:  # bad input data, tokenizer or --output: say what, not a traceback
         sys.stderr.write(f"prepare_data.py: error: {e}\n")
         return 2
+    except OSError as e:  # e.g. the disk filled up while writing: the real error, one line
+        notes = "".join(f" {n}" for n in getattr(e, "__notes__", ()))
+        sys.stderr.write(f"prepare_data.py: error: {e}{notes}\n")
+        return 1
     return 0
 
 

@@ -22,7 +22,6 @@ from dataclasses import dataclass, field, fields
 from typing import Optional
 
 import torch
-import transformers
 
 import neuron_ckpt as nc
 from neuron_ckpt.data import DataParallelBatches, PackedDataset
@@ -33,6 +32,7 @@ from neuron_ckpt.models import (
     flops_per_token,
     hf_config_for,
     load_hf_checkpoint,
+    load_llama_config,
     save_hf_checkpoint,
 )
 from neuron_ckpt.optim import Zero1Optimizer
@@ -130,6 +130,45 @@ class TrainConfig:
             raise ValueError(f"--log-every must be >= 1, got {self.log_every}")
         if self.resume is not None and self.checkpoint_dir is None and self.resume == "latest":
             raise ValueError("--resume latest needs --checkpoint-dir")
+        flag = lambda name: "--" + name.replace("_", "-")  # noqa: E731
+        for f in fields(self):  # nan/inf pass argparse's float(): refuse them here
+            value = getattr(self, f.name)
+            if str(f.type) in ("float", "Optional[float]"):
+                if value is not None and not -float("inf") < value < float("inf"):
+                    raise ValueError(f"{flag(f.name)} must be a finite number, got {value}")
+        ranges = [
+            ("lr", self.lr > 0, "> 0"), ("weight_decay", self.weight_decay >= 0, ">= 0"),
+            ("beta1", 0 <= self.beta1 < 1, "in [0, 1)"), ("beta2", 0 <= self.beta2 < 1, "in [0, 1)"),
+            ("adam_eps", self.adam_eps > 0, "> 0"), ("grad_clip", self.grad_clip >= 0, ">= 0 (0: no clipping)"),
+            ("min_lr_ratio", 0 <= self.min_lr_ratio <= 1, "in [0, 1]"), ("warmup_steps", self.warmup_steps >= 0, ">= 0"),
+            ("checkpoint_every", self.checkpoint_every >= 0, ">= 0 (0: only at the end)"),
+            ("peak_tflops", self.peak_tflops is None or self.peak_tflops > 0, "> 0"),
+            ("stop_at_step", self.stop_at_step is None or 1 <= self.stop_at_step <= self.max_steps,
+             f"in [1, --max-steps {self.max_steps}] (the schedule ends at --max-steps)"),
+        ]  # fmt: skip
+        for name, ok, want in ranges:
+            if not ok:
+                raise ValueError(f"{flag(name)} must be {want}, got {getattr(self, name)}")
+        # Options that only act together with another: given without it they would be ignored.
+        default = {f.name: f.default for f in fields(self)}
+        needs = [
+            ("recompute_method", self.recompute == "full", "--recompute full"),
+            ("recompute_num_layers", self.recompute == "full", "--recompute full"),
+            ("recompute_modules", self.recompute == "selective", "--recompute selective"),
+            ("device_memory", self.recompute == "auto", "--recompute auto"),
+            ("checkpoint_every", self.checkpoint_dir is not None, "--checkpoint-dir"),
+            ("keep_last", self.checkpoint_dir is not None, "--checkpoint-dir"),
+            ("checkpoint_writers", self.checkpoint_dir is not None or self.resume is not None, "--checkpoint-dir or --resume"),
+            ("min_lr_ratio", self.decay != "constant", "--decay cosine or linear (constant has no floor)"),
+        ]  # fmt: skip
+        for name, applies, needed in needs:
+            if not applies and getattr(self, name) != default[name]:
+                raise ValueError(f"{flag(name)} {getattr(self, name)} applies only with {needed}; this run would "
+                                 f"ignore it: drop it or add {needed}")
+        try:  # the recompute options' own checks (method and layer count, module names), now
+            self.recompute_config()
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"--recompute {self.recompute}: {e}") from None
 
     def recompute_config(self) -> RecomputeConfig | None:
         """The fixed choice; ``auto`` is planned in :func:`_auto_recompute` once the model is known."""
@@ -216,8 +255,33 @@ def _check_device_kind(device_kind: Optional[str], backend: str) -> None:
         )
 
 
+def _check_output_paths(cfg: TrainConfig) -> None:
+    """At start-up, on every rank (a collective): the outputs can be written, rather than failing
+    at the first save / first logged step. The metrics file and TensorBoard directory are checked
+    on rank 0 (the rank that writes them), the checkpoint directory on every rank; every rank
+    raises the same ValueError naming the option. (--export-hf: check_writable, below.)"""
+    from neuron_ckpt.train.paths import check_output_paths
+
+    check_output_paths(
+        files={"--metrics-file": cfg.metrics_file},
+        dirs={"--checkpoint-dir": cfg.checkpoint_dir, "--tensorboard-dir": cfg.tensorboard_dir},
+        rank0_only=("--metrics-file", "--tensorboard-dir"),
+    )
+
+
 def _print(message: str) -> None:
     print(message, flush=True)
+
+
+def _check_seq_len(seq_len: int, config, cfg: TrainConfig) -> None:
+    """The corpus' blocks must fit the model's positions (rotary tables, the config's promise)."""
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit is not None and seq_len > limit:
+        source = cfg.model_config or (f"{cfg.init_hf}'s config.json" if cfg.init_hf else "configs/tiny.json")
+        raise ValueError(
+            f"{cfg.data}: block length {seq_len} > max_position_embeddings {limit} of the model config "
+            f"({source}): prepare the data with --seq-len {limit} or less, or use a config with more positions"
+        )
 
 
 def _model_fields(config) -> dict:
@@ -232,16 +296,24 @@ def main(argv: list[str] | None = None) -> dict:
     state = nc.initialize_model_parallel(cfg.tp)
     is_main = rt.rank == 0
     _check_device_kind(cfg.device_kind, rt.backend)
+    _check_output_paths(cfg)  # every rank, before any work: not at the first save / logged step
     dtype = DTYPES[cfg.dtype] if cfg.dtype != "auto" else (torch.float32 if rt.backend == "gloo" else torch.bfloat16)
+    checkpoints = CheckpointManager(
+        cfg.checkpoint_dir or ".", cfg.keep_last, rt.rank, rt.world_size, parallel_state=state,
+        local_rank=rt.local_rank, writers=cfg.checkpoint_writers, log=_print if is_main else None,
+    )  # fmt: skip
+    if cfg.checkpoint_dir and not cfg.resume:
+        checkpoints.check_fresh_start()  # a collective, before any work: never mix two runs' checkpoints
 
-    config = transformers.LlamaConfig.from_json_file(cfg.model_config) if cfg.model_config else None
+    config = load_llama_config(cfg.model_config) if cfg.model_config else None  # strict: typos are errors
     if cfg.init_hf:
         config = hf_config_for(cfg.init_hf, config)  # its config.json, checked against --model-config
-    config = config or transformers.LlamaConfig.from_json_file("configs/tiny.json")
+    config = config or load_llama_config("configs/tiny.json")
     if cfg.export_hf:
         check_writable(cfg.export_hf)  # every rank, now: not after the run
     dataset = _open_dataset(cfg.data, rt)
     seq_len = dataset.block_len
+    _check_seq_len(seq_len, config, cfg)
     if dataset.info.vocab_size > config.vocab_size:
         raise ValueError(f"{cfg.data}: tokenizer vocab {dataset.info.vocab_size} > model vocab_size {config.vocab_size}")
     per_step = cfg.micro_batch_size * state.dp_size
@@ -284,10 +356,6 @@ def main(argv: list[str] | None = None) -> dict:
 
     train_state = TrainState(model, optimizer, batches)
     layout = {"tp_size": state.tp_size, "dp_size": state.dp_size, "model": _model_fields(config), "dtype": str(dtype)}
-    checkpoints = CheckpointManager(
-        cfg.checkpoint_dir or ".", cfg.keep_last, rt.rank, rt.world_size, parallel_state=state,
-        local_rank=rt.local_rank, writers=cfg.checkpoint_writers, log=_print if is_main else None,
-    )  # fmt: skip
     resumed = train_state.resume(checkpoints, cfg.resume, layout) if cfg.resume else None
     start_step = resumed[1]["step"] if resumed else 0
     if is_main and cfg.resume:
@@ -307,7 +375,10 @@ def main(argv: list[str] | None = None) -> dict:
             f"{fpt / 1e9:.3f} GFLOP/token | peak {peak} TFLOP/s per rank ({device_kind})",
             flush=True,
         )
-    metrics = MetricsWriter(cfg.metrics_file, enabled=is_main, append=start_step > 0, tensorboard_dir=cfg.tensorboard_dir)
+    metrics = MetricsWriter(
+        cfg.metrics_file, enabled=is_main, append=start_step > 0, tensorboard_dir=cfg.tensorboard_dir,
+        resume_step=start_step if start_step > 0 else None,  # drop what the interrupted run logged past it
+    )  # fmt: skip
     stop = min(cfg.max_steps, cfg.stop_at_step or cfg.max_steps)
     log_every = cfg.log_every or (10 if rt.backend == "xla" else 1)
     options = FitOptions(stop, cfg.global_batch_size, seq_len, fpt, peak, cfg.checkpoint_every, log_every=log_every)

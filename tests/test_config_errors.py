@@ -1,0 +1,345 @@
+"""Nothing is silently lost: model config typos, options that do not apply, and the
+``neuron-ckpt`` promise (every error: one line on stderr, exit status 2).
+
+- ``load_llama_config``: unknown keys (with the closest valid name), missing shape keys, wrong
+  types, invalid JSON (file and line) are ValueErrors; real Hugging Face configs load.
+- ``train.py``: the data's block length against ``max_position_embeddings``; options given
+  without the option they act with (``--recompute-method`` without ``--recompute full`` ...).
+- ``neuron-ckpt plan`` / ``memory``: refused options, non-finite numbers, a reserve as large as
+  the device, config file errors, ``--plot`` into a directory that is not there.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import transformers
+
+from neuron_ckpt.cli import main as cli_main
+from neuron_ckpt.memory.budget import resolve_llama_config
+from neuron_ckpt.models import load_llama_config
+
+TUTORIAL = Path(__file__).resolve().parents[1] / "tutorials" / "llama2_7b_tp_zero1"
+TINY = {
+    "vocab_size": 128, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
+    "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+}  # fmt: skip
+
+
+def _write(tmp_path: Path, data, name: str = "config.json") -> Path:
+    path = tmp_path / name
+    path.write_text(data if isinstance(data, str) else json.dumps(data, indent=2))
+    return path
+
+
+def _error(path: Path) -> str:
+    with pytest.raises(ValueError) as exc:
+        load_llama_config(path)
+    return str(exc.value)
+
+
+# ---- load_llama_config ------------------------------------------------------------------------
+
+
+def test_a_typo_names_the_key_and_the_closest_valid_name(tmp_path):
+    data = {k: v for k, v in TINY.items() if k != "num_hidden_layers"} | {"num_hiden_layers": 4}
+    message = _error(_write(tmp_path, data))
+    assert str(tmp_path / "config.json") in message
+    assert "unknown key 'num_hiden_layers'" in message and "did you mean 'num_hidden_layers'" in message
+    assert "missing key 'num_hidden_layers'" in message  # and what LlamaConfig would have used instead
+    assert "32" in message
+
+
+@pytest.mark.parametrize("key", ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                 "num_attention_heads"])
+def test_a_missing_shape_key_is_an_error(tmp_path, key):
+    message = _error(_write(tmp_path, {k: v for k, v in TINY.items() if k != key}))
+    assert f"missing key {key!r}" in message
+
+
+def test_an_unknown_key_without_a_near_name(tmp_path):
+    assert "unknown key 'banana'" in _error(_write(tmp_path, TINY | {"banana": 1}))
+
+
+@pytest.mark.parametrize("key, value, needle", [
+    ("hidden_size", "64", "hidden_size must be a positive integer, got '64' (str)"),
+    ("num_hidden_layers", 2.0, "num_hidden_layers must be a positive integer"),
+    ("vocab_size", 0, "vocab_size must be a positive integer"),
+    ("tie_word_embeddings", "false", "tie_word_embeddings must be true or false"),
+    ("rms_norm_eps", 0, "rms_norm_eps must be a number > 0"),
+    ("max_position_embeddings", None, "max_position_embeddings must be a positive integer"),
+    ("model_type", "mistral", "model_type is 'mistral'"),
+    ("num_key_value_heads", 3, "num_key_value_heads (3) must divide num_attention_heads (4)"),
+])  # fmt: skip
+def test_wrong_types_and_values_name_the_key(tmp_path, key, value, needle):
+    assert needle in _error(_write(tmp_path, TINY | {key: value}))
+
+
+def test_invalid_json_names_the_file_and_line(tmp_path):
+    path = _write(tmp_path, '{\n  "vocab_size": 128,\n  "hidden_size": ,\n}')
+    message = _error(path)
+    assert str(path) in message and "line 3" in message
+
+
+@pytest.mark.parametrize("text, needle", [
+    ('{"vocab_size": 128, "vocab_size": 256}', "'vocab_size' is given twice"),
+    ('{"rms_norm_eps": NaN}', "NaN"),
+    ("[1, 2]", "expected a JSON object"),
+])  # fmt: skip
+def test_json_that_parses_but_would_lose_something(tmp_path, text, needle):
+    assert needle in _error(_write(tmp_path, text))
+
+
+def test_a_missing_file_is_a_value_error_naming_it(tmp_path):
+    assert str(tmp_path / "nope.json") in _error(tmp_path / "nope.json")
+
+
+@pytest.mark.parametrize("name", ["tiny.json", "llama2_7b.json"])
+def test_the_tutorial_configs_load_as_transformers_reads_them(name):
+    path = TUTORIAL / "configs" / name
+    assert load_llama_config(path).to_dict() == transformers.LlamaConfig.from_json_file(str(path)).to_dict()
+
+
+def test_hugging_face_metadata_keys_are_accepted(tmp_path):
+    """A config.json as the Hub has it (Llama-2-7b-hf style, transformers 4.x names)."""
+    hub = TINY | {
+        "_name_or_path": "meta-llama/Llama-2-7b-hf", "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": None, "hidden_act": "silu", "initializer_range": 0.02,
+        "pretraining_tp": 1, "rope_scaling": None, "rope_theta": 10000.0, "torch_dtype": "float16",
+        "transformers_version": "4.31.0.dev0", "use_cache": True, "attention_bias": False, "attention_dropout": 0.0,
+        "mlp_bias": False, "head_dim": 16,
+    }  # fmt: skip
+    config = load_llama_config(_write(tmp_path, hub))
+    assert config.num_hidden_layers == 2 and config.hidden_size == 64
+    # what transformers itself writes loads too
+    config.to_json_file(str(tmp_path / "saved.json"))
+    saved = load_llama_config(tmp_path / "saved.json").to_dict()
+    assert {k: v for k, v in saved.items() if k != "_name_or_path"} == {
+        k: v for k, v in config.to_dict().items() if k != "_name_or_path"}  # to_json_file drops the name
+
+
+def test_resolve_llama_config_reads_strictly(tmp_path):
+    _write(tmp_path, TINY | {"hidden_sise": 64})
+    with pytest.raises(ValueError, match="did you mean 'hidden_size'"):
+        resolve_llama_config(str(tmp_path))  # a directory holding config.json
+    assert resolve_llama_config("llama2-7b").num_hidden_layers == 32
+
+
+# ---- train.py: options that do not apply, the data's length ------------------------------------
+
+
+def _train_module():
+    if str(TUTORIAL) not in sys.path:
+        sys.path.insert(0, str(TUTORIAL))
+    import train
+
+    return train
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    ({"recompute_method": "uniform"}, "--recompute-method uniform applies only with --recompute full"),
+    ({"recompute": "selective", "recompute_num_layers": 2}, "--recompute-num-layers 2 applies only with --recompute full"),
+    ({"recompute": "full", "recompute_modules": "core_attn,mlp"}, "--recompute-modules core_attn,mlp applies only with --recompute selective"),
+    ({"recompute": "selective", "device_memory": "16"}, "--device-memory 16 applies only with --recompute auto"),
+    ({"checkpoint_every": 5}, "--checkpoint-every 5 applies only with --checkpoint-dir"),
+    ({"keep_last": 2}, "--keep-last 2 applies only with --checkpoint-dir"),
+    ({"checkpoint_writers": 4}, "--checkpoint-writers 4 applies only with --checkpoint-dir or --resume"),
+    ({"decay": "constant", "min_lr_ratio": 0.0}, "--min-lr-ratio 0.0 applies only with --decay cosine or linear"),
+    ({"lr": float("nan")}, "--lr must be a finite number"),
+    ({"grad_clip": float("inf")}, "--grad-clip must be a finite number"),
+    ({"beta2": 1.0}, "--beta2 must be in [0, 1)"),
+    ({"max_steps": 10, "stop_at_step": 12}, "--stop-at-step must be in [1, --max-steps 10]"),
+    ({"recompute": "selective", "recompute_modules": "core_atn"}, "--recompute selective: modules: unknown module 'core_atn'"),
+])  # fmt: skip
+def test_options_that_would_be_ignored_are_errors(kwargs, needle):
+    train = _train_module()
+    with pytest.raises(ValueError) as exc:
+        train.TrainConfig(**kwargs)
+    assert needle in str(exc.value), str(exc.value)
+
+
+def test_options_with_what_they_act_with_are_accepted():
+    train = _train_module()
+    full = train.TrainConfig(recompute="full", recompute_method="block", recompute_num_layers=2)
+    assert full.recompute_config().num_layers == 2
+    selective = train.TrainConfig(recompute="selective", recompute_modules="core_attn,mlp")
+    assert selective.recompute_config().modules == ("core_attn", "mlp")
+    train.TrainConfig(recompute="auto", device_memory="trn1", checkpoint_dir="c", checkpoint_every=5, keep_last=2)
+    train.TrainConfig(decay="constant", resume="some/step_00000004", checkpoint_writers=0)
+
+
+def test_parse_args_refuses_in_one_usage_error(capsys):
+    train = _train_module()
+    with pytest.raises(SystemExit) as exc:
+        train.parse_args(["--recompute-num-layers", "2"])
+    assert exc.value.code == 2 and "applies only with --recompute full" in capsys.readouterr().err
+
+
+def test_block_length_is_checked_against_max_position_embeddings():
+    from types import SimpleNamespace
+
+    train = _train_module()
+    cfg = train.TrainConfig(model_config="m.json", data="d.safetensors")
+    train._check_seq_len(64, SimpleNamespace(max_position_embeddings=64), cfg)  # equal: fits
+    with pytest.raises(ValueError) as exc:
+        train._check_seq_len(128, SimpleNamespace(max_position_embeddings=64), cfg)
+    message = str(exc.value)
+    assert "block length 128" in message and "max_position_embeddings 64" in message and "m.json" in message
+
+
+def _main_error(argv: list[str]) -> str:
+    try:
+        _train_module().main(argv)
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
+def test_train_main_refuses_a_typo_config_and_too_long_blocks(world, tmp_path):
+    """End to end on one rank: the strict config reader and the seq-len check are wired in."""
+    from neuron_ckpt.data import write_packed
+
+    blocks = np.random.default_rng(0).integers(0, 128, size=(8, 16))
+    data = write_packed(tmp_path / "train.safetensors", blocks, vocab_size=128, tokenizer="random")
+    common = ["--data", str(data), "--max-steps", "1", "--warmup-steps", "0", "--global-batch-size", "1"]
+    typo = _write(tmp_path, TINY | {"num_hiden_layers": 4}, "typo.json")
+    message = world(1).run(_main_error, ["--model-config", str(typo), *common])[0]
+    assert "num_hiden_layers" in message and "did you mean 'num_hidden_layers'" in message
+    short = _write(tmp_path, TINY | {"max_position_embeddings": 8}, "short.json")
+    message = world(1).run(_main_error, ["--model-config", str(short), *common])[0]
+    assert "block length 16 > max_position_embeddings 8" in message and str(short) in message
+
+
+# ---- neuron-ckpt: every error is one line on stderr and exit status 2 ----------------------------
+
+
+def _cli(capsys, *argv: str) -> tuple[int, str]:
+    try:
+        code = cli_main(list(argv))
+    except SystemExit as exc:
+        code = exc.code
+    captured = capsys.readouterr()
+    return code, captured.err
+
+
+def _assert_one_line(code: int, err: str, *needles: str) -> None:
+    assert code == 2, (code, err)
+    assert err.count("\n") == 1 and err.endswith("\n"), err
+    assert "Traceback" not in err
+    for needle in needles:
+        assert needle in err, err
+
+
+SEVEN_B = ("plan", "--tp", "8", "--dp", "4", "--seq", "4096")
+
+
+@pytest.mark.parametrize("extra, needles", [
+    (("--hidden", "64"), ("--hidden is for --model gpt", "use --config")),
+    (("--hidden", "64", "--layers", "2", "--vocab", "100"), ("--hidden, --layers, --vocab are for --model gpt",)),
+    (("--model", "gpt", "--hidden", "64", "--heads", "4", "--layers", "2", "--config", "llama2-7b"),
+     ("--config is for --model llama",)),
+    (("--no-zero1", "--bucket-cap-mb", "64"), ("--bucket-cap-mb", "--no-zero1")),
+])  # fmt: skip
+def test_plan_refuses_options_it_would_ignore(capsys, extra, needles):
+    _assert_one_line(*_cli(capsys, *SEVEN_B, "--device-memory", "trn1", *extra), *needles)
+
+
+@pytest.mark.parametrize("extra, needles", [
+    (("--device-memory", "inf"), ("--device-memory must be a finite number", "'inf'")),
+    (("--device-memory", "nan"), ("--device-memory must be a finite number",)),
+    (("--device-memory", "1e308"), ("--device-memory",)),  # finite GiB, but inf bytes
+    (("--device-memory", "16", "--reserve", "inf"), ("argument --reserve", "finite")),
+    (("--device-memory", "16", "--reserve", "nan"), ("argument --reserve", "finite")),
+    (("--device-memory", "16", "--bucket-cap-mb", "inf"), ("argument --bucket-cap-mb", "finite")),
+])  # fmt: skip
+def test_plan_non_finite_numbers(capsys, extra, needles):
+    _assert_one_line(*_cli(capsys, *SEVEN_B, *extra), *needles)
+
+
+@pytest.mark.parametrize("memory, reserve", [("trn1", "20"), ("16", "16")])
+def test_plan_a_reserve_that_leaves_nothing(capsys, memory, reserve):
+    _assert_one_line(*_cli(capsys, *SEVEN_B, "--device-memory", memory, "--reserve", reserve),
+                     f"--reserve {reserve} GiB leaves nothing of a 16 GiB device")
+
+
+@pytest.mark.parametrize("content, needles", [
+    (json.dumps(TINY | {"hidden_size": "64"}), ("hidden_size must be a positive integer", "str")),
+    (json.dumps(TINY | {"num_hiden_layers": 4}), ("did you mean 'num_hidden_layers'",)),
+    ('{\n  "vocab_size": 128,\n  oops\n}', ("invalid JSON at line 3",)),
+    ("\xff\xfe", ("not UTF-8",)),
+])  # fmt: skip
+def test_plan_config_file_errors(capsys, tmp_path, content, needles):
+    path = tmp_path / "config.json"
+    path.write_bytes(content.encode("latin-1") if content.startswith("\xff") else content.encode())
+    code, err = _cli(capsys, "plan", "--config", str(path), "--seq", "64", "--device-memory", "16")
+    _assert_one_line(code, err, str(path), *needles)
+
+
+MEMORY = ("memory", "--hidden", "64", "--heads", "4", "--seq", "64")
+
+
+@pytest.mark.parametrize("where, needle", [
+    ("missing/dir/m.png", "does not exist"),
+    ("a_file/m.png", "is not a directory"),
+    (".", "is a directory"),
+])  # fmt: skip
+def test_memory_plot_path_is_checked_before_any_work(capsys, tmp_path, monkeypatch, where, needle):
+    from neuron_ckpt.memory import report
+
+    def no_measuring(*_):
+        raise AssertionError("measured before the --plot path was checked")
+
+    monkeypatch.setattr(report, "measure", no_measuring)
+    (tmp_path / "a_file").write_text("x")
+    code, err = _cli(capsys, *MEMORY, "--measure", "--plot", str(tmp_path / where))
+    _assert_one_line(code, err, "--plot", needle)
+
+
+def test_memory_plot_into_an_unwritable_directory(capsys, tmp_path, monkeypatch):
+    from neuron_ckpt.memory import report
+
+    def refuse(path, *args, **kwargs):  # root ignores chmod: refuse as a read-only mount would
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(report, "open", refuse, raising=False)
+    code, err = _cli(capsys, *MEMORY, "--plot", str(tmp_path / "m.png"))
+    _assert_one_line(code, err, "cannot write there: Permission denied")
+    assert not (tmp_path / "m.png").exists()
+
+
+def test_memory_plot_check_leaves_no_file_behind_and_the_plot_is_written(capsys, tmp_path):
+    from neuron_ckpt.memory.report import check_plot_path
+
+    check_plot_path(str(tmp_path / "m.png"))
+    assert not (tmp_path / "m.png").exists()
+    assert _cli(capsys, *MEMORY, "--plot", str(tmp_path / "m.png"))[0] == 0
+    assert (tmp_path / "m.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_an_os_error_during_the_command_is_one_line(capsys, monkeypatch):
+    """A file-system error the checks could not foresee (disk full at savefig) still ends in
+    one line and exit status 2."""
+    from neuron_ckpt.memory import report
+
+    def full(*_):
+        raise OSError(28, "No space left on device", "/data/x.json")
+
+    monkeypatch.setattr(report, "build_report", full)
+    _assert_one_line(*_cli(capsys, *MEMORY), "/data/x.json: No space left on device")
+
+
+def test_the_console_script_prints_no_traceback(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(TINY | {"hidden_size": "64"}))
+    for argv in (["plan", "--config", str(path), "--seq", "64", "--device-memory", "16"],
+                 ["plan", "--seq", "64", "--device-memory", "inf"]):
+        proc = subprocess.run([sys.executable, "-m", "neuron_ckpt.cli", *argv], capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 2 and proc.stdout == "", proc
+        assert len(proc.stderr.splitlines()) == 1 and "Traceback" not in proc.stderr, proc.stderr
