@@ -108,13 +108,9 @@ def read_hf_config(path: str | Path):
     config_file = _config_path(path)
     if config_file is None:
         return None
-    import transformers
+    from .config_file import load_llama_config  # the same checks as --model-config
 
-    data = json.loads(config_file.read_text())
-    model_type = data.get("model_type", "llama")
-    if model_type != "llama":
-        warnings.warn(f"{config_file}: model_type {model_type!r} read as a Llama config", stacklevel=2)
-    return transformers.LlamaConfig.from_json_file(str(config_file))
+    return load_llama_config(config_file)
 
 
 def hf_config_for(path: str | Path, config: Any = None):
