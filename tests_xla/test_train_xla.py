@@ -50,7 +50,7 @@ def run(tmp_path_factory):
         "--model-config", str(root / "tiny.json"), "--data", str(root / "train.safetensors"),
         "--recompute", "selective", "--dtype", "bf16", "--micro-batch-size", "2",
         "--global-batch-size", str(2 * GRAD_ACCUM), "--lr", "1e-2", "--warmup-steps", "3",
-        "--max-steps", "10", "--decay", "cosine", "--log-every", "3", "--checkpoint-every", "4",
+        "--max-steps", "10", "--decay", "cosine", "--log-every", "3",
     ]  # fmt: skip
     return root, argv
 
@@ -85,7 +85,7 @@ def _metrics(path: Path) -> list[dict]:
 
 def test_tutorial_loop_on_xla_compiles_once_syncs_only_to_log_and_matches_eager(run, monkeypatch, tmp_path):
     root, argv = run
-    ckpt = ["--checkpoint-dir", str(tmp_path / "ckpt"), "--metrics-file", str(tmp_path / "xla.jsonl")]
+    ckpt = ["--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "4", "--metrics-file", str(tmp_path / "xla.jsonl")]
     first, snaps_a = _train_xla(argv + ckpt + ["--stop-at-step", "6"], monkeypatch)
     resumed, snaps_b = _train_xla(argv + ckpt + ["--resume", "latest"], monkeypatch)
     assert first["start_step"] == 0 and resumed["start_step"] == 6
