@@ -203,3 +203,84 @@ def test_flops_per_token_llama2_7b():
     n = num_parameters(config, include_embedding=False)
     assert flops_per_token(config, 4096) == 6 * n + 12 * 32 * 4096 * 4096
     assert num_parameters(tiny_config(2)) == sum(p.numel() for p in reference(tiny_config(2)).parameters())
+
+
+# --- selective recompute targets modules whose forward runs; longrope ------------------------
+
+
+def _single_rank_state():
+    from neuron_ckpt.distributed import Group, ParallelState
+
+    one = Group(process_group=None, ranks=(0,), replica_groups=((0,),), rank=0)
+    return ParallelState(tp=one, dp=one)
+
+
+def test_mlp_submodules_that_run_and_module_map_refuses_the_others(monkeypatch):
+    """gate_proj / up_proj are weights only (one fused matmul): every other submodule of a layer
+    runs its own forward, and a selective name mapped onto gate_proj / up_proj is refused."""
+    from neuron_ckpt.models.llama import LlamaMLP, SwiGLU
+    from neuron_ckpt.parallel import ColumnParallelLinear
+    from neuron_ckpt.recompute import RecomputeConfig, apply_recompute
+
+    model = LlamaForCausalLM(tiny_config(2), parallel_state=_single_rank_state())
+    ran = set()
+    layer = model.layers[0]
+    for name, module in layer.named_modules():
+        module.register_forward_pre_hook(lambda m, args, name=name: ran.add(name))
+    ids, labels = batch()
+    model(ids, labels)
+    idle = {"mlp." + c for c in LlamaMLP.weights_only_children}
+    assert idle == {"mlp.gate_proj", "mlp.up_proj"}
+    assert ran == {name for name, _ in layer.named_modules()} - idle
+
+    selective = RecomputeConfig(granularity="selective", modules=["mlp_act"])
+    for module_map in ({"mlp_act": "gate_proj"}, {"mlp_act": "mlp.up_proj"}, {"mlp_act": ColumnParallelLinear}):
+        with pytest.raises(ValueError, match=r"never runs the forward of '(gate|up)_proj'.*module_map"):
+            apply_recompute(model.layers, selective, module_map=module_map)
+        assert not any("forward" in m.__dict__ for m in model.modules())  # nothing changed
+    # The default map wraps SwiGLU (act_fn), whose forward runs: recompute reruns it in backward.
+    assert apply_recompute(model.layers, selective) == ["0.mlp.act_fn", "1.mlp.act_fn"]
+    calls, swiglu = [], SwiGLU.forward
+    monkeypatch.setattr(SwiGLU, "forward", lambda self, gate, up: calls.append(1) or swiglu(self, gate, up))
+    model(ids, labels).loss.backward()
+    assert len(calls) == 4  # two layers: forward + recompute
+
+
+def _longrope_config(original: int = 16) -> transformers.LlamaConfig:
+    d = 64 // 4
+    config = tiny_config(2)
+    config.rope_parameters = {
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "short_factor": [1.0 + 0.25 * i for i in range(d // 2)],
+        "long_factor": [2.0 + 1.5 * i for i in range(d // 2)],
+        "original_max_position_embeddings": original,
+    }
+    return config
+
+
+@pytest.mark.parametrize("seq", [8, 16, 17, 32])
+def test_longrope_switches_to_the_long_factors_like_transformers(seq):
+    """Short factors up to original_max_position_embeddings (16) positions, long ones past it,
+    with the same attention scaling: cos/sin tables and the model's logits match transformers."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from neuron_ckpt.models.rotary import RotaryEmbedding
+
+    config = _longrope_config()
+    hf_rotary, ours = LlamaRotaryEmbedding(config), RotaryEmbedding(config, 16)
+    x = torch.zeros(1, seq, 64)
+    hf_cos, hf_sin = hf_rotary(x, torch.arange(seq)[None])
+    cos, sin = ours(seq, torch.float32, torch.device("cpu"))
+    assert torch.equal(cos[:, 0, 0], hf_cos[0]) and torch.equal(sin[:, 0, 0], hf_sin[0])
+    assert ours.attention_scaling == hf_rotary.attention_scaling > 1
+    short = RotaryEmbedding(config, 16).inv_freq
+    assert torch.equal(ours.long_inv_freq if seq > 16 else ours.inv_freq, hf_rotary.inv_freq)
+    assert not torch.equal(ours.long_inv_freq, short)  # the switch changes the table
+
+    ref = reference(config)
+    ids = torch.randint(0, VOCAB, (BATCH, seq), generator=torch.Generator().manual_seed(seq))
+    model = LlamaForCausalLM(config, parallel_state=_single_rank_state())
+    model.load_hf_state_dict(ref.state_dict())
+    ref_logits = ref(input_ids=ids).logits.detach()
+    assert rel_err(model(ids, return_logits="full").logits.detach(), ref_logits) < TOL

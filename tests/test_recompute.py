@@ -495,3 +495,67 @@ def test_xla_rng_replay_and_optimization_barrier(tmp_path):
         env.pop(k, None)
     out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0 and "XLA OK" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
+
+
+# ---------------------------------------------------------------------------------------------
+# Selective names must land on a module whose forward runs.
+
+
+class FusedPair(torch.nn.Module):
+    """Uses its children's weights in one matmul; their forward never runs."""
+
+    weights_only_children = ("a", "b")
+
+    def __init__(self, h=8):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(h, h), torch.nn.Linear(h, h)
+        self.act = torch.nn.ReLU()
+
+    def forward(self, x):
+        y = F.linear(x, torch.cat([self.a.weight, self.b.weight]), torch.cat([self.a.bias, self.b.bias]))
+        return self.act(y[..., : x.shape[-1]] * y[..., x.shape[-1] :])
+
+
+def test_module_map_refuses_a_submodule_whose_forward_never_runs():
+    layers = torch.nn.ModuleList(torch.nn.Sequential(FusedPair()) for _ in range(2))
+    cfg = RecomputeConfig(granularity="selective", modules=["mlp_act"])
+    for pattern in ("a", "0.b", torch.nn.Linear, ("act", "a")):
+        with pytest.raises(ValueError, match=r"matched '0\.[ab]' in layer 0.*FusedPair never runs the forward"):
+            apply_recompute(layers, cfg, module_map={"mlp_act": pattern})
+        assert all("forward" not in m.__dict__ for m in layers.modules())
+    assert apply_recompute(layers, cfg, module_map={"mlp_act": "act"}) == ["0.0.act", "1.0.act"]
+
+
+# ---------------------------------------------------------------------------------------------
+# The dropout our layers use, exported for custom blocks.
+
+
+def test_parallel_dropout_is_exported_keeps_a_byte_mask_and_replays():
+    import neuron_ckpt.parallel as parallel
+    from neuron_ckpt.parallel.attention import dropout as used_by_attention
+
+    assert "dropout" in parallel.__all__ and parallel.dropout is used_by_attention
+    assert "XLA" in parallel.dropout.__doc__ and "1/(1-p)" in parallel.dropout.__doc__
+    x = torch.randn(64, 32, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.dtype) or t, lambda t: t):
+        y = parallel.dropout(x, 0.25)
+    assert saved == [torch.bool]  # the 1-byte mask, not a float noise tensor
+    y.sum().backward()
+    kept = y.detach() != 0
+    assert torch.equal(x.grad, kept.float() / 0.75)  # scaled once
+    assert parallel.dropout(x, 0.25, training=False) is x and parallel.dropout(x, 0.0) is x
+    with pytest.raises(ValueError, match="probability"):
+        parallel.dropout(x, 1.5)
+    # Under recompute the mask is replayed exactly.
+    w = torch.randn(32, 32, requires_grad=True)
+    f = lambda x, w: parallel.dropout(x @ w, 0.5)  # noqa: E731
+    torch.manual_seed(3)
+    ref = f(x, w)
+    ref.sum().backward()
+    ref_grad = w.grad.clone()
+    w.grad = None
+    torch.manual_seed(3)
+    out = checkpoint(f, x, w)
+    out.sum().backward()
+    assert torch.equal(out, ref) and torch.equal(w.grad, ref_grad)

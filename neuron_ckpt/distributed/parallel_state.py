@@ -8,29 +8,119 @@ groups stride across them. With world size 8 and ``tensor_parallel_size=2``::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import weakref
+from dataclasses import FrozenInstanceError, dataclass
 
 import torch.distributed as dist
 
 from . import runtime
 
 
-@dataclass(frozen=True)
 class Group:
     """One communicator as both APIs want it.
 
     ``process_group`` is what eager torch.distributed collectives take; ``replica_groups`` (every
-    group of this kind, as rank lists) is what XLA collectives take.
+    group of this kind, as rank lists) is what XLA collectives take. Immutable: assigning a field
+    raises ``FrozenInstanceError``; copies are the group itself.
+
+    A group holding a process group lets go of it in :func:`neuron_ckpt.destroy_distributed`
+    (:func:`release_process_groups`): layers, a ``ParallelState`` or autograd nodes that outlive
+    the teardown then keep no process group alive, and reading ``process_group`` raises. A gloo
+    process group that outlives ``destroy_process_group()`` can abort the interpreter at exit
+    ("terminate called without an active exception").
     """
 
-    process_group: dist.ProcessGroup | None
-    ranks: tuple[int, ...]
-    replica_groups: tuple[tuple[int, ...], ...]
-    rank: int
+    __slots__ = ("_process_group", "ranks", "replica_groups", "rank", "__weakref__")
+
+    def __init__(
+        self,
+        process_group: dist.ProcessGroup | None,
+        ranks: tuple[int, ...],
+        replica_groups: tuple[tuple[int, ...], ...],
+        rank: int,
+    ):
+        init = object.__setattr__
+        init(self, "_process_group", process_group)
+        init(self, "ranks", tuple(ranks))
+        init(self, "replica_groups", tuple(tuple(g) for g in replica_groups))
+        init(self, "rank", rank)
+        if process_group is not None:
+            _HOLDING[id(self)] = self
+
+    @property
+    def process_group(self) -> dist.ProcessGroup | None:
+        pg = self._process_group
+        if pg is _RELEASED:
+            raise RuntimeError(
+                f"the process group of this Group (ranks {self.ranks}) was released by "
+                "neuron_ckpt.destroy_distributed(); build the layers again after "
+                "init_distributed() / initialize_model_parallel()"
+            )
+        return pg
+
+    @property
+    def released(self) -> bool:
+        """True once :func:`release_process_groups` dropped this group's process group."""
+        return self._process_group is _RELEASED
 
     @property
     def size(self) -> int:
         return len(self.ranks)
+
+    def __setattr__(self, name: str, value) -> None:
+        raise FrozenInstanceError(f"cannot assign to field {name!r}")
+
+    def __delattr__(self, name: str) -> None:
+        raise FrozenInstanceError(f"cannot delete field {name!r}")
+
+    def _key(self) -> tuple:
+        return (id(self._process_group), self.ranks, self.replica_groups, self.rank)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Group) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def __reduce__(self):  # pickling needs process_group None (a ProcessGroup does not pickle)
+        return (Group, (self.process_group, self.ranks, self.replica_groups, self.rank))
+
+    def __copy__(self) -> "Group":
+        return self
+
+    def __deepcopy__(self, memo) -> "Group":
+        return self  # immutable, and a copied model talks over the same communicator
+
+    def __repr__(self) -> str:
+        pg = "<released>" if self.released else repr(self._process_group)
+        return (
+            f"Group(process_group={pg}, ranks={self.ranks}, replica_groups={self.replica_groups}, "
+            f"rank={self.rank})"
+        )
+
+
+class _Released:
+    def __repr__(self) -> str:
+        return "<released>"
+
+
+_RELEASED = _Released()
+
+# Every live Group that holds a process group, by id (weak: a Group dies with its last user).
+_HOLDING: "weakref.WeakValueDictionary[int, Group]" = weakref.WeakValueDictionary()
+
+
+def release_process_groups() -> int:
+    """Make every :class:`Group` drop its process group; returns how many did.
+
+    :func:`neuron_ckpt.destroy_distributed` calls this before ``destroy_process_group()``, so the
+    process groups die there (while torch.distributed is whole) rather than at interpreter exit.
+    """
+    groups = list(_HOLDING.values())
+    _HOLDING.clear()
+    for group in groups:
+        object.__setattr__(group, "_process_group", _RELEASED)
+    return len(groups)
 
 
 @dataclass(frozen=True)
@@ -126,5 +216,6 @@ def model_parallel_is_initialized() -> bool:
 
 
 def destroy_model_parallel() -> None:
+    """Forget the parallel state (the groups stay usable until :func:`neuron_ckpt.destroy_distributed`)."""
     global _STATE
     _STATE = None

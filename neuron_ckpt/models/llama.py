@@ -125,7 +125,16 @@ class SwiGLU(torch.nn.Module):
 
 
 class LlamaMLP(torch.nn.Module):
-    """SwiGLU MLP: ``down(silu(gate(x)) * up(x))``; gate and up share one input gather under SP."""
+    """SwiGLU MLP: ``down(silu(gate(x)) * up(x))``; gate and up share one input gather under SP.
+
+    ``gate_proj`` and ``up_proj`` hold the weights (named as in ``transformers``) but their forward
+    never runs: :func:`~neuron_ckpt.parallel.linear.parallel_linear` multiplies by both weights after
+    one gather. ``down_proj`` and ``act_fn`` (``mlp_act``) do run theirs, so selective recompute
+    and hooks can target them; ``weights_only_children`` tells ``apply_recompute`` to refuse the
+    other two rather than wrap a forward that is never called.
+    """
+
+    weights_only_children = ("gate_proj", "up_proj")
 
     def __init__(self, config, sequence_parallel: bool, dtype, state: ParallelState):
         super().__init__()

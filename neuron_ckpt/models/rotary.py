@@ -29,7 +29,9 @@ def inverse_frequencies(config, head_dim: int) -> tuple[torch.Tensor, float]:
 
     ``default`` is computed here; static scaled variants (``linear``, ``llama3``, ``yarn``...)
     reuse ``transformers``' own init functions so they match it exactly. ``dynamic`` rescales
-    with the sequence length at run time and is refused.
+    with the sequence length at run time and is refused. For ``longrope`` these are the short
+    factors' frequencies; :func:`longrope_long_frequencies` gives the long ones and where
+    :class:`RotaryEmbedding` switches to them.
     """
     params = _rope_parameters(config)
     rope_type = params["rope_type"]
@@ -47,18 +49,48 @@ def inverse_frequencies(config, head_dim: int) -> tuple[torch.Tensor, float]:
     return inv_freq.float(), float(scaling)
 
 
+def longrope_long_frequencies(config) -> tuple[torch.Tensor, int]:
+    """``(long inv_freq [d/2], original_max_position_embeddings)`` of a ``longrope`` config.
+
+    ``transformers`` uses the short factors up to ``original_max_position_embeddings`` positions
+    and the long factors past it (``longrope_frequency_update``: long when the largest position
+    + 1 exceeds it), with the same attention scaling on both sides.
+    """
+    params = _rope_parameters(config)
+    original = (
+        params.get("original_max_position_embeddings")
+        or getattr(config, "original_max_position_embeddings", None)
+        or config.max_position_embeddings
+    )
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    inv_freq, _ = ROPE_INIT_FUNCTIONS["longrope"](config, None, seq_len=int(original) + 1)
+    return inv_freq.float(), int(original)
+
+
 class RotaryEmbedding(torch.nn.Module):
-    """``forward(s, dtype, device) -> (cos, sin)``, each ``[s, 1, 1, d]`` for ``[s, b, heads, d]``."""
+    """``forward(s, dtype, device) -> (cos, sin)``, each ``[s, 1, 1, d]`` for ``[s, b, heads, d]``.
+
+    Positions are ``0 .. s-1``. With ``rope_type="longrope"`` a sequence longer than
+    ``original_max_position_embeddings`` (``long_after``) uses the long factors for every
+    position, a shorter one the short factors, as ``transformers``' ``LlamaRotaryEmbedding`` does.
+    """
 
     def __init__(self, config, head_dim: int):
         super().__init__()
         inv_freq, self.attention_scaling = inverse_frequencies(config, head_dim)
         self.head_dim = head_dim
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.long_after: int | None = None
+        if _rope_parameters(config)["rope_type"] == "longrope":
+            long_inv_freq, self.long_after = longrope_long_frequencies(config)
+            self.register_buffer("long_inv_freq", long_inv_freq, persistent=False)
 
     def forward(self, seq_len: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        long = self.long_after is not None and seq_len > self.long_after
+        inv_freq = self.long_inv_freq if long else self.inv_freq
         positions = torch.arange(seq_len, dtype=torch.float32, device=device)
-        freqs = positions[:, None] * self.inv_freq.to(device=device, dtype=torch.float32)[None, :]
+        freqs = positions[:, None] * inv_freq.to(device=device, dtype=torch.float32)[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos = (emb.cos() * self.attention_scaling).to(dtype)
         sin = (emb.sin() * self.attention_scaling).to(dtype)

@@ -1,7 +1,13 @@
-"""Tensor- and sequence-parallel layers (Megatron shapes, ``[s, b, h]`` activations)."""
+"""Tensor- and sequence-parallel layers (Megatron shapes, ``[s, b, h]`` activations).
+
+``dropout`` is the XLA-correct dropout our layers use, for the dropouts of custom blocks (see its
+docstring). Importing it here shadows the ``neuron_ckpt.parallel.dropout`` submodule as an
+attribute; ``from neuron_ckpt.parallel.dropout import dropout`` still works.
+"""
 
 from .attention import CoreAttention
 from .cross_entropy import vocab_parallel_cross_entropy
+from .dropout import dropout
 from .embedding import VocabParallelEmbedding
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .norms import LayerNorm, RMSNorm
@@ -15,5 +21,6 @@ __all__ = [
     "RMSNorm",
     "RowParallelLinear",
     "VocabParallelEmbedding",
+    "dropout",
     "vocab_parallel_cross_entropy",
 ]

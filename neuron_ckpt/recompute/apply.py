@@ -35,12 +35,18 @@ path, class, or a tuple of those); entries given override :data:`DEFAULT_MODULE_
 one. A name that matches nothing in a layer is an error, so a typo never silently disables
 recompute. For a ``transformers`` Llama layer, for example: ``{"core_attn": "self_attn",
 "mlp": "mlp", "mlp_act": "act_fn"}`` (HF's attention module includes the projections).
+
+A name must also land on a submodule whose forward runs. A module that uses a child's parameters
+without calling it (``LlamaMLP`` multiplies by ``gate_proj`` and ``up_proj`` in one fused matmul)
+lists that child in a class attribute ``weights_only_children``; a name matching such a child is
+an error, since wrapping a forward that is never called would recompute nothing.
 """
 
 from __future__ import annotations
 
 import functools
 import threading
+import weakref
 from typing import Any, Callable, Sequence, Union
 
 import torch
@@ -72,27 +78,68 @@ _GROUP_ATTR = "_recompute_group"
 
 
 class _Recomputed:
-    """``module.forward`` replaced: the original forward, run through :func:`checkpoint`."""
+    """``module.forward`` replaced: the original forward, run through :func:`checkpoint`.
+
+    The wrapper lives in ``module.__dict__`` and refers back to ``module`` only weakly, so a model
+    with recompute applied holds no reference cycle: it is freed as soon as its last user drops
+    it, not at the next cycle collection (a model kept alive that long keeps its parallel state
+    and process groups alive too). A call hands :func:`checkpoint` a :class:`_Run` holding the
+    module strongly, so a pending backward still recomputes after the model is dropped.
+    """
 
     def __init__(self, module: torch.nn.Module, config: RecomputeConfig, distribute: bool):
         self.previous = module.__dict__.get("forward")  # an earlier instance-level forward, if any
-        self.module, self.config, self.distribute = module, config, distribute
-        self.recompute_modules = [module]
+        self._module = weakref.ref(module)
+        self.config, self.distribute = config, distribute
+
+    # copy.deepcopy and pickle follow the module (a copied model's wrapper runs the copy).
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_module": self._module()}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, _module=weakref.ref(state["_module"]))
+
+    @property
+    def module(self) -> torch.nn.Module:
+        module = self._module()
+        if module is None:
+            raise RuntimeError("the module this recompute wrapper belonged to was freed")
+        return module
+
+    @property
+    def recompute_modules(self) -> list[torch.nn.Module]:
+        return [self.module]
 
     def run(self, *args: Any, **kwargs: Any) -> Any:
-        # Looked up at call time, so class-level patches (profilers, counters) still apply.
-        if self.previous is not None:
-            return self.previous(*args, **kwargs)
-        return type(self.module).forward(self.module, *args, **kwargs)
+        return _Run(self.module, self.previous)(*args, **kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return checkpoint(
-            self.run,
+            _Run(self.module, self.previous),
             *args,
             use_reentrant=self.config.use_reentrant,
             distribute_saved_activations=self.distribute,
             **kwargs,
         )
+
+
+class _Run:
+    """One call of a wrapped module's own forward; what :func:`checkpoint` keeps for backward."""
+
+    __slots__ = ("module", "previous")
+
+    def __init__(self, module: torch.nn.Module, previous: Callable[..., Any] | None):
+        self.module, self.previous = module, previous
+
+    @property
+    def recompute_modules(self) -> list[torch.nn.Module]:  # read by checkpoint's XLA barrier
+        return [self.module]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # Looked up at call time, so class-level patches (profilers, counters) still apply.
+        if self.previous is not None:
+            return self.previous(*args, **kwargs)
+        return type(self.module).forward(self.module, *args, **kwargs)
 
 
 _running_group = threading.local()
@@ -113,10 +160,33 @@ class _GroupMember(_Recomputed):
 
 
 class _LayerGroup:
-    """Consecutive layers run as one checkpointed function."""
+    """Consecutive layers run as one checkpoint; kept on the first of them, which it refers to
+    weakly (no cycle). :meth:`bound` gives the callable :func:`checkpoint` keeps."""
 
     def __init__(self, layers: list[torch.nn.Module], config: RecomputeConfig):
-        self.recompute_modules, self.config = layers, config
+        self._layers, self.config = [weakref.ref(layer) for layer in layers], config
+
+    def __len__(self) -> int:
+        return len(self._layers)
+
+    def __getstate__(self) -> dict:
+        return {"config": self.config, "_layers": [ref() for ref in self._layers]}
+
+    def __setstate__(self, state: dict) -> None:
+        self.config, self._layers = state["config"], [weakref.ref(layer) for layer in state["_layers"]]
+
+    def bound(self) -> "_GroupRun":
+        layers = [ref() for ref in self._layers]
+        if any(layer is None for layer in layers):
+            raise RuntimeError("a layer of this recompute group was freed")
+        return _GroupRun(layers)
+
+
+class _GroupRun:
+    __slots__ = ("recompute_modules",)
+
+    def __init__(self, layers: list[torch.nn.Module]):
+        self.recompute_modules = layers
 
     def __call__(self, hidden: Any, *args: Any, **kwargs: Any) -> Any:
         outer = getattr(_running_group, "active", False)
@@ -146,14 +216,14 @@ def run_layers(layers: Sequence[torch.nn.Module], hidden_states: Any, *args: Any
         if group is not None:
             c = group.config
             hidden_states = checkpoint(
-                group,
+                group.bound(),
                 hidden_states,
                 *args,
                 use_reentrant=c.use_reentrant,
                 distribute_saved_activations=c.distribute_saved_activations,
                 **kwargs,
             )
-            i += len(group.recompute_modules)
+            i += len(group)
         else:
             hidden_states = layers[i](hidden_states, *args, **kwargs)
             i += 1
@@ -326,6 +396,16 @@ def _matches(qualname: str, module: torch.nn.Module, pattern: Pattern) -> bool:
     return isinstance(module, pattern)
 
 
+def _children_without_forward(layer: torch.nn.Module) -> list[str]:
+    """Qualified names of the submodules of ``layer`` whose forward never runs: those a module
+    lists in its ``weights_only_children`` (it uses their parameters directly)."""
+    idle = []
+    for q, m in layer.named_modules():
+        for child in getattr(m, "weights_only_children", ()):
+            idle.append(f"{q}.{child}" if q else child)
+    return idle
+
+
 def _selective_targets(
     layers: list[torch.nn.Module], config: RecomputeConfig, patterns: dict[str, Pattern], first_index: int = 0
 ) -> list[tuple[str, torch.nn.Module, bool]]:
@@ -333,6 +413,7 @@ def _selective_targets(
     targets = []
     for i, layer in enumerate(layers, start=first_index):
         found: dict[str, tuple[torch.nn.Module, bool]] = {}
+        idle = _children_without_forward(layer)
         for name in config.modules:
             hits = [(q, m) for q, m in layer.named_modules() if q and _matches(q, m, patterns[name])]
             if not hits:
@@ -342,6 +423,16 @@ def _selective_targets(
                     f"Submodules: {[q for q, _ in layer.named_modules() if q][:20]}"
                 )
             for q, m in hits:
+                owner = next((o for o in idle if q == o or q.startswith(o + ".")), None)
+                if owner is not None:
+                    parent = layer.get_submodule(owner.rpartition(".")[0]) if "." in owner else layer
+                    raise ValueError(
+                        f"modules: {name!r} matched {q!r} in layer {i} ({type(layer).__name__}) with pattern "
+                        f"{patterns[name]!r}, but {type(parent).__name__} never runs the forward of "
+                        f"{owner.rpartition('.')[2]!r} (it reads only its weights, in a fused matmul), so "
+                        f"recomputing it would recompute nothing; pass module_map={{{name!r}: <a submodule "
+                        "whose forward runs>}}"
+                    )
                 if all(m is not other for other, _ in found.values()):  # a shared instance once
                     found.setdefault(q, (m, name in _REPLICATED_INPUT))
         for q, (m, replicated) in found.items():
