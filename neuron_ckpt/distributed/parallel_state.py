@@ -8,6 +8,8 @@ groups stride across them. With world size 8 and ``tensor_parallel_size=2``::
 
 from __future__ import annotations
 
+import datetime
+
 import weakref
 from dataclasses import FrozenInstanceError, dataclass
 
@@ -162,7 +164,10 @@ def _new_groups(all_groups: list[list[int]], rank: int) -> Group:
     mine = None
     for ranks in all_groups:
         # new_group is collective: every rank creates every group, in the same order.
-        pg = dist.new_group(ranks) if len(all_groups) > 1 else dist.group.WORLD
+        # The same timeout as the default group (dist.new_group would use torch's own default).
+        seconds = runtime.collective_timeout_s()
+        timeout = datetime.timedelta(seconds=seconds) if seconds is not None else None
+        pg = dist.new_group(ranks, timeout=timeout) if len(all_groups) > 1 else dist.group.WORLD
         if rank in ranks:
             mine = Group(pg, tuple(ranks), tuple(tuple(g) for g in all_groups), ranks.index(rank))
     assert mine is not None

@@ -46,6 +46,7 @@ class Runtime:
 
 
 _RUNTIME: Runtime | None = None
+_TIMEOUT_S: float | None = None
 
 
 def _module_available(name: str) -> bool:
@@ -117,8 +118,13 @@ def init_distributed(backend: str | None = None, timeout_s: float = 1800.0) -> R
 
     Works under ``torchrun`` (any world size) and as a plain single process (world size 1, no
     launcher needed). Calling it again returns the existing runtime.
+
+    ``timeout_s``: how long a collective (and the rendezvous) may wait for the other ranks before
+    it raises; it applies to the default group and, on XLA, to ``host_group``
+    (:func:`collective_timeout_s` returns it; :func:`~.parallel_state.initialize_model_parallel`
+    gives the TP and DP groups the same).
     """
-    global _RUNTIME
+    global _RUNTIME, _TIMEOUT_S
     if backend is not None and backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS} or None (auto), got {backend!r}")
     if _RUNTIME is not None and dist.is_initialized():
@@ -133,6 +139,7 @@ def init_distributed(backend: str | None = None, timeout_s: float = 1800.0) -> R
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     local_rank = int(os.environ.get("LOCAL_RANK", "0")) if launched else 0
 
+    _TIMEOUT_S = None if dist.is_initialized() else float(timeout_s)  # already initialised: not ours
     if not dist.is_initialized():
         if backend == "xla":
             import torch_xla.distributed.xla_backend  # noqa: F401  registers the "xla" backend
@@ -155,9 +162,15 @@ def init_distributed(backend: str | None = None, timeout_s: float = 1800.0) -> R
         world_size=dist.get_world_size(),
         local_rank=local_rank,
         device=_device_for(backend, local_rank),
-        host_group=dist.new_group(backend="gloo") if backend == "xla" else None,
+        host_group=dist.new_group(backend="gloo", timeout=timeout) if backend == "xla" else None,
     )
     return _RUNTIME
+
+
+def collective_timeout_s() -> float | None:
+    """The ``timeout_s`` :func:`init_distributed` initialised torch.distributed with (None when
+    it found torch.distributed already initialised, or has not run)."""
+    return _TIMEOUT_S if dist.is_initialized() else None
 
 
 def get_runtime() -> Runtime:

@@ -15,10 +15,20 @@ device value on the host, so tracing step N+1 overlaps the device running step N
 gradient norm reach the host only on logged steps (``log_every``), through
 ``xm.add_step_closure``, and on checkpoint steps. Eager backends log the same way, with the
 closure called at once.
+
+Faults (:mod:`neuron_ckpt.train.faults`): a NaN or Inf loss or gradient norm raises
+:class:`~.faults.NonFiniteError` where the values reach the host (logged and checkpoint steps),
+before that step's metrics line or checkpoint is written. SIGTERM / SIGINT finish the current
+step, all ranks agree to stop after it (a host-side all-reduce of a flag each step: no device
+graph), save a checkpoint of it and raise :class:`~.faults.Interrupted`. Each rank keeps its last
+finished step in the default store; when a collective fails, :class:`~.faults.CollectiveTimeoutError`
+names the ranks that stopped answering.
 """
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -27,6 +37,7 @@ import torch
 
 from ..distributed import collectives, runtime
 from ..distributed.parallel_state import ParallelState
+from . import faults
 from .checkpoint import CheckpointManager
 from .metrics import MetricsWriter, StepRecord, make_record
 from .schedule import LRSchedule
@@ -87,7 +98,10 @@ class FitOptions:
     log_every: int = 1
     """Bring the loss and gradient norm to the host and log them every N steps (and on the last
     and checkpoint steps); the step time logged is the mean over the interval. On XLA every
-    logged step waits for the device, so keep it above 1 there (the tutorial uses 10)."""
+    logged step waits for the device, so keep it above 1 there (the tutorial uses 10). These are
+    also the steps whose values are checked for NaN / Inf."""
+    handle_signals: bool = True
+    """SIGTERM / SIGINT stop the run after the current step, with a checkpoint (main thread only)."""
 
     def __post_init__(self) -> None:
         if self.log_every < 1:
@@ -101,6 +115,7 @@ class _Logger:
         self.options, self.metrics, self.world = options, metrics, world
         self.tokens_seen = tokens_seen
         self.records: list[StepRecord] = []
+        self.last_finite: int | None = None
         self.restart()
 
     def restart(self) -> None:
@@ -112,8 +127,11 @@ class _Logger:
         self.tokens_seen += self.options.global_batch * self.options.seq_len
 
     def log(self, values: torch.Tensor, step: int, lr: float) -> None:
-        """``values`` = ``[loss, grad_norm]``; called when they are on the device (step closure)."""
+        """``values`` = ``[loss, grad_norm]``; called when they are on the device (step closure).
+        Raises :class:`~.faults.NonFiniteError` before writing anything if either is NaN / Inf."""
         loss, grad_norm = values.tolist()  # the one device-to-host transfer of a logged step
+        faults.check_finite(step, loss, grad_norm, self.last_finite)
+        self.last_finite = step
         now, o = time.perf_counter(), self.options
         record = make_record(
             step, loss, lr, grad_norm, (now - self.start) / self.steps, o.global_batch, o.seq_len,
@@ -142,6 +160,11 @@ def fit(
     ``batches``: an iterator of per-step micro-batch lists positioned at ``start_step``.
     ``checkpoint_payload(step) -> (shard, meta)`` builds what :class:`CheckpointManager` saves
     after ``step`` steps are done.
+
+    Raises :class:`~.faults.NonFiniteError` (a NaN / Inf loss or gradient norm, on every rank at
+    the same step, nothing written for it), :class:`~.faults.Interrupted` (SIGTERM / SIGINT:
+    every rank stopped after the same step, checkpointed when ``checkpoints`` is given) and
+    :class:`~.faults.CollectiveTimeoutError` (a collective failed; names the silent ranks).
     """
     model.train()
     xla = runtime.is_xla()
@@ -149,33 +172,65 @@ def fit(
     # loading a checkpoint left pending, so that step 1's graph is the steady-state step.
     _mark_step()
     logger = _Logger(options, metrics, state.tp_size * state.dp_size, start_step * options.global_batch * options.seq_len)
-    last_saved = None
-    for step in range(start_step, options.max_steps):
-        lr = schedule.apply(optimizer, step)
-        loss, grad_norm = train_step(model, optimizer, next(batches), device)
-        done = step + 1
-        logger.step_done()
-        save = checkpoints is not None and options.checkpoint_every and done % options.checkpoint_every == 0
-        # Mean loss over DP (every TP rank of a replica holds the same loss). Every step, logged
-        # or not, so that every step traces the same graph; ``values`` stays alive until the
-        # mark_step below, which keeps it in that graph.
-        values = torch.stack([collectives.all_reduce(loss, state.dp) / state.dp_size, grad_norm.float()])
-        if done % options.log_every == 0 or done == options.max_steps or save:
-            if xla:
-                _xm().add_step_closure(logger.log, args=(values, done, lr))
-            else:
-                logger.log(values, done, lr)
-        _mark_step()
-        if save:
-            checkpoints.save(done, *checkpoint_payload(done))
-            last_saved = done
-            logger.restart()
-    end = max(options.max_steps, start_step)
-    if checkpoints is not None and options.save_at_end and last_saved != end and end > start_step:
-        checkpoints.save(end, *checkpoint_payload(end))
+    coordinator = faults.Coordinator()
+    signals = faults.StopSignals() if options.handle_signals else contextlib.nullcontext()
+    last_saved, current = None, start_step + 1  # current: the step being run (for error messages)
+    try:
+        with signals:
+            coordinator.beat(start_step)
+            for step in range(start_step, options.max_steps):
+                current = step + 1
+                lr = schedule.apply(optimizer, step)
+                loss, grad_norm = train_step(model, optimizer, next(batches), device)
+                done = step + 1
+                logger.step_done()
+                coordinator.beat(done)
+                # Every rank stops after the same step: the largest signal number any rank got.
+                stop = coordinator.agree_stop(getattr(signals, "received", 0))
+                last = done == options.max_steps
+                interrupt = bool(stop) and not last  # a stop at the last step is just the end
+                save = checkpoints is not None and (
+                    bool(options.checkpoint_every and done % options.checkpoint_every == 0) or interrupt
+                )
+                # Mean loss over DP (every TP rank of a replica holds the same loss). Every step, logged
+                # or not, so that every step traces the same graph; ``values`` stays alive until the
+                # mark_step below, which keeps it in that graph.
+                values = torch.stack([collectives.all_reduce(loss, state.dp) / state.dp_size, grad_norm.float()])
+                if done % options.log_every == 0 or last or save:
+                    if xla:
+                        _xm().add_step_closure(logger.log, args=(values, done, lr))
+                    else:
+                        logger.log(values, done, lr)  # raises NonFiniteError before writing anything
+                _mark_step()  # XLA: runs the closure, so a NaN raises here, before the save below
+                if interrupt and state.dp.rank == 0 and state.tp.rank == 0:
+                    faults.say(f"{signal.Signals(stop).name} received: stopping after step {done}"
+                               + (", saving a checkpoint first" if save else " (no checkpoint directory: nothing saved)"))
+                if save:
+                    saved = checkpoints.save(done, *checkpoint_payload(done))
+                    last_saved = done
+                    logger.restart()
+                if interrupt:
+                    raise faults.Interrupted(stop, done, str(saved) if save else None)
+            end = max(options.max_steps, start_step)
+            if checkpoints is not None and options.save_at_end and last_saved != end and end > start_step:
+                current = end
+                checkpoints.save(end, *checkpoint_payload(end))
+    except (faults.NonFiniteError, faults.Interrupted):
+        _settle(xla)  # every rank raises at the same step: let them all get here
+        raise
+    except Exception as e:
+        if faults.is_collective_failure(e):
+            raise coordinator.diagnose(current, e) from e
+        raise
+    finally:
+        coordinator.close()
+    _settle(xla)
+    return logger.records
+
+
+def _settle(xla: bool) -> None:
     if xla:
         # Let every queued graph finish and every rank arrive before the caller tears the
         # process group down (otherwise: "Broken pipe" from ranks still running at exit).
         _xm().wait_device_ops()
         runtime.barrier()
-    return logger.records

@@ -25,7 +25,7 @@ import torch
 
 import neuron_ckpt as nc
 from neuron_ckpt.data import DataParallelBatches, PackedDataset
-from neuron_ckpt.distributed.runtime import barrier
+from neuron_ckpt.distributed.runtime import barrier, collective_timeout_s, detect_backend, get_runtime
 from neuron_ckpt.models import (
     LlamaForCausalLM,
     check_writable,
@@ -39,6 +39,8 @@ from neuron_ckpt.optim import Zero1Optimizer
 from neuron_ckpt.recompute import RecomputeConfig
 from neuron_ckpt.train import (
     CheckpointManager,
+    Interrupted,
+    NonFiniteError,
     FitOptions,
     LRSchedule,
     MetricsWriter,
@@ -79,6 +81,11 @@ class TrainConfig:
     attention: str = opt("explicit", "core attention implementation", ["explicit", "sdpa"])
     dtype: str = opt("auto", "parameter/compute dtype; auto: bf16 on XLA and CUDA, fp32 on CPU", ["auto", "fp32", "bf16"])
     backend: Optional[str] = opt(None, "torch.distributed backend (default: detected)", ["xla", "nccl", "gloo"])
+    collective_timeout: Optional[float] = opt(
+        None, "seconds a collective waits for the other ranks; then the run fails naming the ranks that stopped "
+        "answering (default: 7200 on XLA, where the first step compiles for up to an hour on each rank while the "
+        "ranks done first wait, 1800 elsewhere)"
+    )
     # batch and optimizer
     micro_batch_size: int = opt(1, "sequences per rank per forward/backward")
     global_batch_size: int = opt(8, "sequences per optimizer step over all DP ranks (gradient accumulation fills it)")
@@ -143,6 +150,7 @@ class TrainConfig:
             ("min_lr_ratio", 0 <= self.min_lr_ratio <= 1, "in [0, 1]"), ("warmup_steps", self.warmup_steps >= 0, ">= 0"),
             ("checkpoint_every", self.checkpoint_every >= 0, ">= 0 (0: only at the end)"),
             ("peak_tflops", self.peak_tflops is None or self.peak_tflops > 0, "> 0"),
+            ("collective_timeout", self.collective_timeout is None or self.collective_timeout > 0, "> 0 seconds"),
             ("stop_at_step", self.stop_at_step is None or 1 <= self.stop_at_step <= self.max_steps,
              f"in [1, --max-steps {self.max_steps}] (the schedule ends at --max-steps)"),
         ]  # fmt: skip
@@ -292,9 +300,13 @@ def _model_fields(config) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     cfg = parse_args(argv)
     t_start = time.perf_counter()
-    rt = nc.init_distributed(backend=cfg.backend)
+    timeout = cfg.collective_timeout or (7200.0 if (cfg.backend or detect_backend()) == "xla" else 1800.0)
+    rt = nc.init_distributed(backend=cfg.backend, timeout_s=timeout)
     state = nc.initialize_model_parallel(cfg.tp)
     is_main = rt.rank == 0
+    if cfg.collective_timeout and collective_timeout_s() != cfg.collective_timeout and is_main:
+        print(f"--collective-timeout {cfg.collective_timeout:g} not applied: torch.distributed was initialised "
+              "before main() (e.g. by LocalWorld)", flush=True)  # fmt: skip
     _check_device_kind(cfg.device_kind, rt.backend)
     _check_output_paths(cfg)  # every rank, before any work: not at the first save / logged step
     dtype = DTYPES[cfg.dtype] if cfg.dtype != "auto" else (torch.float32 if rt.backend == "gloo" else torch.bfloat16)
@@ -420,5 +432,11 @@ def _summary(records, wall_s: float, start_step: int) -> dict:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    try:
+        main(sys.argv[1:])
+    except (Interrupted, NonFiniteError) as e:  # every rank stopped at the same step: a clean exit
+        if get_runtime().rank == 0:
+            print(f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        nc.destroy_distributed()
+        sys.exit(getattr(e, "exit_code", 1))  # Interrupted: 128 + signal number (143 SIGTERM, 130 SIGINT)
     nc.destroy_distributed()
