@@ -17,7 +17,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import secrets
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,6 +24,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from ..files import write_atomic
 
 FORMAT_MAGIC = "neuron_ckpt.packed_tokens"
 FORMAT_VERSION = 1
@@ -53,33 +54,6 @@ def _sha256(rows: np.ndarray) -> str:
 
 def _max_id(rows: np.ndarray) -> int:
     return max(int(rows[s : s + _CHUNK_ROWS].max()) for s in range(0, rows.shape[0], _CHUNK_ROWS))
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    """Write ``data`` to a temp file, fsync, and move it over ``path``: old file or new, never half.
-
-    The temp file sits in the same directory (``os.replace`` is atomic only within one file
-    system); the directory is fsynced after the rename. Plain ``open`` rather than mkstemp or
-    safetensors' ``save_file``, which both create mode 0600 files; this one follows the umask.
-    """
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-    try:
-        with open(tmp, "xb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            tmp.unlink(missing_ok=True)
-        except OSError:
-            pass  # e.g. the parent is not a directory: the error being raised says why
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
 
 
 def write_packed(
@@ -119,7 +93,7 @@ def write_packed(
         "eos_id": "" if eos_id is None else str(eos_id),
         "sha256": _sha256(payload),
     }
-    _atomic_write(path, save({_TENSOR: payload}, metadata=meta))
+    write_atomic(path, save({_TENSOR: payload}, metadata=meta))
     return path
 
 
@@ -287,7 +261,7 @@ class PackedDataset(torch.utils.data.Dataset):
             )
         if verify_checksum:
             try:
-                _atomic_write(_stamp_path(self.path), json.dumps(stamp).encode())
+                write_atomic(_stamp_path(self.path), json.dumps(stamp).encode())
             except OSError:
                 pass  # a read-only data directory: scan again next time
 

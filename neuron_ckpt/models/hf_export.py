@@ -43,6 +43,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from ..distributed import runtime
+from ..files import fsync_dir, write_atomic
 from . import hf_conversion
 from .hf_checkpoint import CONFIG_NAME, SAFE_INDEX_NAME, SAFE_WEIGHTS_NAME, check_hf_config
 
@@ -187,29 +188,18 @@ def _config_dict(config: Any, dtype: torch.dtype) -> dict:
 
 
 def _write_json(path: Path, data: dict) -> None:
-    with open(path, "w") as f:
-        f.write(json.dumps(data, indent=2, sort_keys=True) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    write_atomic(path, (json.dumps(data, indent=2, sort_keys=True) + "\n").encode())
 
 
 def _replace_dir(tmp: Path, directory: Path) -> None:
     """Move the finished ``tmp`` to ``directory`` (an existing one is replaced), durably."""
-    _fsync_dir(tmp)
+    fsync_dir(tmp)
     old = None
     if directory.exists():
         old = directory.parent / f".{directory.name}.old-{uuid.uuid4().hex[:8]}"
         os.rename(directory, old)
     os.rename(tmp, directory)
-    _fsync_dir(directory.parent)
+    fsync_dir(directory.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 

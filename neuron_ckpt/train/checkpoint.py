@@ -64,8 +64,8 @@ from typing import Any, Callable
 import torch
 
 from .rounds import DEFAULT_WRITERS, WriterRounds, agree, all_max
-from .tensor_files import fsync_dir, group_files, join, read_structure, read_tensors, split
-from .tensor_files import write_atomic, write_structure, write_tensors
+from ..files import fsync_dir, write_atomic
+from .tensor_files import group_files, join, read_structure, read_tensors, split, write_structure, write_tensors
 
 LATEST = "latest"
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")

@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from ..files import write_atomic
+
 PEAK_TFLOPS: dict[str, dict[str, float]] = {
     "trn1": {"bf16": 95.0, "fp32": 23.75},
     "trn2": {"bf16": 166.75, "fp32": 45.25},
@@ -125,12 +127,7 @@ def drop_after_step(path: str | os.PathLike, step: int) -> int:
         kept.append(line)
     dropped = len(lines) - len(kept)
     if dropped:
-        tmp = path.with_name(f".{path.name}.tmp")
-        with open(tmp, "w") as f:
-            f.writelines(kept)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        write_atomic(path, "".join(kept).encode())
     return dropped
 
 

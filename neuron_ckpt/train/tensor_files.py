@@ -34,6 +34,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..distributed.random import RNGState
+from ..files import write_atomic
 
 _GROUP = re.compile(r"^(.+)-(\d{5})-of-(\d{5})\.safetensors$")
 
@@ -49,24 +50,6 @@ SAFE_GLOBALS = [RNGState, TensorRef]  # the only non-container classes a ``.pt``
 
 
 # ---- files and digests -------------------------------------------------------------------------
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """``path`` holds ``data`` or its old content, never part of ``data`` (temp file, fsync, rename)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _sidecar(path: Path) -> Path:
