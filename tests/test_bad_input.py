@@ -23,15 +23,12 @@ import neuron_ckpt as nc
 from neuron_ckpt.data import write_packed
 from neuron_ckpt.parallel import VocabParallelEmbedding
 from neuron_ckpt.train.paths import check_output_paths
+from .tutorial_run import TINY
+from .tutorial_run import train_error as _train_error
 
 REPO = Path(__file__).resolve().parents[1]
 TUTORIAL = REPO / "tutorials" / "llama2_7b_tp_zero1"
 CLI = TUTORIAL / "prepare_data.py"
-TINY = {
-    "vocab_size": 128, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
-    "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
-}  # fmt: skip
 
 
 # ---- token ids outside the vocabulary -----------------------------------------------------------
@@ -99,18 +96,6 @@ def test_check_output_paths_names_the_option_and_reason(tmp_path, kind, option, 
 
 
 # ---- train.py: every output option, before step 1 -----------------------------------------------
-
-
-def _train_error(argv: list[str]) -> str:
-    if str(TUTORIAL) not in sys.path:
-        sys.path.insert(0, str(TUTORIAL))
-    import train
-
-    try:
-        train.main(argv)
-    except ValueError as e:
-        return str(e)
-    return ""
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 import warnings
 from pathlib import Path
 
@@ -22,28 +21,9 @@ from neuron_ckpt.data import write_packed
 from neuron_ckpt.train import CheckpointManager
 from neuron_ckpt.train.metrics import MetricsWriter, drop_after_step, make_record
 
-TUTORIAL = Path(__file__).resolve().parents[1] / "tutorials" / "llama2_7b_tp_zero1"
-TINY = {
-    "vocab_size": 128, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
-    "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
-}  # fmt: skip
-
-
-def _train(argv: list[str]) -> dict:
-    if str(TUTORIAL) not in sys.path:
-        sys.path.insert(0, str(TUTORIAL))
-    import train
-
-    return train.main(argv)
-
-
-def _train_error(argv: list[str]) -> str:
-    try:
-        _train(argv)
-    except ValueError as e:
-        return str(e)
-    return ""
+from .tutorial_run import TINY
+from .tutorial_run import train as _train
+from .tutorial_run import train_error as _train_error
 
 
 @pytest.fixture(scope="module")

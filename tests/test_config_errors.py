@@ -24,12 +24,8 @@ from neuron_ckpt.cli import main as cli_main
 from neuron_ckpt.memory.budget import resolve_llama_config
 from neuron_ckpt.models import load_llama_config
 
-TUTORIAL = Path(__file__).resolve().parents[1] / "tutorials" / "llama2_7b_tp_zero1"
-TINY = {
-    "vocab_size": 128, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
-    "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
-}  # fmt: skip
+from .tutorial_run import TINY, TUTORIAL
+from .tutorial_run import train_module as _train_module
 
 
 def _write(tmp_path: Path, data, name: str = "config.json") -> Path:
@@ -132,14 +128,6 @@ def test_resolve_llama_config_reads_strictly(tmp_path):
 
 
 # ---- train.py: options that do not apply, the data's length ------------------------------------
-
-
-def _train_module():
-    if str(TUTORIAL) not in sys.path:
-        sys.path.insert(0, str(TUTORIAL))
-    import train
-
-    return train
 
 
 @pytest.mark.parametrize("kwargs, needle", [

@@ -29,13 +29,9 @@ from neuron_ckpt.data import write_packed
 from neuron_ckpt.train import CheckpointManager, NonFiniteError
 from neuron_ckpt.train import faults
 
+from .tutorial_run import TINY, TUTORIAL
+
 ROOT = Path(__file__).resolve().parents[1]
-TUTORIAL = ROOT / "tutorials" / "llama2_7b_tp_zero1"
-TINY = {
-    "vocab_size": 128, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
-    "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
-}  # fmt: skip
 
 
 @pytest.fixture(scope="module")

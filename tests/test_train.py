@@ -20,20 +20,9 @@ import torch
 from neuron_ckpt.data import write_packed
 from neuron_ckpt.train import CheckpointManager, LRSchedule
 
-TUTORIAL = Path(__file__).resolve().parents[1] / "tutorials" / "llama2_7b_tp_zero1"
-TINY = {
-    "vocab_size": 128, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
-    "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
-}  # fmt: skip
-
-
-def _train(argv: list[str]) -> dict:
-    if str(TUTORIAL) not in sys.path:
-        sys.path.insert(0, str(TUTORIAL))
-    import train
-
-    return train.main(argv)
+from .tutorial_run import TINY, TUTORIAL
+from .tutorial_run import train as _train
+from .tutorial_run import train_error as _train_error
 
 
 @pytest.fixture(scope="module")
@@ -69,14 +58,6 @@ def test_resume_continues_exactly(world, run_files):
     assert {"loss", "lr", "grad_norm", "seq_per_s", "tokens_per_s", "mfu"} <= lines[0].keys()
     assert (root / "b" / "latest").read_text() == "step_00000020"
     assert (root / "a" / "step_00000010" / "meta.json").is_file()
-
-
-def _train_error(argv: list[str]) -> str:
-    try:
-        _train(argv)
-    except ValueError as e:
-        return str(e)
-    return ""
 
 
 def test_resume_at_other_tp_is_refused(world, run_files):
@@ -534,11 +515,7 @@ def test_export_hf_then_init_hf_at_another_tp(world, run_files, tmp_path):
 
 
 def _train_os_error(argv: list[str]) -> str:
-    try:
-        _train(argv)
-    except OSError as e:
-        return str(e)
-    return ""
+    return _train_error(argv, OSError)
 
 
 def test_unwritable_export_fails_before_training(world, run_files, tmp_path):
