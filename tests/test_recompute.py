@@ -559,3 +559,21 @@ def test_parallel_dropout_is_exported_keeps_a_byte_mask_and_replays():
     out = checkpoint(f, x, w)
     out.sum().backward()
     assert torch.equal(out, ref) and torch.equal(w.grad, ref_grad)
+
+
+def test_recompute_modes_have_one_owner():
+    """The named per-layer modes (planner, budget, memory reports, --recompute auto) map to configs
+    in one place, and the budget's options carry exactly those configs."""
+    from neuron_ckpt.memory.budget import OPTION_NAMES, ModelShape, TrainingSetup, layer_options
+    from neuron_ckpt.recompute import MODES, config_for_mode
+
+    assert OPTION_NAMES == MODES == ("none", "selective", "selective+mlp_act", "full")
+    assert config_for_mode("none") is None
+    assert config_for_mode("selective") == RecomputeConfig(granularity="selective", modules=("core_attn",))
+    assert config_for_mode("selective+mlp_act").modules == ("core_attn", "mlp_act")
+    full = config_for_mode("full", distribute_saved_activations=True)
+    assert (full.granularity, full.method, full.num_layers, full.distribute_saved_activations) == ("full", "uniform", 1, True)
+    options = layer_options(ModelShape("llama", 64, 4, 2, 176, 3, 128), TrainingSetup(seq_len=64))
+    assert {name: o.recompute for name, o in options.items()} == {m: config_for_mode(m) for m in MODES}
+    with pytest.raises(ValueError, match="recompute mode must be one of"):
+        config_for_mode("selectve")

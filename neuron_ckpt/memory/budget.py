@@ -34,7 +34,7 @@ from types import SimpleNamespace
 from typing import Any, Sequence
 
 from ..models.flops import flops_per_token
-from ..recompute import RecomputeConfig
+from ..recompute import MODES, RecomputeConfig, config_for_mode
 from .analytic import (
     ActivationConfig,
     LayerShape,
@@ -242,13 +242,7 @@ class LayerOption:
     recompute_flops: float
 
 
-OPTION_NAMES = ("none", "selective", "selective+mlp_act", "full")
-_CONFIGS: dict[str, RecomputeConfig | None] = {
-    "none": None,
-    "selective": RecomputeConfig(granularity="selective", modules=("core_attn",)),
-    "selective+mlp_act": RecomputeConfig(granularity="selective", modules=("core_attn", "mlp_act")),
-    "full": RecomputeConfig(granularity="full", method="uniform", num_layers=1),
-}
+OPTION_NAMES = MODES  # the per-layer options, in order of increasing recompute
 
 
 def _local_heads(model: ModelShape, tp: int) -> tuple[int, int]:
@@ -303,7 +297,7 @@ def layer_options(model: ModelShape, setup: TrainingSetup) -> dict[str, LayerOpt
     total_none = kept["none"]
     return {
         name: LayerOption(
-            name, _CONFIGS[name], kept[name], total_none if name == "full" else total_none - kept[name], costs[name]
+            name, config_for_mode(name), kept[name], total_none if name == "full" else total_none - kept[name], costs[name]
         )
         for name in OPTION_NAMES
         if name in kept

@@ -17,7 +17,7 @@ import torch
 
 from ..distributed import initialize_model_parallel, model_parallel_manual_seed
 from ..parallel import CoreAttention
-from ..recompute import RecomputeConfig, apply_recompute, run_layers
+from ..recompute import RecomputeConfig, apply_recompute, config_for_mode, run_layers
 from .measure import SavedTensorRecorder
 from .spec import LayerSpec
 
@@ -48,14 +48,7 @@ class LayerMeasurement:
 
 def recompute_config(spec: LayerSpec) -> RecomputeConfig | None:
     """The :class:`RecomputeConfig` that realises ``spec.recompute`` (one layer per checkpoint)."""
-    if spec.recompute == "selective":
-        return RecomputeConfig(granularity="selective", modules=("core_attn",))
-    if spec.recompute == "full":
-        return RecomputeConfig(
-            granularity="full", method="uniform", num_layers=1,
-            distribute_saved_activations=spec.distribute_saved_activations,
-        )
-    return None
+    return config_for_mode(spec.recompute, spec.distribute_saved_activations)
 
 
 def llama_config(spec: LayerSpec) -> SimpleNamespace:

@@ -9,10 +9,11 @@ with the Agg backend.
 
 from __future__ import annotations
 
+from .analytic import RECOMPUTE_MODES
 from .spec import LayerSpec
 
 MIB = 1 << 20
-MODES = ("none", "selective", "full")
+MODES = RECOMPUTE_MODES  # the analytic model's modes
 COLORS = {"none": "tab:red", "selective": "tab:blue", "full": "tab:green"}
 
 

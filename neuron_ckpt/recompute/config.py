@@ -185,3 +185,24 @@ def validate_per_layer(
                 f"use num_layers=1, got num_layers={config.num_layers}"
             )
         config.validate(1, sequence_parallel)
+
+
+MODES = ("none", "selective", "selective+mlp_act", "full")
+"""The per-layer recompute choices by name, as the memory model, the planner, ``neuron-ckpt
+plan`` and the tutorial's ``--recompute auto`` call them; :func:`config_for_mode` turns one into
+the config a model takes."""
+
+
+def config_for_mode(mode: str, distribute_saved_activations: bool = False) -> RecomputeConfig | None:
+    """The :class:`RecomputeConfig` of one layer recomputing as ``mode`` (one of :data:`MODES`):
+    None for ``"none"``; core attention (and SwiGLU's activation) for the selective modes; the
+    whole layer, one layer per checkpoint, for ``"full"``."""
+    if mode not in MODES:
+        raise ValueError(f"recompute mode must be one of {MODES}, got {mode!r}")
+    if mode == "none":
+        return None
+    if mode == "full":
+        return RecomputeConfig(granularity="full", method="uniform", num_layers=1,
+                               distribute_saved_activations=distribute_saved_activations)
+    modules = ("core_attn", "mlp_act") if mode == "selective+mlp_act" else ("core_attn",)
+    return RecomputeConfig(granularity="selective", modules=modules)
