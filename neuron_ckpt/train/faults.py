@@ -135,7 +135,8 @@ def is_collective_failure(error: BaseException) -> bool:
     if isinstance(error, getattr(dist, "DistError", ())):
         return True
     text = str(error)
-    needles = ("Timed out", "timed out", "Connection closed by peer", "Connection reset by peer", "Broken pipe")
+    needles = ("Timed out", "timed out", "Application timeout", "Connection closed by peer",
+               "Connection reset by peer", "Broken pipe")  # the last ones: a peer that gave up first
     return isinstance(error, RuntimeError) and any(n in text for n in needles)
 
 
