@@ -22,7 +22,7 @@ import torch
 import neuron_ckpt as nc
 from neuron_ckpt.data import write_packed
 from neuron_ckpt.parallel import VocabParallelEmbedding
-from neuron_ckpt.train.paths import check_output_paths
+from neuron_ckpt.paths import check_output_paths
 from .tutorial_run import TINY
 from .tutorial_run import train_error as _train_error
 

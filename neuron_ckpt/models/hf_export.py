@@ -15,7 +15,8 @@ about one shard (``max_shard_size``, 2 GB by default) plus one layer.
 Who takes part (it is a collective, every rank calls it):
 
 * eager backends (gloo, nccl): the TP group of rank 0 gathers; the other DP replicas hold the
-  same weights and only wait for the result (a broadcast from rank 0 that ends the call);
+  same weights and only wait for the result (rank 0's error or none, shared with every rank, ends
+  the call: :func:`neuron_ckpt.paths.first_problem`);
 * XLA: every rank runs the gathers, because an XLA collective is one op of the graph every
   rank executes (``replica_groups`` names all TP groups). A layer's gathers are one graph (one
   ``mark_step``; the same graph for every layer, so it compiles once), then rank 0 copies the
@@ -39,11 +40,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from safetensors.torch import save_file
 
 from ..distributed import runtime
 from ..files import fsync_dir, write_atomic
+from ..paths import dir_problem, first_problem, rank
 from . import hf_conversion
 from .hf_checkpoint import CONFIG_NAME, SAFE_INDEX_NAME, SAFE_WEIGHTS_NAME, check_hf_config
 
@@ -68,27 +69,6 @@ def parse_size(size: int | str) -> int:
     return value
 
 
-# --- host-side agreement between ranks --------------------------------------------------------
-
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def _global_rank() -> int:
-    return dist.get_rank() if _distributed() else 0
-
-
-def _from_rank0(message: str | None) -> str | None:
-    """Rank 0's ``message`` on every rank (a host-side broadcast: the gloo host group on XLA)."""
-    if not _distributed():
-        return message
-    group = runtime.get_runtime().host_group if runtime.is_xla() else None
-    box = [message]
-    dist.broadcast_object_list(box, src=0, group=group)
-    return box[0]
-
-
 # --- the output location ------------------------------------------------------------------------
 
 
@@ -97,19 +77,9 @@ def _writable_problem(directory: Path, required_bytes: int) -> str | None:
     if directory.exists() and not directory.is_dir():
         return f"{directory} exists and is not a directory"
     parent = directory.parent
-    try:
-        parent.mkdir(parents=True, exist_ok=True)
-        probe = parent / f".{directory.name}.probe-{uuid.uuid4().hex[:8]}"
-        probe.mkdir()
-        try:
-            with open(probe / "probe", "wb") as f:
-                f.write(b"ok")
-                f.flush()
-                os.fsync(f.fileno())
-        finally:
-            shutil.rmtree(probe, ignore_errors=True)
-    except OSError as e:
-        return f"cannot write in {parent}: {e}"
+    problem = dir_problem(parent)  # creatable and writable: a real probe file
+    if problem is not None:
+        return problem
     if directory.is_dir() and not os.access(directory, os.W_OK | os.X_OK):
         return f"{directory} exists and cannot be replaced (no write permission on it)"
     free = shutil.disk_usage(parent).free
@@ -126,8 +96,7 @@ def check_writable(directory: str | Path, required_bytes: int = 0) -> Path:
     Creates the parent directories. Returns ``directory`` as an absolute path.
     """
     directory = Path(directory).absolute()
-    problem = _writable_problem(directory, required_bytes) if _global_rank() == 0 else None
-    problem = _from_rank0(problem)
+    problem = first_problem(_writable_problem(directory, required_bytes) if rank() == 0 else None)
     if problem:
         raise OSError(f"cannot write the HF checkpoint {directory}: {problem}")
     return directory
@@ -237,7 +206,7 @@ def save_hf_checkpoint(
     total = sum(_nbytes(d, s) for _, d, s in entries)
     directory = check_writable(directory, required_bytes=total + (1 << 20))
 
-    writer = _global_rank() == 0
+    writer = rank() == 0
     if writer and (tp.rank != 0 or state.dp.rank != 0):
         raise RuntimeError(f"global rank 0 is TP rank {tp.rank}, DP rank {state.dp.rank}: expected 0, 0")
     gathers = runtime.is_xla() or state.dp.rank == 0  # see the module docstring
@@ -282,7 +251,7 @@ def save_hf_checkpoint(
     finally:
         if writer and tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    error = _from_rank0(error)
+    error = first_problem(error)
     if error:
         raise OSError(f"writing the HF checkpoint {directory} failed on rank 0: {error}")
     return directory if writer else None

@@ -80,7 +80,7 @@ def check_outputs(args: argparse.Namespace) -> list[Path]:
     before any tokenising: ValueError naming --output if one cannot be written there. Creates the
     parent directories (probing them with a temporary file)."""
     from neuron_ckpt.data import val_path_for
-    from neuron_ckpt.train.paths import file_problem
+    from neuron_ckpt.paths import file_problem
 
     outputs = [args.output] + ([val_path_for(args.output)] if args.val_fraction > 0 else [])
     for path in outputs:

@@ -268,7 +268,7 @@ def _check_output_paths(cfg: TrainConfig) -> None:
     at the first save / first logged step. The metrics file and TensorBoard directory are checked
     on rank 0 (the rank that writes them), the checkpoint directory on every rank; every rank
     raises the same ValueError naming the option. (--export-hf: check_writable, below.)"""
-    from neuron_ckpt.train.paths import check_output_paths
+    from neuron_ckpt.paths import check_output_paths
 
     check_output_paths(
         files={"--metrics-file": cfg.metrics_file},

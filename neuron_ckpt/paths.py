@@ -9,7 +9,8 @@ a temporary file is created in the directory that will hold the output, then rem
 Called with torch.distributed initialised, it is a collective: each rank checks the paths it
 will write (``rank0_only`` options, such as the metrics file that only rank 0 writes, are
 checked on global rank 0 only), then the ranks share their findings, so every rank raises the
-same error and none is left waiting in a later collective for a rank that failed.
+same error and none is left waiting in a later collective for a rank that failed
+(:func:`first_problem`, which the HF export uses for its own checks too).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from ..distributed import runtime
+from .distributed import runtime
 
 PathLike = str | os.PathLike
 
@@ -103,10 +104,23 @@ def check_output_paths(
                 break
         if problem is not None:
             break
-    problems = _gather(problem)
-    for r, p in enumerate(problems):
+    problem = first_problem(problem)
+    if problem is not None:
+        raise ValueError(problem)
+
+
+def first_problem(problem: str | None) -> str | None:
+    """The first rank's non-None ``problem``, on every rank (a collective when several ranks run;
+    another rank's says which rank found it), so all raise the same error and none waits."""
+    for r, p in enumerate(_gather(problem)):
         if p is not None:
-            raise ValueError(p if r == rank else f"{p} (found on rank {r})")
+            return p if r == _rank() else f"{p} (found on rank {r})"
+    return None
+
+
+def rank() -> int:
+    """This process's global rank (0 without torch.distributed)."""
+    return _rank()
 
 
 def _rank() -> int:
