@@ -23,14 +23,9 @@ import torch_xla.debug.metrics as met
 
 from neuron_ckpt.data import write_packed
 from neuron_ckpt.train.schedule import LRSchedule
+from tests.tutorial_run import TINY, TUTORIAL, train_module
 
 pytestmark = pytest.mark.usefixtures("xla")
-TUTORIAL = Path(__file__).resolve().parents[1] / "tutorials" / "llama2_7b_tp_zero1"
-TINY = {
-    "vocab_size": 128, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
-    "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
-}  # fmt: skip
 GRAD_ACCUM = 4
 COUNTERS = ("CompileTime", "ExecuteTime", "TransferFromDeviceTime")
 
@@ -58,10 +53,7 @@ def run(tmp_path_factory):
 def _train_xla(argv: list[str], monkeypatch) -> tuple[dict, list[dict[str, int]]]:
     """``train.main(argv)`` here on XLA; returns its summary and the counters before each step
     and after the run."""
-    if str(TUTORIAL) not in sys.path:
-        sys.path.insert(0, str(TUTORIAL))
-    import train
-
+    train = train_module()
     snapshots = []
     apply = LRSchedule.apply
 
