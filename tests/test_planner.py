@@ -219,12 +219,12 @@ def test_plan_recompute_forms():
     model = ModelShape("llama", 64, 4, 2, 176, 3, 128)
     setup = TrainingSetup(seq_len=64, micro_batch=1)
     limit = 1 << 40
-    assert evaluate(model, setup, "none", limit).recompute is None
+    assert evaluate(model, setup, "none", limit).recompute == RecomputeConfig()
     assert evaluate(model, setup, "selective", limit).recompute == RecomputeConfig(granularity="selective")
     block = evaluate(model, setup, ("full", "none", "none"), limit).recompute
     assert block == RecomputeConfig(granularity="full", method="block", num_layers=1)
     mixed = evaluate(model, setup, ("full", "selective", "none"), limit).recompute
-    assert isinstance(mixed, list) and len(mixed) == 3 and mixed[2] is None
+    assert isinstance(mixed, list) and len(mixed) == 3 and mixed[2] == RecomputeConfig()
     assert plan_recompute(model, setup, 1024).layers == ("none",) * 3  # plenty of memory: no recompute
 
 

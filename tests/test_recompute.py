@@ -561,19 +561,23 @@ def test_parallel_dropout_is_exported_keeps_a_byte_mask_and_replays():
     assert torch.equal(out, ref) and torch.equal(w.grad, ref_grad)
 
 
-def test_recompute_modes_have_one_owner():
-    """The named per-layer modes (planner, budget, memory reports, --recompute auto) map to configs
-    in one place, and the budget's options carry exactly those configs."""
+def test_recompute_presets_have_one_owner():
+    """The named recompute choices (planner, budget, memory reports, the tutorial's --recompute)
+    are RecomputeConfig presets, and the budget's options carry exactly those configs."""
     from neuron_ckpt.memory.budget import OPTION_NAMES, ModelShape, TrainingSetup, layer_options
-    from neuron_ckpt.recompute import MODES, config_for_mode
+    from neuron_ckpt.recompute import PRESETS
 
-    assert OPTION_NAMES == MODES == ("none", "selective", "selective+mlp_act", "full")
-    assert config_for_mode("none") is None
-    assert config_for_mode("selective") == RecomputeConfig(granularity="selective", modules=("core_attn",))
-    assert config_for_mode("selective+mlp_act").modules == ("core_attn", "mlp_act")
-    full = config_for_mode("full", distribute_saved_activations=True)
+    assert OPTION_NAMES == PRESETS == ("none", "selective", "selective+mlp_act", "full")
+    assert RecomputeConfig.preset("none") == RecomputeConfig() and not RecomputeConfig.preset("none").enabled
+    assert RecomputeConfig.preset("selective") == RecomputeConfig(granularity="selective", modules=("core_attn",))
+    assert RecomputeConfig.preset("selective+mlp_act").modules == ("core_attn", "mlp_act")
+    full = RecomputeConfig.preset("full", distribute_saved_activations=True)
     assert (full.granularity, full.method, full.num_layers, full.distribute_saved_activations) == ("full", "uniform", 1, True)
+    assert [RecomputeConfig.preset(n).preset_name for n in PRESETS] == list(PRESETS)
+    assert full.preset_name == "full"
+    assert RecomputeConfig(granularity="full", method="block", num_layers=2).preset_name is None
+    assert RecomputeConfig(granularity="selective", modules=["mlp"]).preset_name is None
     options = layer_options(ModelShape("llama", 64, 4, 2, 176, 3, 128), TrainingSetup(seq_len=64))
-    assert {name: o.recompute for name, o in options.items()} == {m: config_for_mode(m) for m in MODES}
-    with pytest.raises(ValueError, match="recompute mode must be one of"):
-        config_for_mode("selectve")
+    assert {name: o.recompute for name, o in options.items()} == {m: RecomputeConfig.preset(m) for m in PRESETS}
+    with pytest.raises(ValueError, match="recompute must be one of"):
+        RecomputeConfig.preset("selectve")

@@ -34,7 +34,7 @@ from types import SimpleNamespace
 from typing import Any, Sequence
 
 from ..models.flops import flops_per_token
-from ..recompute import MODES, RecomputeConfig, config_for_mode
+from ..recompute import PRESETS, RecomputeConfig
 from .analytic import (
     ActivationConfig,
     LayerShape,
@@ -229,20 +229,20 @@ class LayerOption:
 
     name: "none", "selective" (core attention), "selective+mlp_act" (also SwiGLU's activation;
         Llama only) or "full".
-    recompute: the per-layer :class:`RecomputeConfig` (None for "none").
+    recompute: the per-layer :class:`RecomputeConfig` (``RecomputeConfig.preset(name)``).
     saved_bytes: activations the layer keeps for backward, per micro-batch, on one device.
     rematerialized_bytes: recomputed activations alive again while the layer's backward runs.
     recompute_flops: forward FLOPs rerun in backward, per micro-batch, on one device.
     """
 
     name: str
-    recompute: RecomputeConfig | None
+    recompute: RecomputeConfig
     saved_bytes: int
     rematerialized_bytes: int
     recompute_flops: float
 
 
-OPTION_NAMES = MODES  # the per-layer options, in order of increasing recompute
+OPTION_NAMES = PRESETS  # the per-layer options, in order of increasing recompute
 
 
 def _local_heads(model: ModelShape, tp: int) -> tuple[int, int]:
@@ -297,7 +297,7 @@ def layer_options(model: ModelShape, setup: TrainingSetup) -> dict[str, LayerOpt
     total_none = kept["none"]
     return {
         name: LayerOption(
-            name, config_for_mode(name), kept[name], total_none if name == "full" else total_none - kept[name], costs[name]
+            name, RecomputeConfig.preset(name), kept[name], total_none if name == "full" else total_none - kept[name], costs[name]
         )
         for name in OPTION_NAMES
         if name in kept

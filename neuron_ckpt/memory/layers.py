@@ -17,7 +17,7 @@ import torch
 
 from ..distributed import initialize_model_parallel, model_parallel_manual_seed
 from ..parallel import CoreAttention
-from ..recompute import RecomputeConfig, apply_recompute, config_for_mode, run_layers
+from ..recompute import RecomputeConfig, apply_recompute, run_layers
 from .measure import SavedTensorRecorder
 from .spec import LayerSpec
 
@@ -46,9 +46,9 @@ class LayerMeasurement:
         return asdict(self)
 
 
-def recompute_config(spec: LayerSpec) -> RecomputeConfig | None:
+def recompute_config(spec: LayerSpec) -> RecomputeConfig:
     """The :class:`RecomputeConfig` that realises ``spec.recompute`` (one layer per checkpoint)."""
-    return config_for_mode(spec.recompute, spec.distribute_saved_activations)
+    return RecomputeConfig.preset(spec.recompute, spec.distribute_saved_activations)
 
 
 def llama_config(spec: LayerSpec) -> SimpleNamespace:
@@ -80,7 +80,7 @@ def build_layers(spec: LayerSpec) -> tuple[torch.nn.ModuleList, tuple[torch.Tens
         )
         extra = RotaryEmbedding(config, spec.hidden // spec.heads)(spec.seq_len, dtype, torch.device("cpu"))
     recompute = recompute_config(spec)
-    if recompute is not None:
+    if recompute.enabled:
         apply_recompute(layers, recompute, sequence_parallel=spec.sequence_parallel)
     return layers.train(), extra
 

@@ -129,7 +129,7 @@ class Plan:
             "limit_gib": round(self.limit_bytes / GIB, 4),
             "counts": self.counts,
             "layers": list(self.layers),
-            "recompute": [None if c is None else _config_dict(c) for c in configs],
+            "recompute": [_config_dict(c) for c in configs],
             "recompute_is_per_layer": isinstance(rc, list),
             "recompute_flops": self.recompute_flops,
             "step_flops": self.step_flops,

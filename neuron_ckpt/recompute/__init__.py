@@ -16,18 +16,17 @@ See docs/recompute.md.
 
 from .apply import DEFAULT_MODULE_MAP, apply_recompute, layer_runner, remove_recompute, run_layers
 from .function import checkpoint
-from .config import GRANULARITIES, METHODS, MODES, MODULES, RecomputeConfig, config_for_mode
+from .config import GRANULARITIES, METHODS, MODULES, PRESETS, RecomputeConfig
 
 __all__ = [
     "DEFAULT_MODULE_MAP",
     "GRANULARITIES",
     "METHODS",
-    "MODES",
     "MODULES",
+    "PRESETS",
     "RecomputeConfig",
     "apply_recompute",
     "checkpoint",
-    "config_for_mode",
     "layer_runner",
     "remove_recompute",
     "run_layers",

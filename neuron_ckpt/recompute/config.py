@@ -131,6 +131,34 @@ class RecomputeConfig:
                 "torch.utils.checkpoint keeps the full input alive)"
             )
 
+    @classmethod
+    def preset(cls, name: str, distribute_saved_activations: bool = False) -> "RecomputeConfig":
+        """The config of a layer that recomputes as ``name`` (one of :data:`PRESETS`).
+
+        ``"none"``: nothing (``RecomputeConfig()``). ``"selective"``: core attention.
+        ``"selective+mlp_act"``: core attention and SwiGLU's activation. ``"full"``: the whole
+        layer, one layer per checkpoint (``method="uniform", num_layers=1``), so it fits any
+        stack and any per-layer list. ``distribute_saved_activations`` applies to the
+        recomputing presets only.
+        """
+        if name not in PRESETS:
+            raise ValueError(f"recompute must be one of {list(PRESETS)}, got {name!r}")
+        if name == "none":
+            return cls()
+        distribute = distribute_saved_activations
+        if name == "full":
+            return cls(granularity="full", method="uniform", num_layers=1, distribute_saved_activations=distribute)
+        modules = ("core_attn", "mlp_act") if name == "selective+mlp_act" else ("core_attn",)
+        return cls(granularity="selective", modules=modules, distribute_saved_activations=distribute)
+
+    @property
+    def preset_name(self) -> str | None:
+        """The :data:`PRESETS` name this config equals (ignoring ``distribute_saved_activations``
+        and ``use_reentrant``), or None for a config no preset describes (grouped or block full
+        recompute, other module sets)."""
+        plain = RecomputeConfig(self.granularity, self.method, self.num_layers, self.modules)
+        return next((name for name in PRESETS if RecomputeConfig.preset(name) == plain), None)
+
     @property
     def enabled(self) -> bool:
         return self.granularity is not None
@@ -187,22 +215,7 @@ def validate_per_layer(
         config.validate(1, sequence_parallel)
 
 
-MODES = ("none", "selective", "selective+mlp_act", "full")
-"""The per-layer recompute choices by name, as the memory model, the planner, ``neuron-ckpt
-plan`` and the tutorial's ``--recompute auto`` call them; :func:`config_for_mode` turns one into
-the config a model takes."""
-
-
-def config_for_mode(mode: str, distribute_saved_activations: bool = False) -> RecomputeConfig | None:
-    """The :class:`RecomputeConfig` of one layer recomputing as ``mode`` (one of :data:`MODES`):
-    None for ``"none"``; core attention (and SwiGLU's activation) for the selective modes; the
-    whole layer, one layer per checkpoint, for ``"full"``."""
-    if mode not in MODES:
-        raise ValueError(f"recompute mode must be one of {MODES}, got {mode!r}")
-    if mode == "none":
-        return None
-    if mode == "full":
-        return RecomputeConfig(granularity="full", method="uniform", num_layers=1,
-                               distribute_saved_activations=distribute_saved_activations)
-    modules = ("core_attn", "mlp_act") if mode == "selective+mlp_act" else ("core_attn",)
-    return RecomputeConfig(granularity="selective", modules=modules)
+PRESETS = ("none", "selective", "selective+mlp_act", "full")
+"""The recompute choices by name, in order of increasing recompute: the words of the memory
+model, the budget and planner, ``neuron-ckpt memory`` / ``plan``, the plots and the tutorial's
+``--recompute``. :meth:`RecomputeConfig.preset` turns a name into the config of one layer."""
