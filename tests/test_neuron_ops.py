@@ -160,8 +160,8 @@ def _all_reduce_max(t: int) -> dict[str, torch.Tensor]:
     out = {}
     for name, group in (("tp", st.tp), ("dp", st.dp)):
         x = _rank_values(rank)
-        out[f"{name} max"] = C.all_reduce(x.clone(), group, op="max")
-        out[f"{name} sum"] = C.all_reduce(x.clone(), group)  # default stays SUM
+        out[f"{name} max"] = C.all_reduce(x, group, op="max")
+        out[f"{name} sum"] = C.all_reduce(x, group)  # default stays SUM
         out[f"{name} ranks"] = torch.tensor(group.ranks)
     return out
 

@@ -494,7 +494,7 @@ def _accumulation_errors() -> dict:
     ref = _flat64(exact)
     accumulated = _flat64(opt.accumulated_grad(p) for p in model.parameters())
     # The step reduces the fp32 buffers: its norm is that of the DP mean of the exact sums.
-    mean = all_reduce(ref.clone(), nc.get_parallel_state().dp) / ps.dp_size
+    mean = all_reduce(ref, nc.get_parallel_state().dp) / ps.dp_size
     norm = float(opt.step())
     opt.zero_grad()
     return {

@@ -9,7 +9,8 @@ from .parallel_state import (
     model_parallel_is_initialized,
 )
 from .random import get_rng_tracker, model_parallel_manual_seed
-from .runtime import Runtime, destroy_distributed, detect_backend, get_runtime, init_distributed, is_xla
+from .runtime import Runtime, detect_backend, get_runtime, init_distributed, is_xla
+from .teardown import destroy_distributed
 
 __all__ = [
     "Group",

@@ -6,6 +6,12 @@ torch >= 2.13, ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` on older t
 Neuron SDK's 2.9); XLA calls go through ``torch_xla.core.xla_model`` with replica groups, which
 lower to HLO collectives. A group of size 1 is a no-op everywhere.
 
+One contract on every backend: a collective returns its result and never modifies its input
+(XLA's collectives are functional; the eager ones write into a fresh tensor, so callers need no
+``.clone()``). The result is a new tensor, except that a group of size 1 returns the input itself
+(nothing to communicate) and :func:`split` returns a chunk that may share the input's storage:
+an in-place write to those results reaches the input.
+
 Autograd-aware versions (conjugate pairs) are in :mod:`neuron_ckpt.distributed.mappings`.
 """
 
@@ -35,8 +41,9 @@ REDUCE_OPS = ("sum", "max")
 def all_reduce(tensor: torch.Tensor, group: Group, op: str = "sum") -> torch.Tensor:
     """Reduce ``tensor`` over ``group`` elementwise with ``op`` (``"sum"`` or ``"max"``).
 
-    Returns the result (a new tensor on XLA, in place otherwise). An all-reduce has no
-    dimension: every rank ends with the whole reduced tensor.
+    Returns a new tensor and leaves ``tensor`` unchanged, on every backend (a group of size 1
+    returns ``tensor`` itself). An all-reduce has no dimension: every rank ends with the whole
+    reduced tensor.
     """
     if op not in REDUCE_OPS:
         raise ValueError(f"all_reduce: op must be one of {REDUCE_OPS}, got {op!r}")
@@ -46,10 +53,11 @@ def all_reduce(tensor: torch.Tensor, group: Group, op: str = "sum") -> torch.Ten
         xm = _xm()
         reduce_type = xm.REDUCE_SUM if op == "sum" else xm.REDUCE_MAX
         return xm.all_reduce(reduce_type, tensor, groups=[list(g) for g in group.replica_groups])
-    tensor = tensor.contiguous()
+    # dist.all_reduce works in place: reduce a contiguous copy, never the caller's tensor.
+    out = tensor.clone(memory_format=torch.contiguous_format)
     reduce_op = dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX
-    dist.all_reduce(tensor, op=reduce_op, group=group.process_group)
-    return tensor
+    dist.all_reduce(out, op=reduce_op, group=group.process_group)
+    return out
 
 
 def all_gather(tensor: torch.Tensor, dim: int, group: Group) -> torch.Tensor:

@@ -15,15 +15,10 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
-import socket
 import traceback
 from typing import Any, Callable
 
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from .runtime import free_port
 
 
 def _worker(rank: int, world_size: int, port: int, backend: str, threads: int, tasks, results) -> None:
@@ -38,7 +33,7 @@ def _worker(rank: int, world_size: int, port: int, backend: str, threads: int, t
     import torch
 
     torch.set_num_threads(threads)
-    from . import parallel_state, random, runtime
+    from . import parallel_state, random, runtime, teardown
 
     try:
         runtime.init_distributed(backend=backend, timeout_s=300)
@@ -58,7 +53,7 @@ def _worker(rank: int, world_size: int, port: int, backend: str, threads: int, t
             parallel_state.destroy_model_parallel()
             random.get_rng_tracker().reset()
         results.put(out)
-    runtime.destroy_distributed()
+    teardown.destroy_distributed()
 
 
 class WorkerError(RuntimeError):
@@ -76,7 +71,7 @@ class LocalWorld:
         ctx = mp.get_context("spawn")
         self._tasks = [ctx.Queue() for _ in range(world_size)]
         self._results = ctx.Queue()
-        port = _free_port()
+        port = free_port()
         self._procs = [
             ctx.Process(
                 target=_worker,

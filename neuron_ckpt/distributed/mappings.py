@@ -40,14 +40,13 @@ class _CopyToRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        # all_reduce works in place on eager backends: never on autograd's own gradient buffer.
-        return (C.all_reduce(g.clone(), ctx.group) if ctx.group.size > 1 else g), None
+        return C.all_reduce(g, ctx.group), None
 
 
 class _ReduceFromRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
-        return C.all_reduce(x.clone(), group) if group.size > 1 else x.view_as(x)
+        return C.all_reduce(x, group) if group.size > 1 else x.view_as(x)
 
     @staticmethod
     def backward(ctx, g):

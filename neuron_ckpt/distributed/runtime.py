@@ -42,7 +42,7 @@ class Runtime:
     host_group: dist.ProcessGroup | None = None
     """On XLA, a gloo group of all ranks for host-side coordination (barriers): XLA's own
     ``xm.rendezvous`` runs a device graph and reads its result back each time. None elsewhere, and
-    after :func:`destroy_distributed`."""
+    after :func:`neuron_ckpt.destroy_distributed`."""
 
 
 _RUNTIME: Runtime | None = None
@@ -78,7 +78,8 @@ def detect_backend() -> str:
     return "gloo"
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (the OS picks it), for a rendezvous."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -93,7 +94,7 @@ def _xla_rendezvous_env(launched: bool):
         yield
         return
     saved = os.environ.get("MASTER_ADDR")
-    os.environ.update(MASTER_ADDR=saved or "127.0.0.1", MASTER_PORT=str(_free_port()))
+    os.environ.update(MASTER_ADDR=saved or "127.0.0.1", MASTER_PORT=str(free_port()))
     try:
         yield
     finally:
@@ -151,7 +152,7 @@ def init_distributed(backend: str | None = None, timeout_s: float = 1800.0) -> R
         else:
             dist.init_process_group(
                 backend,
-                init_method=f"tcp://127.0.0.1:{_free_port()}",
+                init_method=f"tcp://127.0.0.1:{free_port()}",
                 rank=0,
                 world_size=1,
                 timeout=timeout,
@@ -194,27 +195,18 @@ def barrier() -> None:
         dist.barrier()
 
 
-def destroy_distributed() -> None:
-    """Tear down torch.distributed and every process group this package holds.
+def destroy_runtime() -> None:
+    """Forget the runtime, drop its ``host_group``, then ``destroy_process_group()`` (WORLD included).
 
-    Releases, in this order: the parallel state (:func:`~.parallel_state.destroy_model_parallel`),
-    the process group of every :class:`~.parallel_state.Group` still alive (held by layers, a
-    ``ParallelState`` the caller kept, autograd nodes), the runtime with its ``host_group`` (the
-    gloo group on XLA; a :class:`Runtime` the caller kept reads None afterwards), and then the
-    process groups themselves (``destroy_process_group()``, WORLD included). The process groups
-    are freed inside this call: with torch 2.13's gloo, one that outlives
-    ``destroy_process_group()`` aborts the interpreter at exit about one run in five
-    ("terminate called without an active exception"). A script ending with this call exits
-    cleanly; so do tests and scripts that run several worlds in one process.
+    The last step of :func:`neuron_ckpt.destroy_distributed`, which first makes every
+    :class:`~.parallel_state.Group` let go of its process group: call that instead. A
+    :class:`Runtime` the caller kept reads ``host_group`` None afterwards (frozen, but the group
+    must not outlive this call).
     """
     global _RUNTIME
-    from .parallel_state import destroy_model_parallel, release_process_groups
-
-    destroy_model_parallel()
-    release_process_groups()
     rt, _RUNTIME = _RUNTIME, None
     if rt is not None and rt.host_group is not None:
-        object.__setattr__(rt, "host_group", None)  # frozen, but the group must not outlive this call
+        object.__setattr__(rt, "host_group", None)
     del rt
     if dist.is_initialized():
         dist.destroy_process_group()

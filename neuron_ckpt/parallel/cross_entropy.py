@@ -28,7 +28,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         # Global max by a MAX all-reduce of the local maxima: a collective with no dimension (an
         # all-gather of them would run along the last dim, which Neuron handles badly). The max
         # only stabilises exp(); it cancels in the loss and its gradient, so it needs no autograd
-        # (forward runs under no_grad; amax returns a fresh tensor, reduced in place on eager).
+        # (forward runs under no_grad).
         gmax = C.all_reduce(logits.amax(dim=-1), group, op="max").unsqueeze(-1)
         shifted = logits - gmax
         ignored = target == ignore_index

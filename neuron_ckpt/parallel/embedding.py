@@ -27,7 +27,8 @@ import torch.nn.functional as F
 from ..distributed.mappings import reduce_from_tensor_parallel_region, reduce_scatter_to_sequence_parallel_region
 from ..distributed.parallel_state import ParallelState
 from .init import InitMethod, check_divisible, normal_init, shard_of_full
-from .linear import _check_features, _state, check_sequence_divisible
+from .layer_args import check_sizes, resolve_parallel_state
+from .linear import check_sequence_divisible
 from .params import set_tensor_parallel_attributes
 
 
@@ -50,8 +51,8 @@ class VocabParallelEmbedding(torch.nn.Module):
         parallel_state: ParallelState | None = None,
     ):
         super().__init__()
-        _check_features(num_embeddings=num_embeddings, embedding_dim=embedding_dim)
-        self.state = _state(parallel_state)
+        check_sizes(num_embeddings=num_embeddings, embedding_dim=embedding_dim)
+        self.state = resolve_parallel_state(parallel_state)
         t, r = self.state.tp_size, self.state.tp_rank
         check_divisible(num_embeddings, "num_embeddings", t)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim

@@ -30,8 +30,9 @@ from ..distributed.mappings import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_parallel_region,
 )
-from ..distributed.parallel_state import Group, ParallelState, get_parallel_state
+from ..distributed.parallel_state import Group, ParallelState
 from .init import InitMethod, check_divisible, default_init, shard_of_full
+from .layer_args import check_sizes, resolve_parallel_state
 from .params import set_tensor_parallel_attributes
 
 
@@ -103,16 +104,6 @@ def parallel_linear(
     return tuple(F.linear(x, w, b) for w, b in zip(weights, biases))
 
 
-def _state(parallel_state: ParallelState | None) -> ParallelState:
-    return parallel_state if parallel_state is not None else get_parallel_state()
-
-
-def _check_features(**sizes: int) -> None:
-    for name, value in sizes.items():
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
-
-
 class ColumnParallelLinear(torch.nn.Module):
     """``Y = X A^T + b`` with ``A`` split by rows (output features) over the TP group.
 
@@ -134,8 +125,8 @@ class ColumnParallelLinear(torch.nn.Module):
         parallel_state: ParallelState | None = None,
     ):
         super().__init__()
-        _check_features(in_features=in_features, out_features=out_features)
-        self.state = _state(parallel_state)
+        check_sizes(in_features=in_features, out_features=out_features)
+        self.state = resolve_parallel_state(parallel_state)
         t = self.state.tp_size
         check_divisible(out_features, "out_features", t)
         self.in_features, self.out_features = in_features, out_features
@@ -186,10 +177,10 @@ class RowParallelLinear(torch.nn.Module):
         parallel_state: ParallelState | None = None,
     ):
         super().__init__()
-        _check_features(in_features=in_features, out_features=out_features)
+        check_sizes(in_features=in_features, out_features=out_features)
         if sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear: sequence_parallel=True requires input_is_parallel=True")
-        self.state = _state(parallel_state)
+        self.state = resolve_parallel_state(parallel_state)
         t = self.state.tp_size
         check_divisible(in_features, "in_features", t)
         self.in_features, self.out_features = in_features, out_features

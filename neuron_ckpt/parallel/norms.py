@@ -14,18 +14,18 @@ import torch.nn.functional as F
 
 from ..distributed.mappings import copy_to_tensor_parallel_region
 from ..distributed.parallel_state import ParallelState
-from .linear import _check_features, _state
+from .layer_args import check_sizes, resolve_parallel_state
 
 
 class _Norm(torch.nn.Module):
     def __init__(self, hidden_size: int, eps: float, sequence_parallel: bool, parallel_state: ParallelState | None):
         super().__init__()
-        _check_features(hidden_size=hidden_size)
+        check_sizes(hidden_size=hidden_size)
         if not eps > 0:
             raise ValueError(f"eps must be > 0, got {eps!r}")
         self.hidden_size, self.eps, self.sequence_parallel = hidden_size, eps, sequence_parallel
         # Only sequence parallel needs the TP group (to complete the weight gradients).
-        self.state = _state(parallel_state) if sequence_parallel else None
+        self.state = resolve_parallel_state(parallel_state) if sequence_parallel else None
 
     def _param(self, p: torch.Tensor | None) -> torch.Tensor | None:
         if p is None or not self.sequence_parallel:

@@ -18,7 +18,8 @@ import torch
 from ..distributed import collectives as C
 from ..distributed.parallel_state import Group, ParallelState
 from .init import InitMethod, check_divisible, default_init, shard_of_full
-from .linear import _check_features, _state, parallel_linear
+from .layer_args import check_sizes, resolve_parallel_state
+from .linear import parallel_linear
 from .params import set_tensor_parallel_attributes
 
 
@@ -65,17 +66,17 @@ class QKVParallelLinear(torch.nn.Module):
     ):
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        _check_features(hidden_size=hidden_size, num_heads=num_heads, num_kv_heads=num_kv_heads)
+        check_sizes(hidden_size=hidden_size, num_heads=num_heads, num_kv_heads=num_kv_heads)
         if head_dim is None:
             if hidden_size % num_heads:
                 raise ValueError(
                     f"hidden_size={hidden_size} is not divisible by num_heads={num_heads}; pass head_dim explicitly"
                 )
             head_dim = hidden_size // num_heads
-        _check_features(head_dim=head_dim)
+        check_sizes(head_dim=head_dim)
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
-        self.state = _state(parallel_state)
+        self.state = resolve_parallel_state(parallel_state)
         t, r = self.state.tp_size, self.state.tp_rank
         check_divisible(num_heads, "num_heads", t)
         if num_kv_heads >= t:
