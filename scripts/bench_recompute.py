@@ -65,9 +65,12 @@ def llama_config(a: argparse.Namespace):
 
 def ours(a, config, recompute):
     from neuron_ckpt.models.llama import LlamaForCausalLM
+    from neuron_ckpt.recompute import apply_recompute
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config, recompute=recompute).train()
+    model = LlamaForCausalLM(config).train()
+    if recompute is not None:
+        apply_recompute(model, recompute)
 
     def step(ids):
         model(ids, labels=ids).loss.backward()

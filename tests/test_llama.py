@@ -13,7 +13,8 @@ import torch
 import transformers
 
 import neuron_ckpt as nc
-from neuron_ckpt.models import LlamaForCausalLM, flops_per_token, num_parameters
+from neuron_ckpt.models import LlamaArgs, LlamaForCausalLM, flops_per_token, num_parameters
+from neuron_ckpt.recompute import RecomputeConfig, apply_recompute
 
 WORLD = 4
 SEQ, BATCH, VOCAB = 16, 2, 128
@@ -58,14 +59,6 @@ def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
     return float((ours.double() - ref.double()).abs().max() / ref.double().abs().max().clamp_min(1e-30))
 
 
-def _recompute_config(spec: dict | None):
-    if spec is None:
-        return None
-    from neuron_ckpt.recompute import RecomputeConfig
-
-    return RecomputeConfig(**spec)
-
-
 def _compare(t: int, kv: int, sp: bool, recompute: dict | None) -> dict:
     config = tiny_config(kv)
     ref = reference(config)
@@ -75,7 +68,9 @@ def _compare(t: int, kv: int, sp: bool, recompute: dict | None) -> dict:
     ref_grads = {n: p.grad for n, p in ref.named_parameters()}
 
     torch.manual_seed(123)  # a different init, so the load must overwrite all of it
-    model = LlamaForCausalLM(config, sequence_parallel=sp, recompute=_recompute_config(recompute))
+    model = LlamaForCausalLM(config, sequence_parallel=sp)
+    if recompute is not None:
+        apply_recompute(model, RecomputeConfig(**recompute))  # after the build: the one way in
     model.load_hf_state_dict(ref.state_dict())
     out = model(ids, labels, return_logits="full")
     out.loss.backward()
@@ -215,12 +210,34 @@ def _single_rank_state():
     return ParallelState(tp=one, dp=one)
 
 
+def test_the_model_reads_a_transformers_config_into_llama_args_and_options():
+    """``model.args``: the typed fields (a transformers config or LlamaArgs build the same model);
+    ``model.options``: the run choices, one frozen, validated object handed to every module."""
+    import dataclasses
+
+    from neuron_ckpt.models.llama import LlamaOptions
+
+    state = _single_rank_state()
+    torch.manual_seed(0)
+    from_hf = LlamaForCausalLM(tiny_config(2), parallel_state=state)
+    torch.manual_seed(0)
+    from_args = LlamaForCausalLM(LlamaArgs.from_hf(tiny_config(2)), parallel_state=state)
+    assert from_hf.args == from_args.args and from_hf.args.head_dim == 16 and from_hf.args.num_key_value_heads == 2
+    assert all(torch.equal(p, q) for p, q in zip(from_hf.parameters(), from_args.parameters()))
+    assert from_hf.options == LlamaOptions(parallel_state=state) and from_hf.state is state
+    assert all(layer.mlp.options is from_hf.options for layer in from_hf.layers)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        from_hf.options.sequence_parallel = True
+    with pytest.raises(ValueError, match="attention_implementation must be one of"):
+        LlamaForCausalLM(tiny_config(2), attention_implementation="flash", parallel_state=state)
+    assert LlamaArgs.from_hf(from_hf.args.to_hf()) == from_hf.args  # exports write what was read
+
+
 def test_mlp_submodules_that_run_and_module_map_refuses_the_others(monkeypatch):
     """gate_proj / up_proj are weights only (one fused matmul): every other submodule of a layer
     runs its own forward, and a selective name mapped onto gate_proj / up_proj is refused."""
     from neuron_ckpt.models.llama import LlamaMLP, SwiGLU
     from neuron_ckpt.parallel import ColumnParallelLinear
-    from neuron_ckpt.recompute import RecomputeConfig, apply_recompute
 
     model = LlamaForCausalLM(tiny_config(2), parallel_state=_single_rank_state())
     ran = set()
@@ -268,13 +285,13 @@ def test_longrope_switches_to_the_long_factors_like_transformers(seq):
     from neuron_ckpt.models.rotary import RotaryEmbedding
 
     config = _longrope_config()
-    hf_rotary, ours = LlamaRotaryEmbedding(config), RotaryEmbedding(config, 16)
+    hf_rotary, ours = LlamaRotaryEmbedding(config), RotaryEmbedding(LlamaArgs.from_hf(config))
     x = torch.zeros(1, seq, 64)
     hf_cos, hf_sin = hf_rotary(x, torch.arange(seq)[None])
     cos, sin = ours(seq, torch.float32, torch.device("cpu"))
     assert torch.equal(cos[:, 0, 0], hf_cos[0]) and torch.equal(sin[:, 0, 0], hf_sin[0])
     assert ours.attention_scaling == hf_rotary.attention_scaling > 1
-    short = RotaryEmbedding(config, 16).inv_freq
+    short = RotaryEmbedding(LlamaArgs.from_hf(config)).inv_freq
     assert torch.equal(ours.long_inv_freq if seq > 16 else ours.inv_freq, hf_rotary.inv_freq)
     assert not torch.equal(ours.long_inv_freq, short)  # the switch changes the table
 

@@ -18,7 +18,7 @@ import neuron_ckpt as nc
 from neuron_ckpt.memory.layers import measure_on_ranks
 from neuron_ckpt.memory.spec import LayerSpec
 from neuron_ckpt.models.gpt import GPTConfig, GPTStack
-from neuron_ckpt.recompute import RecomputeConfig
+from neuron_ckpt.recompute import RecomputeConfig, apply_recompute
 from tests.test_memory_analytic import _table2
 
 WORLD = 4
@@ -111,7 +111,9 @@ def _layer_output(t: int, sequence_parallel: bool, recompute: str | None) -> tup
                        dtype=torch.float32)
     rc = None if recompute is None else RecomputeConfig(granularity=recompute, **(
         dict(method="uniform", num_layers=1) if recompute == "full" else {}))
-    stack = GPTStack(2, config, recompute=rc)
+    stack = GPTStack(2, config)
+    if rc is not None:
+        apply_recompute(stack, rc)
     x = torch.randn(16, 2, 64, generator=torch.Generator().manual_seed(1))
     local = x.chunk(t)[state.tp_rank].clone() if sequence_parallel else x.clone()
     local.requires_grad_()

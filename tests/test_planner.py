@@ -288,8 +288,9 @@ def _loss_and_grads(per_layer):
     nc.initialize_model_parallel(1)
     try:
         torch.manual_seed(0)
-        # The per-layer list goes straight to the model, as a plan from `neuron-ckpt plan` would.
-        model = LlamaForCausalLM(tiny_config(4), recompute=per_layer).train()
+        # The per-layer list goes straight to apply_recompute, as a plan from `neuron-ckpt plan` would.
+        model = LlamaForCausalLM(tiny_config(4)).train()
+        apply_recompute(model, per_layer)
         ids, labels = _batch(1)
         layer_cls = type(model.layers[0])
         with _count_calls([layer_cls, CoreAttention, SwiGLU]) as calls:

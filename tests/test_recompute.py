@@ -7,6 +7,10 @@
   and each layer's forward runs as often as the method says.
 * Every invalid configuration fails before any training work, naming the field.
 * Recompute never changes state_dict keys.
+* One way in: models take no recompute argument; ``apply_recompute`` applies it to the built
+  model (its numerics: the tests above, and tests/test_llama.py against ``transformers``).
+
+On XLA (barrier, dropout replay, non-reentrant refused): tests_xla/test_recompute_xla.py.
 """
 
 from __future__ import annotations
@@ -381,6 +385,30 @@ def test_user_model_with_module_map_keeps_state_dict_and_gradients():
     assert all("forward" not in m.__dict__ for layer in layers for m in layer.modules())
 
 
+def test_models_take_no_recompute_argument_apply_recompute_is_the_one_way_in():
+    import inspect
+
+    import neuron_ckpt.recompute as recompute
+    from neuron_ckpt.models.gpt import GPTStack
+    from neuron_ckpt.models.llama import LlamaForCausalLM
+
+    for model in (LlamaForCausalLM, GPTStack):
+        assert "recompute" not in inspect.signature(model.__init__).parameters, model
+    assert "layer_runner" not in recompute.__all__ and not hasattr(recompute, "layer_runner")
+
+
+def test_sequence_parallel_is_read_from_the_layers_unless_given():
+    def check():
+        nc.initialize_model_parallel(1)
+        cfg = RecomputeConfig(granularity="full", method="uniform", num_layers=1, distribute_saved_activations=True)
+        with pytest.raises(ValueError, match="distribute_saved_activations.*sequence_parallel"):
+            apply_recompute(Stack(2, 16, 4, True, 0.0), cfg)  # built sequence parallel: refused
+        assert apply_recompute(Stack(2, 16, 4, False, 0.0), cfg) == ["0", "1"]
+        assert apply_recompute(Stack(2, 16, 4, True, 0.0), cfg, sequence_parallel=False) == ["0", "1"]  # given
+
+    _single(check)
+
+
 def test_grouped_layers_must_run_through_run_layers():
     layers = torch.nn.ModuleList(PlainLayer() for _ in range(4))
     apply_recompute(layers, RecomputeConfig(granularity="full", method="uniform", num_layers=2))
@@ -424,77 +452,6 @@ def test_checkpoint_runs_plainly_without_grad():
     with torch.no_grad():
         y = checkpoint(lambda x: x * 2, torch.ones(2))
     assert y.grad_fn is None and torch.equal(y, torch.full((2,), 2.0))
-
-
-# ---------------------------------------------------------------------------------------------
-# XLA (runs only where torch-xla is installed: XLA:CPU, one process).
-
-_XLA_CHECK = r'''
-import torch, torch_xla
-import neuron_ckpt as nc
-from neuron_ckpt.parallel import CoreAttention, QKVParallelLinear, RMSNorm, RowParallelLinear
-from neuron_ckpt.recompute import RecomputeConfig, apply_recompute, run_layers
-
-dev = nc.init_distributed().device
-from neuron_ckpt.distributed import is_xla
-assert is_xla()
-nc.initialize_model_parallel(1)
-
-class Layer(torch.nn.Module):
-    def __init__(s):
-        super().__init__()
-        s.norm, s.qkv = RMSNorm(16, device=dev), QKVParallelLinear(16, 4, device=dev)
-        s.core_attn, s.proj = CoreAttention(4, 4, 4, attention_dropout=0.1), RowParallelLinear(16, 16, device=dev)
-    def forward(s, x):
-        q, k, v = s.qkv(s.norm(x))
-        return x + s.proj(s.core_attn(q, k, v))
-
-def run(cfg, seed=1):
-    torch.manual_seed(0)
-    layers = torch.nn.ModuleList(Layer() for _ in range(2))
-    apply_recompute(layers, cfg)
-    nc.model_parallel_manual_seed(seed)
-    x = torch.randn(8, 2, 16).to(dev).requires_grad_()
-    loss = run_layers(layers, x).pow(2).sum()
-    loss.backward()
-    grads = [p.grad for p in layers.parameters()]
-    hlo = torch_xla._XLAC._get_xla_tensors_hlo(grads)
-    torch_xla.sync()
-    return loss.cpu(), [g.cpu() for g in grads], hlo
-
-base = run(RecomputeConfig())
-assert not torch.equal(base[0], run(RecomputeConfig(), seed=2)[0])  # dropout is on
-assert "opt-barrier" not in base[2]
-for cfg in (RecomputeConfig(granularity="selective"), RecomputeConfig(granularity="full", method="uniform", num_layers=2)):
-    loss, grads, hlo = run(cfg)
-    assert torch.equal(loss, base[0]), cfg
-    assert all(torch.equal(a, b) for a, b in zip(grads, base[1])), cfg
-    assert "opt-barrier" in hlo, cfg  # the recompute is fenced off from the forward
-try:
-    RecomputeConfig(granularity="selective", use_reentrant=False).validate(2)
-    raise AssertionError("non-reentrant accepted on XLA")
-except ValueError as e:
-    assert "use_reentrant" in str(e)
-print("XLA OK")
-'''
-
-
-def test_xla_rng_replay_and_optimization_barrier(tmp_path):
-    import importlib.util
-    import os
-    import subprocess
-    import sys
-
-    if importlib.util.find_spec("torch_xla") is None:
-        pytest.skip("torch-xla is not installed in this environment")
-    script = tmp_path / "xla_check.py"
-    script.write_text(_XLA_CHECK)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "PJRT_DEVICE": "CPU", "PYTHONPATH": root}
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0 and "XLA OK" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -24,8 +24,6 @@ import sys
 import textwrap
 import time
 import weakref
-from types import SimpleNamespace
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -35,6 +33,7 @@ from neuron_ckpt.distributed import runtime
 from neuron_ckpt.distributed.parallel_state import Group, ParallelState
 from neuron_ckpt.distributed.random import get_rng_tracker
 from neuron_ckpt.models.llama import LlamaForCausalLM
+from neuron_ckpt.models.llama_args import LlamaArgs
 from neuron_ckpt.recompute import RecomputeConfig, apply_recompute, run_layers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -43,13 +42,14 @@ PARALLEL = 2  # launches at a time (two processes each): the suite shares 2 core
 SELECTIVE = RecomputeConfig(granularity="selective", modules=["core_attn", "mlp_act", "norm"])
 
 
-def tiny_llama_config(layers: int = 2) -> SimpleNamespace:
-    """The fields LlamaForCausalLM reads, without importing transformers (default RoPE)."""
-    return SimpleNamespace(
-        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=layers, num_attention_heads=2,
-        num_key_value_heads=2, max_position_embeddings=32, rms_norm_eps=1e-5, initializer_range=0.02,
-        rope_theta=10000.0, tie_word_embeddings=False, attention_dropout=0.0,
-    )
+def tiny_llama(layers: int = 2, recompute: RecomputeConfig | None = None) -> LlamaForCausalLM:
+    """A tiny Llama (LlamaArgs: no transformers import), with ``recompute`` applied."""
+    args = LlamaArgs(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=layers,
+                     num_attention_heads=2, max_position_embeddings=32)
+    model = LlamaForCausalLM(args)
+    if recompute is not None:
+        apply_recompute(model, recompute)
+    return model
 
 
 # --------------------------------------------------------------------------------------------
@@ -58,24 +58,20 @@ def tiny_llama_config(layers: int = 2) -> SimpleNamespace:
 SCRIPT = textwrap.dedent(
     """
     import weakref
-    from types import SimpleNamespace
 
     import torch
     import neuron_ckpt as nc
-    from neuron_ckpt.models.llama import LlamaForCausalLM
-    from neuron_ckpt.recompute import RecomputeConfig
+    from neuron_ckpt.models import LlamaArgs, LlamaForCausalLM
+    from neuron_ckpt.recompute import RecomputeConfig, apply_recompute
 
     torch.set_num_threads(1)
     nc.init_distributed()
     state = nc.initialize_model_parallel(tensor_parallel_size=2)   # kept to the end, as in the README
     nc.model_parallel_manual_seed(1234)
-    config = SimpleNamespace(
-        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=2, max_position_embeddings=32, rms_norm_eps=1e-5, initializer_range=0.02,
-        rope_theta=10000.0, tie_word_embeddings=False, attention_dropout=0.1,
-    )
-    recompute = RecomputeConfig(granularity="selective", modules=["core_attn", "mlp_act", "norm"])
-    model = LlamaForCausalLM(config, sequence_parallel=True, recompute=recompute)
+    args = LlamaArgs(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                     num_attention_heads=2, max_position_embeddings=32, attention_dropout=0.1)
+    model = LlamaForCausalLM(args, sequence_parallel=True)
+    apply_recompute(model, RecomputeConfig(granularity="selective", modules=["core_attn", "mlp_act", "norm"]))
     ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(0))
     model(ids, labels=ids).loss.backward()
     groups = [weakref.ref(g.process_group) for g in (state.tp, state.dp)]   # TP: WORLD; DP: new_group
@@ -183,7 +179,7 @@ def test_destroy_distributed_leaves_no_group_reachable(single):
     host = weakref.ref(rt.host_group)
     state = nc.initialize_model_parallel(1)
     nc.model_parallel_manual_seed(0)
-    model = LlamaForCausalLM(tiny_llama_config(), recompute=SELECTIVE)
+    model = tiny_llama(recompute=SELECTIVE)
     _train_step(model)
     world = weakref.ref(dist.group.WORLD)
     assert state.tp.process_group is world() and state.dp.process_group is world()
@@ -191,7 +187,7 @@ def test_destroy_distributed_leaves_no_group_reachable(single):
     assert {type(o) for o in _reachable_from_package((ParallelState, dist.ProcessGroup))} == {
         ParallelState, type(world())}
 
-    kept = LlamaForCausalLM(tiny_llama_config(1), recompute=SELECTIVE)  # a model the user still holds
+    kept = tiny_llama(1, SELECTIVE)  # a model the user still holds
     del model
     nc.destroy_distributed()
 
@@ -249,7 +245,7 @@ class Stack(torch.nn.Module):
     "config",
     [
         SELECTIVE,
-        RecomputeConfig(granularity="full", method="uniform", num_layers=2),  # grouped: _LayerGroup
+        RecomputeConfig(granularity="full", method="uniform", num_layers=2),  # grouped: a _Group
         RecomputeConfig(granularity="full", method="block", num_layers=1),
         [None, RecomputeConfig(granularity="full", method="uniform", num_layers=1),
          RecomputeConfig(granularity="selective", modules=["mlp_act", "norm"]), None],
@@ -268,7 +264,7 @@ def test_recomputed_model_is_freed_without_the_cycle_collector(single, config):
             x = torch.randn(4, 2, 8, requires_grad=True)
             model(x).sum().backward()
         else:
-            model = LlamaForCausalLM(tiny_llama_config(), recompute=config)
+            model = tiny_llama(recompute=config)
             _train_step(model)
         refs = {name: weakref.ref(m) for name, m in model.named_modules()}  # every wrapped module too
         del model
@@ -284,7 +280,7 @@ def test_backward_after_the_model_is_dropped_still_recomputes(single):
     nc.initialize_model_parallel(1)
     for config in (SELECTIVE, RecomputeConfig(granularity="full", method="uniform", num_layers=2)):
         torch.manual_seed(0)
-        model = Stack(4) if config.granularity == "full" else LlamaForCausalLM(tiny_llama_config(), recompute=config)
+        model = Stack(4) if config.granularity == "full" else tiny_llama(recompute=config)
         params = list(model.parameters())
         if config.granularity == "full":
             apply_recompute(model.layers, config)
@@ -322,9 +318,9 @@ def _check_copy(model: torch.nn.Module, make) -> None:
     assert clone.layers[0].up.state.tp == model.layers[0].up.state.tp  # the same group (deepcopy: itself)
     wrapped = [m for m in clone.modules() if "forward" in m.__dict__]
     assert wrapped and all(m.__dict__["forward"].module is m for m in wrapped)
-    group = clone.layers[0].__dict__.get("_recompute_group")
+    group = clone.layers[0].__dict__["forward"].group if "forward" in clone.layers[0].__dict__ else None
     if group is not None:
-        assert group.bound().recompute_modules == list(clone.layers[:2])
+        assert group.layers() == list(clone.layers[:2])
     clone(torch.randn(4, 2, 8)).sum().backward()  # gradients reach the copy's parameters only
     assert all(p.grad is not None for p in clone.parameters())
     assert all(p.grad is None for p in model.parameters())

@@ -25,10 +25,7 @@ import torch_xla  # noqa: E402
 
 import neuron_ckpt as nc  # noqa: E402
 from neuron_ckpt.parallel import CoreAttention  # noqa: E402
-from neuron_ckpt.recompute import checkpoint  # noqa: E402
-
-# The submodule, not the function of the same name that the package exports.
-checkpoint_module = sys.modules["neuron_ckpt.recompute.function"]
+from neuron_ckpt.recompute import activation_checkpoint, checkpoint  # noqa: E402
 
 
 def dots(pattern: str, before: set[str]) -> int:
@@ -55,7 +52,7 @@ def main() -> None:
     device = nc.init_distributed().device
     nc.initialize_model_parallel(1)
     result = {"plain": graph(device, False), "barrier": graph(device, True)}
-    checkpoint_module._xla_barrier = lambda tensors, function: None
+    activation_checkpoint._xla_barrier = lambda tensors, modules: None
     result["no_barrier"] = graph(device, True)
     print(json.dumps(result))
     nc.destroy_distributed()

@@ -12,7 +12,7 @@ from transformers import LlamaConfig
 
 from neuron_ckpt.models import LlamaForCausalLM
 from neuron_ckpt.optim import Zero1Optimizer
-from neuron_ckpt.recompute import RecomputeConfig
+from neuron_ckpt.recompute import RecomputeConfig, apply_recompute
 
 pytestmark = pytest.mark.usefixtures("xla")
 STEPS = 5
@@ -39,7 +39,9 @@ def _counter(name: str) -> int:
 def train(device: torch.device) -> tuple[list[float], list[int], list[int]]:
     """Losses, and after each step the CompileTime and ExecuteTime counts (XLA only)."""
     torch.manual_seed(0)
-    model = LlamaForCausalLM(CONFIG, recompute=RecomputeConfig(granularity="selective")).to(device)
+    model = LlamaForCausalLM(CONFIG)
+    apply_recompute(model, RecomputeConfig(granularity="selective"))
+    model.to(device)
     opt = Zero1Optimizer(model.parameters(), torch.optim.AdamW, grad_clip_norm=1.0, lr=3e-3, weight_decay=0.1)
     # One batch, seen every step: the loss must fall (and the graph must not change with the data).
     batch = torch.randint(0, CONFIG.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))

@@ -1,6 +1,8 @@
 """Recompute on XLA: the optimization barrier is in the backward graph, it keeps XLA's
 common-subexpression elimination from merging the recompute into the forward, and the
-checkpointed gradients equal the plain ones.
+checkpointed gradients equal the plain ones; recompute applied to layers with dropout
+(selective, grouped full) gives the same loss and gradients bit for bit, and the non-reentrant
+variant is refused.
 
 What XLA:CPU shows and what it cannot: XLA's target-independent ``cse`` pass runs with the
 barrier in place; there the recomputed attention scores survive with the barrier (one extra
@@ -21,14 +23,14 @@ import pytest
 import torch
 import torch_xla
 
-from neuron_ckpt.parallel import CoreAttention
-from neuron_ckpt.recompute import checkpoint
+import neuron_ckpt as nc
+from neuron_ckpt.parallel import CoreAttention, QKVParallelLinear, RMSNorm, RowParallelLinear
+from neuron_ckpt.recompute import RecomputeConfig, activation_checkpoint, apply_recompute, checkpoint, run_layers
 
 from .helpers import TOL, hlo, rel
 
 pytestmark = pytest.mark.usefixtures("xla")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-checkpoint_module = sys.modules["neuron_ckpt.recompute.function"]
 
 
 def _qkv(device):
@@ -58,7 +60,7 @@ def test_backward_graph_has_the_barrier_and_the_recompute(xla):
 
 
 def test_without_the_barrier_the_graph_has_none(xla, monkeypatch):
-    monkeypatch.setattr(checkpoint_module, "_xla_barrier", lambda tensors, function: None)
+    monkeypatch.setattr(activation_checkpoint, "_xla_barrier", lambda tensors, modules: None)
     text, _ = _backward_hlo(xla.device, use_checkpoint=True)
     assert "opt-barrier(" not in text
 
@@ -82,3 +84,55 @@ def test_barrier_keeps_xla_cse_from_merging_the_recompute(tmp_path):
     plain = dots["plain"]["after_first_cse"]
     assert dots["barrier"]["after_first_cse"] == plain + 1, dots  # the recomputed QK^T survives CSE
     assert dots["no_barrier"]["after_first_cse"] == plain, dots  # CSE merged it into the forward
+
+
+# --- recompute applied to a stack of layers -----------------------------------------------------
+
+
+class Layer(torch.nn.Module):
+    """Norm, QKV, core attention with dropout, output projection, residual."""
+
+    def __init__(self, device):
+        super().__init__()
+        self.norm, self.qkv = RMSNorm(16, device=device), QKVParallelLinear(16, 4, device=device)
+        self.core_attn = CoreAttention(4, 4, 4, attention_dropout=0.1)
+        self.proj = RowParallelLinear(16, 16, device=device)
+
+    def forward(self, x):
+        q, k, v = self.qkv(self.norm(x))
+        return x + self.proj(self.core_attn(q, k, v))
+
+
+def _train_step(device, config: RecomputeConfig, seed: int = 1):
+    """Loss, parameter gradients and the backward HLO of two layers under ``config``."""
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList(Layer(device) for _ in range(2))
+    apply_recompute(layers, config)
+    nc.model_parallel_manual_seed(seed)
+    x = torch.randn(8, 2, 16).to(device).requires_grad_()
+    loss = run_layers(layers, x).pow(2).sum()
+    loss.backward()
+    grads = [p.grad for p in layers.parameters()]
+    text = hlo(*grads)
+    torch_xla.sync()
+    return loss.cpu(), [g.cpu() for g in grads], text
+
+
+@pytest.mark.parametrize(
+    "config",
+    [RecomputeConfig(granularity="selective"), RecomputeConfig(granularity="full", method="uniform", num_layers=2)],
+    ids=["selective", "uniform2"],
+)
+def test_applied_recompute_replays_dropout_exactly_behind_the_barrier(xla, config):
+    base = _train_step(xla.device, RecomputeConfig())
+    assert not torch.equal(base[0], _train_step(xla.device, RecomputeConfig(), seed=2)[0])  # dropout is on
+    assert "opt-barrier" not in base[2]
+    loss, grads, text = _train_step(xla.device, config)
+    assert torch.equal(loss, base[0])
+    assert all(torch.equal(a, b) for a, b in zip(grads, base[1]))
+    assert "opt-barrier" in text  # the recompute is fenced off from the forward
+
+
+def test_non_reentrant_recompute_is_refused_on_xla(xla):
+    with pytest.raises(ValueError, match="use_reentrant"):
+        RecomputeConfig(granularity="selective", use_reentrant=False).validate(2)

@@ -11,7 +11,6 @@ which all layers share (:func:`~.analytic.llama_outside_layer_terms` accounts fo
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from types import SimpleNamespace
 
 import torch
 
@@ -51,12 +50,14 @@ def recompute_config(spec: LayerSpec) -> RecomputeConfig:
     return RecomputeConfig.preset(spec.recompute, spec.distribute_saved_activations)
 
 
-def llama_config(spec: LayerSpec) -> SimpleNamespace:
-    """The fields of a ``transformers.LlamaConfig`` that one decoder layer reads."""
-    return SimpleNamespace(
-        hidden_size=spec.hidden, num_attention_heads=spec.heads, num_key_value_heads=spec.resolved_kv_heads,
-        intermediate_size=spec.resolved_ffn, rms_norm_eps=1e-5, initializer_range=0.02, attention_dropout=0.0,
-        attention_bias=False, mlp_bias=False, rope_theta=10000.0, hidden_act="silu",
+def llama_args(spec: LayerSpec):
+    """The :class:`~neuron_ckpt.models.LlamaArgs` of the measured layers (no vocabulary: one layer
+    does not read it)."""
+    from ..models.llama_args import LlamaArgs
+
+    return LlamaArgs(
+        vocab_size=1, hidden_size=spec.hidden, intermediate_size=spec.resolved_ffn, num_hidden_layers=spec.layers,
+        num_attention_heads=spec.heads, num_key_value_heads=spec.resolved_kv_heads,
     )
 
 
@@ -71,14 +72,12 @@ def build_layers(spec: LayerSpec) -> tuple[torch.nn.ModuleList, tuple[torch.Tens
         layers = torch.nn.ModuleList(GPTLayer(config, state) for _ in range(spec.layers))
         extra: tuple[torch.Tensor, ...] = ()
     else:
-        from ..models.llama import LlamaDecoderLayer
+        from ..models.llama import LlamaDecoderLayer, LlamaOptions
         from ..models.rotary import RotaryEmbedding
 
-        config = llama_config(spec)
-        layers = torch.nn.ModuleList(
-            LlamaDecoderLayer(config, spec.sequence_parallel, "explicit", dtype, state) for _ in range(spec.layers)
-        )
-        extra = RotaryEmbedding(config, spec.hidden // spec.heads)(spec.seq_len, dtype, torch.device("cpu"))
+        args, options = llama_args(spec), LlamaOptions(spec.sequence_parallel, "explicit", dtype, state)
+        layers = torch.nn.ModuleList(LlamaDecoderLayer(args, options) for _ in range(spec.layers))
+        extra = RotaryEmbedding(args)(spec.seq_len, dtype, torch.device("cpu"))
     recompute = recompute_config(spec)
     if recompute.enabled:
         apply_recompute(layers, recompute, sequence_parallel=spec.sequence_parallel)

@@ -5,9 +5,11 @@ from .flops import flops_per_token, num_parameters
 from .hf_checkpoint import check_hf_config, hf_config_for, load_hf_checkpoint, read_hf_config
 from .hf_export import check_writable, save_hf_checkpoint
 from .llama import CausalLMOutput, LlamaForCausalLM
+from .llama_args import LlamaArgs
 
 __all__ = [
     "CausalLMOutput",
+    "LlamaArgs",
     "LlamaForCausalLM",
     "check_hf_config",
     "check_writable",

@@ -33,7 +33,7 @@ from ..distributed.random import get_rng_tracker
 from ..parallel.dropout import dropout
 from ..parallel import ColumnParallelLinear, CoreAttention, LayerNorm, QKVParallelLinear, RowParallelLinear
 from ..parallel.init import normal_init
-from ..recompute import RecomputeConfig, apply_recompute, run_layers
+from ..recompute import run_layers
 
 
 @dataclass(frozen=True)
@@ -145,26 +145,15 @@ class GPTLayer(torch.nn.Module):
 
 
 class GPTStack(torch.nn.Module):
-    """``num_layers`` GPT layers; ``recompute`` (a ``RecomputeConfig``) is applied at construction.
+    """``num_layers`` GPT layers, run through :func:`neuron_ckpt.recompute.run_layers`, so every
+    recompute that ``apply_recompute(stack, config)`` applies works (grouped full too)."""
 
-    The forward runs through :func:`neuron_ckpt.recompute.run_layers`, so grouped full recompute
-    (``method="uniform"``, ``num_layers > 1``) works too.
-    """
-
-    def __init__(
-        self,
-        num_layers: int,
-        config: GPTConfig,
-        recompute: RecomputeConfig | None = None,
-        parallel_state: ParallelState | None = None,
-    ):
+    def __init__(self, num_layers: int, config: GPTConfig, parallel_state: ParallelState | None = None):
         super().__init__()
         if not isinstance(num_layers, int) or isinstance(num_layers, bool) or num_layers < 1:
             raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
         self.config = config
         self.layers = torch.nn.ModuleList(GPTLayer(config, parallel_state) for _ in range(num_layers))
-        if recompute is not None and recompute.granularity is not None:
-            apply_recompute(self.layers, recompute, sequence_parallel=config.sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return run_layers(self.layers, x)

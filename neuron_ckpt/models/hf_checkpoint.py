@@ -16,7 +16,7 @@ back to a full load.
 Keys and full shapes are checked against the model from the file headers, before any parameter
 is written (``KeyError`` for missing/unexpected keys, ``ValueError`` for shapes), as
 :func:`.hf_conversion.load_hf_state_dict` does. The directory's ``config.json``, when there is
-one, is checked against ``model.config`` on the fields that define the model
+one, is checked against ``model.args`` on the fields that define the model
 (:data:`MODEL_FIELDS`); :func:`hf_config_for` reads it, or checks a given config against it.
 """
 
@@ -31,8 +31,7 @@ from typing import Any
 import torch
 
 from . import hf_conversion
-from .llama import head_dim_of
-from .rotary import _rope_parameters
+from .llama_args import LlamaArgs
 
 CONFIG_NAME = "config.json"
 SAFE_WEIGHTS_NAME = "model.safetensors"
@@ -52,46 +51,47 @@ MODEL_FIELDS = (
     "rms_norm_eps",
     "rope_theta",
     "rope_scaling",
-    "tie_word_embeddings",
     "max_position_embeddings",
 )
-"""The config fields compared by :func:`check_hf_config`: those that change the weights' shapes
-or the function the model computes (``head_dim``: the explicit one, else hidden / heads;
-``rope_theta`` and the rest of the RoPE parameters read from ``transformers`` 4.x or 5.x)."""
+"""The fields compared by :func:`check_hf_config`: those that change the weights' shapes or the
+function the model computes, as :class:`~.llama_args.LlamaArgs` resolves them (``head_dim``,
+``num_key_value_heads`` and the RoPE parameters of ``transformers`` 4.x or 5.x; ``rope_scaling``
+is the RoPE parameters other than ``rope_theta``, None for plain RoPE). A config ``LlamaArgs``
+refuses (tied embeddings, another activation) is an error of its own."""
 
 
 # --- config.json ----------------------------------------------------------------------------
 
 
-def _field(config: Any, name: str) -> Any:
-    if name == "head_dim":
-        return head_dim_of(config)
+def _field(args: LlamaArgs, name: str) -> Any:
     if name in ("rope_theta", "rope_scaling"):
-        params = _rope_parameters(config)
-        if name == "rope_theta":
-            return float(params.get("rope_theta", 10000.0))
-        rest = {k: v for k, v in params.items() if k not in ("rope_theta", "type")}
-        return None if rest == {"rope_type": "default"} else rest
-    if name == "num_key_value_heads":
-        return getattr(config, name, None) or config.num_attention_heads
-    if name == "tie_word_embeddings":
-        return bool(getattr(config, name, False))
-    return getattr(config, name, None)
+        rope = dict(args.rope_parameters)
+        theta = rope.pop("rope_theta")
+        return theta if name == "rope_theta" else (None if rope == {"rope_type": "default"} else rope)
+    return getattr(args, name)
 
 
 def config_differences(config: Any, other: Any) -> dict[str, tuple[Any, Any]]:
-    """``{field: (config's value, other's value)}`` for every :data:`MODEL_FIELDS` entry that differs."""
+    """``{field: (config's value, other's value)}`` for every :data:`MODEL_FIELDS` entry that differs.
+
+    ``config`` and ``other``: :class:`~.llama_args.LlamaArgs` or ``transformers`` Llama configs."""
+    a, b = LlamaArgs.from_hf(config), LlamaArgs.from_hf(other)
     out = {}
     for name in MODEL_FIELDS:
-        a, b = _field(config, name), _field(other, name)
-        if a != b:
-            out[name] = (a, b)
+        x, y = _field(a, name), _field(b, name)
+        if x != y:
+            out[name] = (x, y)
     return out
 
 
 def check_hf_config(config: Any, hf_config: Any, source: str = "the checkpoint's config.json") -> None:
-    """Raise ``ValueError`` naming every model-defining field where ``config`` and ``hf_config`` differ."""
-    diff = config_differences(config, hf_config)
+    """Raise ``ValueError`` naming every model-defining field where ``config`` and ``hf_config`` differ
+    (or what ``hf_config`` holds that this library does not build)."""
+    try:
+        hf_args = LlamaArgs.from_hf(hf_config)
+    except ValueError as e:
+        raise ValueError(f"{source}: {e}") from None
+    diff = config_differences(config, hf_args)
     if diff:
         lines = "\n  ".join(f"{k}: model config {a!r}, {source} {b!r}" for k, (a, b) in diff.items())
         raise ValueError(f"the model config does not match {source} on {len(diff)} field(s):\n  {lines}")
@@ -225,14 +225,14 @@ def load_hf_checkpoint(model: torch.nn.Module, path: str | Path, check_config: b
 
     ``path``: a ``save_pretrained`` directory or one weights file (see the module docstring).
     Every rank calls it (no collective: each reads the files itself). ``check_config``: compare
-    ``model.config`` with the directory's ``config.json`` first. Raises before writing any
+    ``model.args`` with the directory's ``config.json`` first. Raises before writing any
     parameter: ``ValueError`` for a config mismatch, ``KeyError`` for missing/unexpected keys,
     ``ValueError`` listing every shape mismatch.
     """
     if check_config:
         hf_config = read_hf_config(path)
         if hf_config is not None:
-            check_hf_config(model.config, hf_config, str(_config_path(path)))
+            check_hf_config(model.args, hf_config, str(_config_path(path)))
     entries, loaded = _scan(weight_files(path))
     expected = hf_conversion.check_hf_shapes(model, {k: e.shape for k, e in entries.items()}, f"checkpoint {path}")
     tp = model.state.tp

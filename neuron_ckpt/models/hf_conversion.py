@@ -120,7 +120,7 @@ def check_hf_shapes(
     missing, unexpected = sorted(set(expected) - given), sorted(given - set(expected))
     if missing or unexpected:
         raise KeyError(
-            f"{what} does not match the model ({model.config.num_hidden_layers} layers): "
+            f"{what} does not match the model ({model.args.num_hidden_layers} layers): "
             f"missing keys {missing or 'none'}; unexpected keys {unexpected or 'none'}"
         )
     wrong = []

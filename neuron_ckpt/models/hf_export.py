@@ -47,6 +47,7 @@ from ..files import fsync_dir, write_atomic
 from ..paths import dir_problem, first_problem, rank
 from . import hf_conversion
 from .hf_checkpoint import CONFIG_NAME, SAFE_INDEX_NAME, SAFE_WEIGHTS_NAME, check_hf_config
+from .llama_args import LlamaArgs
 
 # Rank 0 holds one shard on the host before writing it: 2 GB keeps that small beside 32 ranks'
 # memory (transformers' save_pretrained default is larger); from_pretrained reads any size.
@@ -145,12 +146,9 @@ def _groups(model: torch.nn.Module) -> list[list[tuple[str, torch.nn.Parameter]]
 
 
 def _config_dict(config: Any, dtype: torch.dtype) -> dict:
-    if hasattr(config, "to_dict"):
-        data = config.to_dict()
-    else:  # any object with the LlamaConfig fields
-        import transformers
-
-        data = transformers.LlamaConfig(**{k: v for k, v in vars(config).items() if not k.startswith("_")}).to_dict()
+    """A ``transformers`` config as it is; ``LlamaArgs`` (or any object with its fields) through
+    ``LlamaArgs.to_hf``."""
+    data = (config if hasattr(config, "to_dict") else LlamaArgs.from_hf(config).to_hf()).to_dict()
     name = str(dtype).removeprefix("torch.")
     data.update(architectures=["LlamaForCausalLM"], model_type="llama", dtype=name, torch_dtype=name)
     return data
@@ -188,14 +186,15 @@ def save_hf_checkpoint(
 ) -> Path | None:
     """Write ``model`` as a ``transformers`` checkpoint directory (collective: every rank calls it).
 
-    ``config``: the ``transformers.LlamaConfig`` for ``config.json`` (default ``model.config``;
-    checked against ``model.config``). ``max_shard_size``: bytes or ``"5GB"``-style.
+    ``config``: the ``transformers.LlamaConfig`` for ``config.json`` (default
+    ``model.args.to_hf()``; checked against ``model.args``). ``max_shard_size``: bytes or
+    ``"5GB"``-style.
     ``dtype``: the weights' dtype on disk (default: the parameters'). Returns the directory on
     global rank 0, None elsewhere. Raises the same error on every rank when the location is not
     writable (before any gather) or a write failed.
     """
-    config = model.config if config is None else config
-    check_hf_config(config, model.config, "the model's own config")
+    config = model.args.to_hf() if config is None else config
+    check_hf_config(model.args, config, "the config given")
     state = model.state
     tp = state.tp
     groups = _groups(model)

@@ -11,7 +11,12 @@ Data flow of one forward, ``t`` = tensor-parallel size (activations sequence-fir
 Module and parameter names mirror ``transformers`` (``embed_tokens``, ``layers.N.self_attn``,
 ``mlp.gate_proj``...) so the conversion in :mod:`.hf_conversion` is a short table; the only
 structural difference is the fused ``self_attn.qkv`` (``q_weight``/``k_weight``/``v_weight``).
-The module that selective recompute targets is ``self_attn.core_attn``.
+The module that selective recompute targets is ``self_attn.core_attn``; recompute is applied to
+the built model (``neuron_ckpt.recompute.apply_recompute``), and the forward always runs the
+layers through ``run_layers``.
+
+What the model is comes as :class:`LlamaArgs` (``model.args``), how it runs as one
+:class:`LlamaOptions` (``model.options``), handed as ``(args, options)`` to every module.
 
 Initialisation draws every full weight from the default generator (``normal_init`` with the
 config's ``initializer_range``), so the model built at any ``t`` from one seed is the same model.
@@ -20,6 +25,7 @@ config's ``initializer_range``), so the model built at any ``t`` from one seed i
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -35,30 +41,44 @@ from ..parallel import (
     VocabParallelEmbedding,
     vocab_parallel_cross_entropy,
 )
+from ..parallel.attention import IMPLEMENTATIONS
 from ..parallel.init import normal_init
 from ..parallel.linear import parallel_linear
+from ..recompute import run_layers
 from . import hf_conversion
+from .llama_args import LlamaArgs
 from .rotary import RotaryEmbedding, apply_rotary
 
 IGNORE_INDEX = -100
 RETURN_LOGITS = (None, "local", "full")
 
 
-def head_dim_of(config) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+@dataclass(frozen=True)
+class LlamaOptions:
+    """How a Llama model runs (beside :class:`LlamaArgs`, what it is); built once by
+    :class:`LlamaForCausalLM` and handed to every module it builds."""
 
+    sequence_parallel: bool = False
+    """Keep the activations outside attention/MLP split along the sequence (``[s/t, b, h]``)."""
+    attention_implementation: str = "explicit"
+    """``"explicit"`` or ``"sdpa"`` (see ``CoreAttention``)."""
+    dtype: torch.dtype = torch.float32
+    """Parameter dtype (fp32, or bf16 for pure-bf16 training)."""
+    parallel_state: ParallelState | None = None
+    """The tensor/data-parallel groups; None: the global one set by ``initialize_model_parallel``."""
 
-def _check_config(config) -> None:
-    if getattr(config, "tie_word_embeddings", False):
-        raise ValueError(
-            "tie_word_embeddings=True is not supported: the vocab-parallel embedding and the LM head "
-            "hold their own weights (Llama-2 unties them); set config.tie_word_embeddings=False"
-        )
-    act = getattr(config, "hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"hidden_act must be 'silu' (SwiGLU), got {act!r}")
-    if getattr(config, "pretraining_tp", 1) != 1:
-        raise ValueError("config.pretraining_tp must be 1 (the sliced-matmul emulation is not reproduced)")
+    def __post_init__(self) -> None:
+        if not isinstance(self.sequence_parallel, bool):
+            raise ValueError(f"sequence_parallel must be a bool, got {self.sequence_parallel!r}")
+        if self.attention_implementation not in IMPLEMENTATIONS:
+            raise ValueError(
+                f"attention_implementation must be one of {list(IMPLEMENTATIONS)}, "
+                f"got {self.attention_implementation!r}"
+            )
+        if not isinstance(self.dtype, torch.dtype):
+            raise ValueError(f"dtype must be a torch.dtype, got {self.dtype!r}")
+        if self.parallel_state is None:
+            object.__setattr__(self, "parallel_state", get_parallel_state())
 
 
 @dataclass
@@ -76,39 +96,29 @@ class CausalLMOutput:
 class LlamaAttention(torch.nn.Module):
     """QKV projection (local heads), RoPE on the full sequence, core attention, row-parallel out."""
 
-    def __init__(self, config, sequence_parallel: bool, implementation: str, dtype, state: ParallelState):
+    def __init__(self, args: LlamaArgs, options: LlamaOptions):
         super().__init__()
-        self.head_dim = head_dim_of(config)
-        init = normal_init(config.initializer_range)
-        bias = bool(getattr(config, "attention_bias", False))
+        self.head_dim = args.head_dim
+        linear = dict(
+            bias=args.attention_bias,
+            sequence_parallel=options.sequence_parallel,
+            init_method=normal_init(args.initializer_range),
+            dtype=options.dtype,
+            parallel_state=options.parallel_state,
+        )
         self.qkv = QKVParallelLinear(
-            config.hidden_size,
-            config.num_attention_heads,
-            config.num_key_value_heads,
-            self.head_dim,
-            bias=bias,
-            sequence_parallel=sequence_parallel,
-            init_method=init,
-            dtype=dtype,
-            parallel_state=state,
+            args.hidden_size, args.num_attention_heads, args.num_key_value_heads, self.head_dim, **linear
         )
         self.core_attn = CoreAttention(
             self.qkv.local_heads,
             self.qkv.local_kv_heads,
             self.head_dim,
-            attention_dropout=float(getattr(config, "attention_dropout", 0.0)),
+            attention_dropout=float(args.attention_dropout),
             softmax_in_fp32=True,
-            implementation=implementation,
+            implementation=options.attention_implementation,
         )
         self.o_proj = RowParallelLinear(
-            config.num_attention_heads * self.head_dim,
-            config.hidden_size,
-            bias=bias,
-            input_is_parallel=True,
-            sequence_parallel=sequence_parallel,
-            init_method=init,
-            dtype=dtype,
-            parallel_state=state,
+            args.num_attention_heads * self.head_dim, args.hidden_size, input_is_parallel=True, **linear
         )
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -136,25 +146,29 @@ class LlamaMLP(torch.nn.Module):
 
     weights_only_children = ("gate_proj", "up_proj")
 
-    def __init__(self, config, sequence_parallel: bool, dtype, state: ParallelState):
+    def __init__(self, args: LlamaArgs, options: LlamaOptions):
         super().__init__()
-        init = normal_init(config.initializer_range)
-        bias = bool(getattr(config, "mlp_bias", False))
-        h, i = config.hidden_size, config.intermediate_size
-        column = dict(bias=bias, sequence_parallel=sequence_parallel, init_method=init, dtype=dtype, parallel_state=state)
+        h, i = args.hidden_size, args.intermediate_size
+        column = dict(
+            bias=args.mlp_bias,
+            sequence_parallel=options.sequence_parallel,
+            init_method=normal_init(args.initializer_range),
+            dtype=options.dtype,
+            parallel_state=options.parallel_state,
+        )
         self.gate_proj = ColumnParallelLinear(h, i, **column)
         self.up_proj = ColumnParallelLinear(h, i, **column)
         self.down_proj = RowParallelLinear(i, h, input_is_parallel=True, **column)
         self.act_fn = SwiGLU()
-        self.sequence_parallel, self.state = sequence_parallel, state
+        self.options = options
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = parallel_linear(
             x,
             [self.gate_proj.weight, self.up_proj.weight],
             [self.gate_proj.bias, self.up_proj.bias],
-            self.state.tp,
-            self.sequence_parallel,
+            self.options.parallel_state.tp,
+            self.options.sequence_parallel,
         )
         return self.down_proj(self.act_fn(gate, up))
 
@@ -162,13 +176,18 @@ class LlamaMLP(torch.nn.Module):
 class LlamaDecoderLayer(torch.nn.Module):
     """Pre-norm residual block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``."""
 
-    def __init__(self, config, sequence_parallel: bool, implementation: str, dtype, state: ParallelState):
+    def __init__(self, args: LlamaArgs, options: LlamaOptions):
         super().__init__()
-        norm = dict(eps=config.rms_norm_eps, sequence_parallel=sequence_parallel, dtype=dtype, parallel_state=state)
-        self.input_layernorm = RMSNorm(config.hidden_size, **norm)
-        self.self_attn = LlamaAttention(config, sequence_parallel, implementation, dtype, state)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, **norm)
-        self.mlp = LlamaMLP(config, sequence_parallel, dtype, state)
+        norm = dict(
+            eps=args.rms_norm_eps,
+            sequence_parallel=options.sequence_parallel,
+            dtype=options.dtype,
+            parallel_state=options.parallel_state,
+        )
+        self.input_layernorm = RMSNorm(args.hidden_size, **norm)
+        self.self_attn = LlamaAttention(args, options)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, **norm)
+        self.mlp = LlamaMLP(args, options)
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin)
@@ -176,63 +195,52 @@ class LlamaDecoderLayer(torch.nn.Module):
 
 
 class LlamaForCausalLM(torch.nn.Module):
-    """A ``transformers.LlamaConfig`` model, tensor parallel over the TP group of ``parallel_state``.
+    """A Llama model, tensor parallel over the TP group of ``parallel_state``.
 
     Args:
-        config: a ``transformers.LlamaConfig`` (or any object with its fields).
-        sequence_parallel: keep the activations outside attention/MLP split along the sequence
-            (``[s/t, b, h]``); the sequence length must then be divisible by ``t``.
-        recompute: a ``neuron_ckpt.recompute.RecomputeConfig``, or one per layer (a list whose None
-            entries keep everything, as ``neuron-ckpt plan`` produces); None: keep every activation.
-        attention_implementation: ``"explicit"`` or ``"sdpa"`` (see ``CoreAttention``).
-        dtype: parameter dtype (fp32, or bf16 for pure-bf16 training).
-        parallel_state: defaults to the global one set by ``initialize_model_parallel``.
+        config: a :class:`LlamaArgs`, or a ``transformers.LlamaConfig`` (read with
+            :meth:`LlamaArgs.from_hf`, which refuses what is not built here); kept as ``self.args``.
+        sequence_parallel, attention_implementation, dtype, parallel_state: the
+            :class:`LlamaOptions` fields, kept as ``self.options``; under sequence parallel the
+            sequence length must be divisible by ``t``.
+
+    Activation recompute is applied to the built model:
+    ``neuron_ckpt.recompute.apply_recompute(model, config)``.
     """
 
     def __init__(
         self,
-        config,
+        config: LlamaArgs | Any,
         sequence_parallel: bool = False,
-        recompute=None,
         attention_implementation: str = "explicit",
         dtype: torch.dtype = torch.float32,
         parallel_state: ParallelState | None = None,
     ):
         super().__init__()
-        _check_config(config)
-        self.config = config
-        self.state = parallel_state if parallel_state is not None else get_parallel_state()
-        self.sequence_parallel = sequence_parallel
-        state, init = self.state, normal_init(config.initializer_range)
+        self.args = args = LlamaArgs.from_hf(config)
+        self.options = options = LlamaOptions(sequence_parallel, attention_implementation, dtype, parallel_state)
+        sp, state = options.sequence_parallel, options.parallel_state
+        init = normal_init(args.initializer_range)
         self.embed_tokens = VocabParallelEmbedding(
-            config.vocab_size, config.hidden_size, sequence_parallel, init, dtype, parallel_state=state
+            args.vocab_size, args.hidden_size, sp, init, dtype, parallel_state=state
         )
-        self.layers = torch.nn.ModuleList(
-            LlamaDecoderLayer(config, sequence_parallel, attention_implementation, dtype, state)
-            for _ in range(config.num_hidden_layers)
-        )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, sequence_parallel, dtype, parallel_state=state)
+        self.layers = torch.nn.ModuleList(LlamaDecoderLayer(args, options) for _ in range(args.num_hidden_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, sp, dtype, parallel_state=state)
         self.lm_head = ColumnParallelLinear(
-            config.hidden_size,
-            config.vocab_size,
+            args.hidden_size,
+            args.vocab_size,
             bias=False,
-            sequence_parallel=sequence_parallel,
+            sequence_parallel=sp,
             init_method=init,
             dtype=dtype,
             parallel_state=state,
         )
-        self.rotary = RotaryEmbedding(config, head_dim_of(config))
-        self.recompute = recompute
-        self._run_layers = self._plain_layers
-        if recompute is not None and (isinstance(recompute, (list, tuple)) or recompute.enabled):
-            from ..recompute import layer_runner  # validates the config against this model first
+        self.rotary = RotaryEmbedding(args)
 
-            self._run_layers = layer_runner(self, recompute, sequence_parallel=sequence_parallel)
-
-    def _plain_layers(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            hidden = layer(hidden, cos, sin)
-        return hidden
+    @property
+    def state(self) -> ParallelState:
+        """``options.parallel_state``, named as on the parallel layers."""
+        return self.options.parallel_state
 
     def forward(
         self,
@@ -256,7 +264,7 @@ class LlamaForCausalLM(torch.nn.Module):
         ids = input_ids.t()  # [s, b]
         hidden = self.embed_tokens(ids)
         cos, sin = self.rotary(ids.shape[0], hidden.dtype, hidden.device)
-        hidden = self._run_layers(hidden, cos, sin)
+        hidden = run_layers(self.layers, hidden, cos, sin)
         logits = self.lm_head(self.norm(hidden))  # [s, b, v/t]
         loss = None
         if labels is not None:

@@ -24,6 +24,9 @@ def _rope_parameters(config: Any) -> dict[str, Any]:
     params.setdefault("rope_type", params.pop("type", "default"))
     params.pop("type", None)
     params["rope_theta"] = float(params["rope_theta"])
+    original = getattr(config, "original_max_position_embeddings", None)  # a top-level field of some configs
+    if params["rope_type"] != "default" and original is not None:
+        params.setdefault("original_max_position_embeddings", original)
     return params
 
 
@@ -125,18 +128,6 @@ class LlamaArgs:
             config.rope_theta = rope.pop("rope_theta")
             config.rope_scaling = None if rope == {"rope_type": "default"} else rope
         return config
-
-    def num_parameters(self, include_embedding: bool = True) -> int:
-        """Parameters of the model (untied embeddings), from the shape alone."""
-        h, i, v, d = self.hidden_size, self.intermediate_size, self.vocab_size, self.head_dim
-        a, g = self.num_attention_heads, self.num_key_value_heads
-        attn = h * a * d + 2 * h * g * d + a * d * h
-        if self.attention_bias:
-            attn += a * d + 2 * g * d + h
-        mlp = 3 * h * i + (2 * i + h if self.mlp_bias else 0)
-        per_layer = attn + mlp + 2 * h  # two RMSNorm weights
-        total = self.num_hidden_layers * per_layer + h + v * h  # final norm, LM head
-        return total + (v * h if include_embedding else 0)
 
 
 def _require_positive_int(name: str, value: object) -> None:

@@ -13,58 +13,42 @@ from __future__ import annotations
 
 import torch
 
-
-def _rope_parameters(config) -> dict:
-    """``rope_theta`` / ``rope_type`` from a ``transformers`` 5.x or 4.x Llama config."""
-    params = dict(getattr(config, "rope_parameters", None) or {})
-    if not params:  # transformers 4.x: rope_theta and rope_scaling are separate fields
-        params = dict(getattr(config, "rope_scaling", None) or {})
-        params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
-    params.setdefault("rope_type", params.get("type", "default"))
-    return params
+from .llama_args import LlamaArgs
 
 
-def inverse_frequencies(config, head_dim: int) -> tuple[torch.Tensor, float]:
-    """``(inv_freq [d/2], attention_scaling)`` for the config's RoPE variant.
+def inverse_frequencies(args: LlamaArgs) -> tuple[torch.Tensor, float]:
+    """``(inv_freq [d/2], attention_scaling)`` for the model's RoPE variant (``args.rope_parameters``).
 
     ``default`` is computed here; static scaled variants (``linear``, ``llama3``, ``yarn``...)
-    reuse ``transformers``' own init functions so they match it exactly. ``dynamic`` rescales
-    with the sequence length at run time and is refused. For ``longrope`` these are the short
-    factors' frequencies; :func:`longrope_long_frequencies` gives the long ones and where
-    :class:`RotaryEmbedding` switches to them.
+    reuse ``transformers``' own init functions (on ``args.to_hf()``) so they match it exactly;
+    ``LlamaArgs`` refuses ``dynamic``, which rescales with the sequence length at run time. For
+    ``longrope`` these are the short factors' frequencies; :func:`longrope_long_frequencies`
+    gives the long ones and where :class:`RotaryEmbedding` switches to them.
     """
-    params = _rope_parameters(config)
-    rope_type = params["rope_type"]
+    rope_type, d = args.rope_parameters["rope_type"], args.head_dim
     if rope_type == "default":
-        theta = float(params["rope_theta"])
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        theta = float(args.rope_parameters["rope_theta"])
+        inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
         return inv_freq, 1.0
-    if rope_type == "dynamic":
-        raise ValueError("rope_type='dynamic' (length-dependent RoPE scaling) is not supported; use a static variant")
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     if rope_type not in ROPE_INIT_FUNCTIONS:
         raise ValueError(f"unknown rope_type {rope_type!r}; known: default, {sorted(ROPE_INIT_FUNCTIONS)}")
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config)
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](args.to_hf(), None)  # (config, device): 4.x and 5.x
     return inv_freq.float(), float(scaling)
 
 
-def longrope_long_frequencies(config) -> tuple[torch.Tensor, int]:
-    """``(long inv_freq [d/2], original_max_position_embeddings)`` of a ``longrope`` config.
+def longrope_long_frequencies(args: LlamaArgs) -> tuple[torch.Tensor, int]:
+    """``(long inv_freq [d/2], original_max_position_embeddings)`` of a ``longrope`` model.
 
     ``transformers`` uses the short factors up to ``original_max_position_embeddings`` positions
     and the long factors past it (``longrope_frequency_update``: long when the largest position
     + 1 exceeds it), with the same attention scaling on both sides.
     """
-    params = _rope_parameters(config)
-    original = (
-        params.get("original_max_position_embeddings")
-        or getattr(config, "original_max_position_embeddings", None)
-        or config.max_position_embeddings
-    )
+    original = args.rope_parameters.get("original_max_position_embeddings") or args.max_position_embeddings
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    inv_freq, _ = ROPE_INIT_FUNCTIONS["longrope"](config, None, seq_len=int(original) + 1)
+    inv_freq, _ = ROPE_INIT_FUNCTIONS["longrope"](args.to_hf(), None, seq_len=int(original) + 1)
     return inv_freq.float(), int(original)
 
 
@@ -76,14 +60,14 @@ class RotaryEmbedding(torch.nn.Module):
     position, a shorter one the short factors, as ``transformers``' ``LlamaRotaryEmbedding`` does.
     """
 
-    def __init__(self, config, head_dim: int):
+    def __init__(self, args: LlamaArgs):
         super().__init__()
-        inv_freq, self.attention_scaling = inverse_frequencies(config, head_dim)
-        self.head_dim = head_dim
+        inv_freq, self.attention_scaling = inverse_frequencies(args)
+        self.head_dim = args.head_dim
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.long_after: int | None = None
-        if _rope_parameters(config)["rope_type"] == "longrope":
-            long_inv_freq, self.long_after = longrope_long_frequencies(config)
+        if args.rope_parameters["rope_type"] == "longrope":
+            long_inv_freq, self.long_after = longrope_long_frequencies(args)
             self.register_buffer("long_inv_freq", long_inv_freq, persistent=False)
 
     def forward(self, seq_len: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,21 +1,22 @@
 """Activation recomputation: selective and full, exact RNG replay, distributed saved inputs, XLA-safe.
 
-::
+Applied to a model after it is built, with one entry point::
 
     from neuron_ckpt.recompute import RecomputeConfig, apply_recompute, run_layers
 
-    config = RecomputeConfig(granularity="selective")                  # core attention
-    config = RecomputeConfig(granularity="full", method="uniform", num_layers=2)
-    apply_recompute(model.layers, config, sequence_parallel=sp)        # validates first
-    # in the model's forward:
+    model = LlamaForCausalLM(config, sequence_parallel=True)
+    apply_recompute(model, RecomputeConfig(granularity="selective"))         # validates first
+    apply_recompute(model, RecomputeConfig.preset("full"))                   # replaces it
+    apply_recompute(model, [None, RecomputeConfig.preset("selective"), ...]) # one entry per layer
+    # what a model's forward does (ours always do):
     hidden = run_layers(self.layers, hidden, *extra_args)
 
-The contract for models is in :mod:`.apply`; the checkpoint function itself in :mod:`.checkpoint`.
-See docs/recompute.md.
+The contract for models is in :mod:`.apply`; the activation checkpoint function itself in
+:mod:`.activation_checkpoint`. See docs/recompute.md.
 """
 
-from .apply import DEFAULT_MODULE_MAP, apply_recompute, layer_runner, remove_recompute, run_layers
-from .function import checkpoint
+from .activation_checkpoint import checkpoint
+from .apply import DEFAULT_MODULE_MAP, apply_recompute, remove_recompute, run_layers
 from .config import GRANULARITIES, METHODS, MODULES, PRESETS, RecomputeConfig
 
 __all__ = [
@@ -27,7 +28,6 @@ __all__ = [
     "RecomputeConfig",
     "apply_recompute",
     "checkpoint",
-    "layer_runner",
     "remove_recompute",
     "run_layers",
 ]

@@ -1,4 +1,9 @@
-"""Applying a :class:`~.config.RecomputeConfig` to a stack of transformer layers.
+"""Recompute applied to a model after it is built: :func:`apply_recompute`, the one entry point.
+
+::
+
+    model = LlamaForCausalLM(config, sequence_parallel=True)
+    apply_recompute(model, RecomputeConfig(granularity="selective"))   # validates, then applies
 
 Contract for models (ours and yours)::
 
@@ -9,25 +14,21 @@ Contract for models (ours and yours)::
         def forward(self, ...):
             ...
             hidden = run_layers(self.layers, hidden, *extra_args, **extra_kwargs)
-            ...
-
-    model = MyModel(...)
-    apply_recompute(model.layers, RecomputeConfig(granularity="selective"), sequence_parallel=sp)
 
 * Each layer takes the hidden states as its first positional argument and returns the new hidden
   states (one tensor); ``extra_args`` / ``extra_kwargs`` (rotary tables, masks, ...) are passed
   unchanged to every layer.
 * :func:`run_layers` is a plain loop unless full ``uniform`` recompute with ``num_layers > 1`` is
-  applied; then each group of ``num_layers`` consecutive layers runs as ONE checkpoint (only the
-  group's input is kept). A model whose forward loops over its layers itself still gets
-  selective, ``block`` and ``uniform`` with ``num_layers=1`` recompute; with grouped ``uniform``
-  its layers raise a clear error telling it to use :func:`run_layers`.
+  applied; then each group of ``num_layers`` consecutive layers runs as ONE activation
+  checkpoint (only the group's input is kept). A model whose forward loops over its layers
+  itself still gets selective, ``block`` and ``uniform`` with ``num_layers=1`` recompute; with
+  grouped ``uniform`` its layers raise a clear error telling it to use :func:`run_layers`.
 * ``apply_recompute`` also takes a per-layer list (one ``RecomputeConfig | None`` per layer, as
-  the memory planner produces): each layer then recomputes on its own (selective modules, or the
-  whole layer), so any loop over the layers works.
+  the memory planner produces): each entry is applied to its own layer by the strategy it names,
+  so any loop over the layers works.
 * Nothing is renamed or re-parented: recompute replaces the ``forward`` of the chosen module
   instances (an instance attribute), so ``state_dict`` keys, ``isinstance`` checks and
-  parameters are the same with or without recompute, and checkpoints load either way.
+  parameters are the same with or without recompute, and saved checkpoints load either way.
   :func:`remove_recompute` undoes it.
 
 Which submodule a selective name means is set by ``module_map`` (name -> attribute name, dotted
@@ -40,23 +41,33 @@ A name must also land on a submodule whose forward runs. A module that uses a ch
 without calling it (``LlamaMLP`` multiplies by ``gate_proj`` and ``up_proj`` in one fused matmul)
 lists that child in a class attribute ``weights_only_children``; a name matching such a child is
 an error, since wrapping a forward that is never called would recompute nothing.
+
+Inside: one function per strategy (``_selective``, ``_full_block``, ``_full_uniform``; and
+``_per_layer``, which applies them one layer at a time) lists the units to recompute, changing
+nothing; once every check has passed each unit is installed: a module's forward replaced by a
+``_Recomputed``, or the layers of a group tied to one ``_Group`` that :func:`run_layers` runs as
+a single activation checkpoint.
 """
 
 from __future__ import annotations
 
 import functools
-import threading
 import weakref
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence, Union
 
 import torch
 
+from ..parallel import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from ..parallel.attention import CoreAttention
 from ..parallel.norms import LayerNorm, RMSNorm
-from .function import checkpoint
+from .activation_checkpoint import checkpoint
 from .config import MODULE_ALIASES, MODULES, RecomputeConfig, validate_per_layer
 
 Pattern = Union[str, type, tuple]
+Patterns = dict[str, Pattern]
+Layers = Union[torch.nn.Module, Sequence[torch.nn.Module]]  # a model with .layers, or the layers
+Modules = list[torch.nn.Module]
 
 DEFAULT_MODULE_MAP: dict[str, Pattern] = {
     "core_attn": CoreAttention,
@@ -70,7 +81,162 @@ DEFAULT_MODULE_MAP: dict[str, Pattern] = {
 # already sharded by head / feature over the TP group and are saved as they are.
 _REPLICATED_INPUT = ("mlp", "norm")
 
-_GROUP_ATTR = "_recompute_group"
+# Our layers that take sequence_parallel: a model built from them runs sequence parallel if they do.
+_SEQUENCE_PARALLEL_LAYERS = (
+    ColumnParallelLinear, RowParallelLinear, QKVParallelLinear, VocabParallelEmbedding, RMSNorm, LayerNorm,
+)  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------
+# Public API.
+
+
+def apply_recompute(
+    model: Layers,
+    config: Union[RecomputeConfig, Sequence[RecomputeConfig | None], None],
+    module_map: Patterns | None = None,
+    sequence_parallel: bool | None = None,
+) -> list[str]:
+    """Make ``model``'s layers recompute as ``config`` says; returns the recomputed units, e.g.
+    ``["0.core_attn", ...]`` (selective), ``["0", "1"]`` (block / uniform 1), ``["0-1", "2-3"]``
+    (uniform 2).
+
+    ``model``: a module whose transformer layers are ``model.layers``, or the layers themselves
+    (an ``nn.ModuleList`` or a list). ``config``: one :class:`RecomputeConfig` for every layer
+    (None: no recompute, as ``RecomputeConfig()``), or a per-layer list, one
+    ``RecomputeConfig | None`` per layer (see :func:`~.config.validate_per_layer`): ``None`` or
+    ``RecomputeConfig()`` runs that layer normally, a selective entry recomputes its modules in
+    that layer, a full entry (``num_layers=1``) recomputes that whole layer; units are then named
+    by layer index as above.
+    ``module_map``: see the module docstring. ``sequence_parallel``: whether the model runs
+    sequence parallel (checked against ``distribute_saved_activations``); None reads it from the
+    layers: True when one of this library's parallel layers in them was built with
+    ``sequence_parallel=True``.
+
+    Validation comes first; nothing is changed when it fails. Applying again replaces the
+    previous setting.
+    """
+    layers = _as_layer_list(model)
+    if sequence_parallel is None:
+        sequence_parallel = _runs_sequence_parallel(layers)
+    patterns = _module_map(module_map)
+    if config is None:
+        config = RecomputeConfig()
+    if isinstance(config, RecomputeConfig):
+        config.validate(len(layers), sequence_parallel)
+        units = _units(layers, config, patterns)
+    elif isinstance(config, (list, tuple)):
+        validate_per_layer(config, len(layers), sequence_parallel)
+        units = _per_layer(layers, config, patterns)
+    else:
+        raise TypeError(
+            f"config must be a RecomputeConfig, a per-layer list of them or None, got {type(config).__name__}"
+        )
+    remove_recompute(layers)
+    for unit in units:
+        unit.install()
+    return [unit.name for unit in units]
+
+
+def run_layers(layers: Sequence[torch.nn.Module], hidden_states: Any, *args: Any, **kwargs: Any) -> Any:
+    """``for layer in layers: hidden_states = layer(hidden_states, *args, **kwargs)``, running each
+    group set up by full ``uniform`` recompute as one activation checkpoint."""
+    i = 0
+    while i < len(layers):
+        wrapper = layers[i].__dict__.get("forward")
+        group = wrapper.group if isinstance(wrapper, _Recomputed) else None
+        if group is not None and group.starts_with(layers[i]):
+            hidden_states = group(hidden_states, *args, **kwargs)
+            i += len(group)
+        else:
+            hidden_states = layers[i](hidden_states, *args, **kwargs)
+            i += 1
+    return hidden_states
+
+
+def remove_recompute(model: Layers) -> None:
+    """Undo :func:`apply_recompute` on ``model``'s layers (and every submodule)."""
+    for layer in _as_layer_list(model):
+        for module in layer.modules():
+            wrapper = module.__dict__.get("forward")
+            while isinstance(wrapper, _Recomputed):
+                if wrapper.previous is None:
+                    del module.__dict__["forward"]
+                else:
+                    module.__dict__["forward"] = wrapper.previous
+                wrapper = module.__dict__.get("forward")
+
+
+# --------------------------------------------------------------------------------------------
+# The strategies: each lists its units, changing nothing.
+
+
+@dataclass(frozen=True)
+class _Unit:
+    """What one activation checkpoint covers: one module (a selective submodule or a whole
+    layer), or consecutive layers run as one (grouped ``uniform``)."""
+
+    name: str
+    modules: tuple[torch.nn.Module, ...]
+    config: RecomputeConfig
+    distribute: bool  # keep a 1/t slice of the (replicated) input
+
+    def install(self) -> None:
+        if len(self.modules) > 1:
+            group = _Group(self.modules, self.config)
+            for layer in self.modules:
+                layer.forward = _Recomputed(layer, self.config, False, group)
+            return
+        module = self.modules[0]
+        if not isinstance(module.__dict__.get("forward"), _Recomputed):  # a module shared by layers: once
+            module.forward = _Recomputed(module, self.config, self.distribute)
+
+
+def _units(layers: Modules, config: RecomputeConfig, patterns: Patterns, first: int = 0) -> list[_Unit]:
+    """The units of ``config`` applied to ``layers`` (numbered from ``first``)."""
+    if config.granularity == "selective":
+        return _selective(layers, config, patterns, first)
+    if config.granularity == "full":
+        return (_full_block if config.method == "block" else _full_uniform)(layers, config, first)
+    return []
+
+
+def _selective(layers: Modules, config: RecomputeConfig, patterns: Patterns, first: int) -> list[_Unit]:
+    """Each layer's submodules named in ``config.modules``, one unit each."""
+    return [
+        _Unit(f"{i}.{qualname}", (module,), config, replicated and config.distribute_saved_activations)
+        for i, layer in enumerate(layers, start=first)
+        for qualname, module, replicated in _selected_modules(layer, i, config.modules, patterns)
+    ]
+
+
+def _full_block(layers: Modules, config: RecomputeConfig, first: int) -> list[_Unit]:
+    """The first ``num_layers`` layers, one unit each; the rest run normally."""
+    return [
+        _Unit(str(i), (layer,), config, config.distribute_saved_activations)
+        for i, layer in enumerate(layers[: config.num_layers], start=first)
+    ]
+
+
+def _full_uniform(layers: Modules, config: RecomputeConfig, first: int) -> list[_Unit]:
+    """Consecutive groups of ``num_layers`` layers (the last may be shorter), one unit each."""
+    k = config.num_layers
+    units = []
+    for start in range(0, len(layers), k):
+        group = tuple(layers[start : start + k])
+        a, b = first + start, first + start + len(group) - 1
+        units.append(_Unit(str(a) if k == 1 else f"{a}-{b}", group, config, config.distribute_saved_activations))
+    return units
+
+
+def _per_layer(layers: Modules, configs: Sequence[RecomputeConfig | None], patterns: Patterns) -> list[_Unit]:
+    """A per-layer list: each entry applied to its own layer by the strategies above."""
+    return [
+        unit
+        for i, (layer, config) in enumerate(zip(layers, configs))
+        if config is not None
+        for unit in _units([layer], config, patterns, first=i)
+    ]
 
 
 # --------------------------------------------------------------------------------------------
@@ -78,19 +244,20 @@ _GROUP_ATTR = "_recompute_group"
 
 
 class _Recomputed:
-    """``module.forward`` replaced: the original forward, run through :func:`checkpoint`.
+    """``module.forward`` replaced: the module's own forward, run through :func:`checkpoint`, or,
+    for a layer of a :class:`_Group`, run plainly inside the group's activation checkpoint.
 
     The wrapper lives in ``module.__dict__`` and refers back to ``module`` only weakly, so a model
     with recompute applied holds no reference cycle: it is freed as soon as its last user drops
     it, not at the next cycle collection (a model kept alive that long keeps its parallel state
-    and process groups alive too). A call hands :func:`checkpoint` a :class:`_Run` holding the
-    module strongly, so a pending backward still recomputes after the model is dropped.
+    and process groups alive too). A call hands :func:`checkpoint` a function holding the module
+    strongly, so a pending backward still recomputes after the model is dropped.
     """
 
-    def __init__(self, module: torch.nn.Module, config: RecomputeConfig, distribute: bool):
+    def __init__(self, module: torch.nn.Module, config: RecomputeConfig, distribute: bool, group: _Group | None = None):
         self.previous = module.__dict__.get("forward")  # an earlier instance-level forward, if any
         self._module = weakref.ref(module)
-        self.config, self.distribute = config, distribute
+        self.config, self.distribute, self.group = config, distribute, group
 
     # copy.deepcopy and pickle follow the module (a copied model's wrapper runs the copy).
     def __getstate__(self) -> dict:
@@ -106,256 +273,100 @@ class _Recomputed:
             raise RuntimeError("the module this recompute wrapper belonged to was freed")
         return module
 
-    @property
-    def recompute_modules(self) -> list[torch.nn.Module]:
-        return [self.module]
-
-    def run(self, *args: Any, **kwargs: Any) -> Any:
-        return _Run(self.module, self.previous)(*args, **kwargs)
-
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return checkpoint(
-            _Run(self.module, self.previous),
-            *args,
-            use_reentrant=self.config.use_reentrant,
-            distribute_saved_activations=self.distribute,
-            **kwargs,
-        )
-
-
-class _Run:
-    """One call of a wrapped module's own forward; what :func:`checkpoint` keeps for backward."""
-
-    __slots__ = ("module", "previous")
-
-    def __init__(self, module: torch.nn.Module, previous: Callable[..., Any] | None):
-        self.module, self.previous = module, previous
-
-    @property
-    def recompute_modules(self) -> list[torch.nn.Module]:  # read by checkpoint's XLA barrier
-        return [self.module]
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        # Looked up at call time, so class-level patches (profilers, counters) still apply.
-        if self.previous is not None:
-            return self.previous(*args, **kwargs)
-        return type(self.module).forward(self.module, *args, **kwargs)
-
-
-_running_group = threading.local()
-
-
-class _GroupMember(_Recomputed):
-    """A layer of a grouped ``uniform`` checkpoint: only :func:`run_layers` may call it."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if not getattr(_running_group, "active", False):
+        module = self.module
+        forward = functools.partial(_own_forward, module, self.previous)
+        if self.group is None:
+            return checkpoint(
+                forward,
+                *args,
+                fence=(module,),
+                use_reentrant=self.config.use_reentrant,
+                distribute_saved_activations=self.distribute,
+                **kwargs,
+            )
+        if not self.group.running:
             raise RuntimeError(
                 f"full recompute with method='uniform' and num_layers={self.config.num_layers} checkpoints "
                 "groups of layers, so the stack must run through "
                 "neuron_ckpt.recompute.run_layers(layers, hidden_states, *extra_args); this layer was "
                 "called directly"
             )
-        return self.run(*args, **kwargs)
+        return forward(*args, **kwargs)
 
 
-class _LayerGroup:
-    """Consecutive layers run as one checkpoint; kept on the first of them, which it refers to
-    weakly (no cycle). :meth:`bound` gives the callable :func:`checkpoint` keeps."""
+def _own_forward(module: torch.nn.Module, previous: Callable[..., Any] | None, *args: Any, **kwargs: Any) -> Any:
+    # Looked up at call time, so class-level patches (profilers, counters) still apply.
+    if previous is not None:
+        return previous(*args, **kwargs)
+    return type(module).forward(module, *args, **kwargs)
 
-    def __init__(self, layers: list[torch.nn.Module], config: RecomputeConfig):
-        self._layers, self.config = [weakref.ref(layer) for layer in layers], config
+
+class _Group:
+    """Consecutive layers run as one activation checkpoint by :func:`run_layers`. Their wrappers
+    refer to it; it refers to them weakly (no cycle). ``running`` is True while the group runs
+    its layers (forward or recompute): only then do they run."""
+
+    def __init__(self, layers: Sequence[torch.nn.Module], config: RecomputeConfig):
+        self._layers, self.config, self.running = [weakref.ref(layer) for layer in layers], config, False
+
+    def __getstate__(self) -> dict:
+        return {"config": self.config, "layers": self.layers()}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["layers"], state["config"])
 
     def __len__(self) -> int:
         return len(self._layers)
 
-    def __getstate__(self) -> dict:
-        return {"config": self.config, "_layers": [ref() for ref in self._layers]}
-
-    def __setstate__(self, state: dict) -> None:
-        self.config, self._layers = state["config"], [weakref.ref(layer) for layer in state["_layers"]]
-
-    def bound(self) -> "_GroupRun":
+    def layers(self) -> Modules:
         layers = [ref() for ref in self._layers]
         if any(layer is None for layer in layers):
             raise RuntimeError("a layer of this recompute group was freed")
-        return _GroupRun(layers)
+        return layers
 
-
-class _GroupRun:
-    __slots__ = ("recompute_modules",)
-
-    def __init__(self, layers: list[torch.nn.Module]):
-        self.recompute_modules = layers
+    def starts_with(self, layer: torch.nn.Module) -> bool:
+        return self._layers[0]() is layer
 
     def __call__(self, hidden: Any, *args: Any, **kwargs: Any) -> Any:
-        outer = getattr(_running_group, "active", False)
-        _running_group.active = True
-        try:
-            for layer in self.recompute_modules:
-                hidden = layer(hidden, *args, **kwargs)
-        finally:
-            _running_group.active = outer
-        return hidden
-
-
-def _wrap(module: torch.nn.Module, wrapper_cls: type, config: RecomputeConfig, distribute: bool) -> None:
-    module.forward = wrapper_cls(module, config, distribute)
-
-
-# --------------------------------------------------------------------------------------------
-# Public API.
-
-
-def run_layers(layers: Sequence[torch.nn.Module], hidden_states: Any, *args: Any, **kwargs: Any) -> Any:
-    """``for layer in layers: hidden_states = layer(hidden_states, *args, **kwargs)``, running each
-    group set up by full ``uniform`` recompute as one checkpoint."""
-    i = 0
-    while i < len(layers):
-        group = getattr(layers[i], _GROUP_ATTR, None)
-        if group is not None:
-            c = group.config
-            hidden_states = checkpoint(
-                group.bound(),
-                hidden_states,
-                *args,
-                use_reentrant=c.use_reentrant,
-                distribute_saved_activations=c.distribute_saved_activations,
-                **kwargs,
-            )
-            i += len(group)
-        else:
-            hidden_states = layers[i](hidden_states, *args, **kwargs)
-            i += 1
-    return hidden_states
-
-
-def apply_recompute(
-    layers: Union[torch.nn.ModuleList, Sequence[torch.nn.Module], torch.nn.Module],
-    config: Union[RecomputeConfig, Sequence[RecomputeConfig | None]],
-    module_map: dict[str, Pattern] | None = None,
-    sequence_parallel: bool = False,
-) -> list[str]:
-    """Make ``layers`` recompute as ``config`` says; returns the recomputed units, e.g. ``["0.core_attn",
-    ...]`` (selective), ``["0", "1"]`` (block / uniform 1), ``["0-1", "2-3"]`` (uniform 2).
-
-    ``layers``: the transformer layers in order (an ``nn.ModuleList``, a list, or a module with a
-    ``.layers`` attribute). ``module_map``: see the module docstring. ``sequence_parallel``: whether
-    the model runs sequence parallel (checked against ``distribute_saved_activations``).
-    Validation comes first; nothing is changed when it fails. Applying again replaces the
-    previous setting.
-
-    ``config`` may also be a per-layer list, one ``RecomputeConfig | None`` per layer (see
-    :func:`~.config.validate_per_layer`): ``None`` or ``RecomputeConfig()`` runs that layer
-    normally, a selective entry recomputes its modules in that layer, a full entry
-    (``num_layers=1``) recomputes that whole layer. Units are named as above, by layer index.
-    """
-    if isinstance(config, (list, tuple)):
-        return _apply_per_layer(_as_layer_list(layers), config, module_map, sequence_parallel)
-    if not isinstance(config, RecomputeConfig):
-        raise TypeError(
-            f"config must be a RecomputeConfig or a per-layer list of them, got {type(config).__name__}"
+        layers = self.layers()
+        return checkpoint(
+            functools.partial(_run_group, self, layers),
+            hidden,
+            *args,
+            fence=layers,
+            use_reentrant=self.config.use_reentrant,
+            distribute_saved_activations=self.config.distribute_saved_activations,
+            **kwargs,
         )
-    layers = _as_layer_list(layers)
-    config.validate(len(layers), sequence_parallel)
-    patterns = _module_map(module_map) if config.granularity == "selective" else {}
-    targets = _selective_targets(layers, config, patterns) if patterns else []
-
-    remove_recompute(layers)
-    if config.granularity == "selective":
-        for qualname, module, distribute in targets:
-            if not isinstance(module.__dict__.get("forward"), _Recomputed):  # shared across layers
-                _wrap(module, _Recomputed, config, distribute and config.distribute_saved_activations)
-        return [q for q, _, _ in targets]
-    if config.granularity != "full":
-        return []
-    k, n = config.num_layers, len(layers)
-    if config.method == "block" or k == 1:
-        count = k if config.method == "block" else n
-        for layer in layers[:count]:
-            _wrap(layer, _Recomputed, config, config.distribute_saved_activations)
-        return [str(i) for i in range(count)]
-    units = []
-    for start in range(0, n, k):
-        members = list(layers[start : start + k])
-        for layer in members:
-            _wrap(layer, _GroupMember, config, False)
-        setattr(members[0], _GROUP_ATTR, _LayerGroup(members, config))
-        units.append(f"{start}-{start + len(members) - 1}")
-    return units
 
 
-def layer_runner(
-    model: torch.nn.Module,
-    config: Union[RecomputeConfig, Sequence[RecomputeConfig | None]],
-    module_map: dict[str, Pattern] | None = None,
-    sequence_parallel: bool | None = None,
-) -> Callable[..., Any]:
-    """For a model that keeps its layers in ``model.layers``: apply ``config`` (one config, or a
-    per-layer list) to them and return ``run(hidden_states, *args, **kwargs) -> hidden_states``
-    (:func:`run_layers` bound to them).
-
-    ``sequence_parallel`` defaults to ``model.sequence_parallel`` (False if absent).
-    """
-    if sequence_parallel is None:
-        sequence_parallel = bool(getattr(model, "sequence_parallel", False))
-    apply_recompute(model, config, module_map, sequence_parallel)
-    return functools.partial(run_layers, model.layers)
-
-
-def remove_recompute(layers: Union[torch.nn.ModuleList, Sequence[torch.nn.Module], torch.nn.Module]) -> None:
-    """Undo :func:`apply_recompute` on ``layers`` (and every submodule)."""
-    for layer in _as_layer_list(layers):
-        for module in layer.modules():
-            module.__dict__.pop(_GROUP_ATTR, None)
-            wrapper = module.__dict__.get("forward")
-            while isinstance(wrapper, _Recomputed):
-                if wrapper.previous is None:
-                    del module.__dict__["forward"]
-                else:
-                    module.__dict__["forward"] = wrapper.previous
-                wrapper = module.__dict__.get("forward")
-
-
-def _apply_per_layer(
-    layers: list[torch.nn.Module],
-    configs: Sequence[RecomputeConfig | None],
-    module_map: dict[str, Pattern] | None,
-    sequence_parallel: bool,
-) -> list[str]:
-    """:func:`apply_recompute` with one entry per layer; every layer is its own unit."""
-    validate_per_layer(configs, len(layers), sequence_parallel)
-    patterns = _module_map(module_map) if any(c is not None and c.granularity == "selective" for c in configs) else {}
-    wraps: list[tuple[str, torch.nn.Module, RecomputeConfig, bool]] = []  # all found before any change
-    for i, (layer, c) in enumerate(zip(layers, configs)):
-        if c is None or not c.enabled:
-            continue
-        if c.granularity == "full":
-            wraps.append((str(i), layer, c, c.distribute_saved_activations))
-            continue
-        for qualname, module, replicated in _selective_targets([layer], c, patterns, first_index=i):
-            wraps.append((qualname, module, c, replicated and c.distribute_saved_activations))
-    remove_recompute(layers)
-    units = []
-    for unit, module, c, distribute in wraps:
-        if not isinstance(module.__dict__.get("forward"), _Recomputed):  # a module shared by layers: once
-            _wrap(module, _Recomputed, c, distribute)
-        units.append(unit)
-    return units
+def _run_group(group: _Group, layers: Modules, hidden: Any, *args: Any, **kwargs: Any) -> Any:
+    outer, group.running = group.running, True
+    try:
+        for layer in layers:
+            hidden = layer(hidden, *args, **kwargs)
+    finally:
+        group.running = outer
+    return hidden
 
 
 # --------------------------------------------------------------------------------------------
 # Helpers.
 
 
-def _as_layer_list(layers: Any) -> list[torch.nn.Module]:
-    if isinstance(layers, torch.nn.Module) and not isinstance(layers, (torch.nn.ModuleList, torch.nn.Sequential)):
-        if not isinstance(getattr(layers, "layers", None), (torch.nn.ModuleList, list, tuple)):
+def _as_layer_list(model: Layers) -> Modules:
+    layers = model
+    if isinstance(model, torch.nn.Module) and not isinstance(model, (torch.nn.ModuleList, torch.nn.Sequential)):
+        try:
+            layers = model.layers
+        except AttributeError:
+            layers = None
+        if not isinstance(layers, (torch.nn.ModuleList, list, tuple)):
             raise TypeError(
                 f"layers must be an nn.ModuleList, a sequence of modules or a module with a .layers "
-                f"attribute; got {type(layers).__name__} without .layers"
+                f"attribute; got {type(model).__name__} without .layers"
             )
-        layers = layers.layers
     layers = list(layers)
     for i, layer in enumerate(layers):
         if not isinstance(layer, torch.nn.Module):
@@ -365,7 +376,13 @@ def _as_layer_list(layers: Any) -> list[torch.nn.Module]:
     return layers
 
 
-def _module_map(module_map: dict[str, Pattern] | None) -> dict[str, Pattern]:
+def _runs_sequence_parallel(layers: Modules) -> bool:
+    return any(
+        m.sequence_parallel for layer in layers for m in layer.modules() if isinstance(m, _SEQUENCE_PARALLEL_LAYERS)
+    )
+
+
+def _module_map(module_map: Patterns | None) -> Patterns:
     merged = dict(DEFAULT_MODULE_MAP)
     for name, pattern in (module_map or {}).items():
         canonical = MODULE_ALIASES.get(name, name)
@@ -406,37 +423,36 @@ def _children_without_forward(layer: torch.nn.Module) -> list[str]:
     return idle
 
 
-def _selective_targets(
-    layers: list[torch.nn.Module], config: RecomputeConfig, patterns: dict[str, Pattern], first_index: int = 0
+def _selected_modules(
+    layer: torch.nn.Module, index: int, names: Sequence[str], patterns: Patterns
 ) -> list[tuple[str, torch.nn.Module, bool]]:
-    """``(qualified name, module, input is replicated)`` to wrap; outermost match wins."""
-    targets = []
-    for i, layer in enumerate(layers, start=first_index):
-        found: dict[str, tuple[torch.nn.Module, bool]] = {}
-        idle = _children_without_forward(layer)
-        for name in config.modules:
-            hits = [(q, m) for q, m in layer.named_modules() if q and _matches(q, m, patterns[name])]
-            if not hits:
+    """``(qualified name, module, input is replicated)`` of layer ``index`` for the selective
+    ``names``; the outermost match wins, a module shared within the layer comes once."""
+    found: dict[str, tuple[torch.nn.Module, bool]] = {}
+    idle = _children_without_forward(layer)
+    for name in names:
+        hits = [(q, m) for q, m in layer.named_modules() if q and _matches(q, m, patterns[name])]
+        if not hits:
+            raise ValueError(
+                f"modules: {name!r} matched no submodule of layer {index} ({type(layer).__name__}) with "
+                f"pattern {patterns[name]!r}; pass module_map={{{name!r}: <attribute name or class>}}. "
+                f"Submodules: {[q for q, _ in layer.named_modules() if q][:20]}"
+            )
+        for q, m in hits:
+            owner = next((o for o in idle if q == o or q.startswith(o + ".")), None)
+            if owner is not None:
+                parent = layer.get_submodule(owner.rpartition(".")[0]) if "." in owner else layer
                 raise ValueError(
-                    f"modules: {name!r} matched no submodule of layer {i} ({type(layer).__name__}) with "
-                    f"pattern {patterns[name]!r}; pass module_map={{{name!r}: <attribute name or class>}}. "
-                    f"Submodules: {[q for q, _ in layer.named_modules() if q][:20]}"
+                    f"modules: {name!r} matched {q!r} in layer {index} ({type(layer).__name__}) with pattern "
+                    f"{patterns[name]!r}, but {type(parent).__name__} never runs the forward of "
+                    f"{owner.rpartition('.')[2]!r} (it reads only its weights, in a fused matmul), so "
+                    f"recomputing it would recompute nothing; pass module_map={{{name!r}: <a submodule "
+                    "whose forward runs>}}"
                 )
-            for q, m in hits:
-                owner = next((o for o in idle if q == o or q.startswith(o + ".")), None)
-                if owner is not None:
-                    parent = layer.get_submodule(owner.rpartition(".")[0]) if "." in owner else layer
-                    raise ValueError(
-                        f"modules: {name!r} matched {q!r} in layer {i} ({type(layer).__name__}) with pattern "
-                        f"{patterns[name]!r}, but {type(parent).__name__} never runs the forward of "
-                        f"{owner.rpartition('.')[2]!r} (it reads only its weights, in a fused matmul), so "
-                        f"recomputing it would recompute nothing; pass module_map={{{name!r}: <a submodule "
-                        "whose forward runs>}}"
-                    )
-                if all(m is not other for other, _ in found.values()):  # a shared instance once
-                    found.setdefault(q, (m, name in _REPLICATED_INPUT))
-        for q, (m, replicated) in found.items():
-            if any(q.startswith(other + ".") for other in found):
-                continue  # an enclosing module is recomputed already
-            targets.append((f"{i}.{q}", m, replicated))
-    return targets
+            if all(m is not other for other, _ in found.values()):  # a shared instance once
+                found.setdefault(q, (m, name in _REPLICATED_INPUT))
+    return [
+        (q, m, replicated)
+        for q, (m, replicated) in found.items()
+        if not any(q.startswith(other + ".") for other in found)  # an enclosing module is recomputed already
+    ]

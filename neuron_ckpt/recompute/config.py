@@ -43,8 +43,8 @@ class RecomputeConfig:
 
     method: str | None = None
     """Full recompute only. ``"uniform"``: split the stack into consecutive groups of
-    ``num_layers`` layers and checkpoint each group as one unit (only the group's input is
-    stored). ``"block"``: checkpoint the first ``num_layers`` layers individually and run the
+    ``num_layers`` layers and run each group as one activation checkpoint (only the group's
+    input is stored). ``"block"``: recompute the first ``num_layers`` layers one by one and run the
     rest normally (to recompute just enough layers to fit)."""
 
     num_layers: int | None = None
@@ -59,14 +59,15 @@ class RecomputeConfig:
     :func:`~.apply.apply_recompute`."""
 
     distribute_saved_activations: bool = False
-    """Keep only this rank's 1/t slice of each checkpoint's (replicated) input and all-gather it
-    over the tensor-parallel group before recomputing (Megatron's option). Not with sequence
-    parallel (the input is already split) nor with ``use_reentrant=False``."""
+    """Keep only this rank's 1/t slice of each activation checkpoint's (replicated) input and
+    all-gather it over the tensor-parallel group before recomputing (Megatron's option). Not with
+    sequence parallel (the input is already split) nor with ``use_reentrant=False``."""
 
     use_reentrant: bool = True
-    """``True``: Megatron-style checkpoint (a custom autograd Function that reruns the forward in
-    backward); works on every backend, including XLA. ``False``: ``torch.utils.checkpoint``'s
-    non-reentrant variant (supports ``torch.autograd.grad``); refused on XLA."""
+    """``True``: Megatron-style activation checkpoint (a custom autograd Function that reruns the
+    forward in backward); works on every backend, including XLA. ``False``:
+    ``torch.utils.checkpoint``'s non-reentrant variant (supports ``torch.autograd.grad``); refused
+    on XLA."""
 
     def __post_init__(self) -> None:
         # Normalise ``modules`` (a list is fine as input; the frozen config stores a tuple).
@@ -137,8 +138,8 @@ class RecomputeConfig:
 
         ``"none"``: nothing (``RecomputeConfig()``). ``"selective"``: core attention.
         ``"selective+mlp_act"``: core attention and SwiGLU's activation. ``"full"``: the whole
-        layer, one layer per checkpoint (``method="uniform", num_layers=1``), so it fits any
-        stack and any per-layer list. ``distribute_saved_activations`` applies to the
+        layer, one layer per activation checkpoint (``method="uniform", num_layers=1``), so it
+        fits any stack and any per-layer list. ``distribute_saved_activations`` applies to the
         recomputing presets only.
         """
         if name not in PRESETS:

@@ -36,7 +36,7 @@ from neuron_ckpt.models import (
     save_hf_checkpoint,
 )
 from neuron_ckpt.optim import Zero1Optimizer
-from neuron_ckpt.recompute import RecomputeConfig
+from neuron_ckpt.recompute import PRESETS, RecomputeConfig, apply_recompute
 from neuron_ckpt.train import (
     CheckpointManager,
     Interrupted,
@@ -69,8 +69,10 @@ class TrainConfig:
     tp: int = opt(1, "tensor-parallel size (ranks per TP group, contiguous); DP = world / tp")
     sequence_parallel: bool = opt(False, "split norms/residuals along the sequence over the TP group")
     recompute: str = opt(
-        "none", "activation recompute: a granularity, or auto (planned per layer to fit --device-memory)",
-        ["none", "selective", "full", "auto"],
+        "none", "activation recompute: a preset (selective: --recompute-modules, default core attention; full: one "
+        "layer per activation checkpoint unless --recompute-method and --recompute-num-layers say otherwise), or auto "
+        "(planned per layer to fit --device-memory)",
+        [*PRESETS, "auto"],
     )
     device_memory: Optional[str] = opt(
         None, "--recompute auto: memory per rank, GiB or 'trn1' (default: trn1 on XLA, detected on CUDA; required on CPU)"
@@ -174,18 +176,24 @@ class TrainConfig:
                 raise ValueError(f"{flag(name)} {getattr(self, name)} applies only with {needed}; this run would "
                                  f"ignore it: drop it or add {needed}")
         try:  # the recompute options' own checks (method and layer count, module names), now
-            self.recompute_config()
+            self._recompute = self._build_recompute()
         except (ValueError, TypeError) as e:
             raise ValueError(f"--recompute {self.recompute}: {e}") from None
 
-    def recompute_config(self) -> RecomputeConfig | None:
-        """The fixed choice; ``auto`` is planned in :func:`_auto_recompute` once the model is known."""
-        if self.recompute in ("none", "auto"):
+    def _build_recompute(self) -> RecomputeConfig | None:
+        if self.recompute == "auto":
             return None
         if self.recompute == "selective":
             modules = tuple(m for m in self.recompute_modules.split(",") if m)
             return RecomputeConfig(granularity="selective", modules=modules)
-        return RecomputeConfig(granularity="full", method=self.recompute_method, num_layers=self.recompute_num_layers)
+        if self.recompute == "full" and (self.recompute_method, self.recompute_num_layers) != (None, None):
+            return RecomputeConfig(granularity="full", method=self.recompute_method, num_layers=self.recompute_num_layers)
+        return RecomputeConfig.preset(self.recompute)
+
+    def recompute_config(self) -> RecomputeConfig | None:
+        """The fixed choice, built and checked at construction; None for ``auto``, planned per layer
+        in :func:`_auto_recompute` once the model and the memory are known."""
+        return self._recompute
 
 
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
@@ -347,9 +355,9 @@ def main(argv: list[str] | None = None) -> dict:
                 flush=True,
             )
     nc.model_parallel_manual_seed(cfg.seed)
-    model = LlamaForCausalLM(
-        config, cfg.sequence_parallel, recompute, cfg.attention, dtype, parallel_state=state
-    ).to(rt.device)
+    model = LlamaForCausalLM(config, cfg.sequence_parallel, cfg.attention, dtype, parallel_state=state)
+    apply_recompute(model, recompute)  # checked against the model first (e.g. --recompute-num-layers)
+    model.to(rt.device)
     if cfg.init_hf:
         load_hf_checkpoint(model, cfg.init_hf)  # each rank reads only its slices
     optimizer = Zero1Optimizer(

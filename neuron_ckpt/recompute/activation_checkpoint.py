@@ -1,5 +1,8 @@
-"""``checkpoint(function, *args, **kwargs)``: run ``function`` without keeping its activations,
-rerun it in backward.
+"""The activation checkpoint function: ``checkpoint(function, *args, fence=(), **kwargs)`` runs
+``function`` without keeping its activations and reruns it in backward.
+
+(Here "activation checkpoint" is the autograd technique; the files a training run saves are
+called checkpoints everywhere else in this library.)
 
 What it adds to ``torch.utils.checkpoint``:
 
@@ -12,12 +15,16 @@ What it adds to ``torch.utils.checkpoint``:
 * **Distributed saved input** (``distribute_saved_activations=True``, reentrant only): of the
   first positional tensor argument (the layer input, replicated over the TP group) each rank
   keeps a 1/t slice of the flattened tensor and all-gathers it before recomputing, as Megatron
-  does. Saves ``(1 - 1/t)`` of that input per checkpoint for one all-gather in backward.
-* **XLA-safe.** On XLA the saved inputs, incoming gradients and the parameters of the
-  checkpointed modules pass through ``optimization_barrier_`` before the recompute (as
+  does. Saves ``(1 - 1/t)`` of that input per activation checkpoint for one all-gather in
+  backward.
+* **XLA-safe.** On XLA the saved inputs, incoming gradients and the parameters and buffers of
+  the *fenced* modules pass through ``optimization_barrier_`` before the recompute (as
   ``torch_xla.utils.checkpoint`` does); without it the compiler sees the recompute as a copy of
   the forward, merges the two (common-subexpression elimination) and keeps every activation
-  alive, so nothing is saved. Non-reentrant checkpointing is refused on XLA.
+  alive, so nothing is saved. The fenced modules are ``function`` itself when it is an
+  ``nn.Module`` or a bound method of one, and every module in ``fence`` (pass the modules whose
+  parameters a plain function or a ``functools.partial`` reads). Non-reentrant checkpointing is
+  refused on XLA.
 
 Two variants: ``use_reentrant=True`` (default; a custom autograd Function, Megatron-style, any
 backend) and ``use_reentrant=False`` (``torch.utils.checkpoint`` non-reentrant with our RNG
@@ -34,7 +41,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
@@ -47,14 +54,18 @@ from ..distributed.random import get_rng_state, get_rng_tracker, set_rng_state
 def checkpoint(
     function: Callable[..., Any],
     *args: Any,
+    fence: Sequence[torch.nn.Module] | torch.nn.Module = (),
     use_reentrant: bool = True,
     distribute_saved_activations: bool = False,
     **kwargs: Any,
 ) -> Any:
     """``function(*args, **kwargs)``, keeping only its inputs for backward and recomputing the rest.
 
-    ``use_reentrant`` and ``distribute_saved_activations`` are this function's own options; every
-    other keyword goes to ``function``.
+    ``fence``: the modules whose parameters and buffers pass the XLA optimization barrier with the
+    saved inputs (a module or a sequence of them), besides ``function`` itself when it is an
+    ``nn.Module`` or a bound method of one; ignored off XLA. ``fence``, ``use_reentrant`` and
+    ``distribute_saved_activations`` are this function's own options; every other keyword goes
+    to ``function``.
     """
     if not torch.is_grad_enabled():
         return function(*args, **kwargs)
@@ -67,6 +78,7 @@ def checkpoint(
         if distribute_saved_activations:
             raise ValueError("distribute_saved_activations=True needs use_reentrant=True")
         return _non_reentrant(function, args, kwargs)
+    modules = _fenced_modules(function, fence)
     spec = _Spec.of(args, kwargs, _distributed_group() if distribute_saved_activations else None)
     flat = list(args) + [kwargs[k] for k in spec.kwarg_names]
     if not any(torch.is_tensor(a) and a.requires_grad for a in flat):
@@ -74,7 +86,7 @@ def checkpoint(
         # parameters inside would silently get no gradient: anchor it to a dummy leaf.
         spec.anchor = True
         flat.append(torch.empty(0, requires_grad=True))
-    return _CheckpointFunction.apply(function, spec, *flat)
+    return _CheckpointFunction.apply(function, modules, spec, *flat)
 
 
 # --------------------------------------------------------------------------------------------
@@ -168,22 +180,22 @@ def _gather_slices(piece: torch.Tensor, shape: torch.Size, group: Group) -> torc
 # XLA: an optimization barrier keeps the compiler from merging recompute and forward.
 
 
-def _modules_of(function: Any) -> list[torch.nn.Module]:
-    """The modules whose parameters ``function`` reads, where that can be told."""
+def _fenced_modules(function: Any, fence: Sequence[torch.nn.Module] | torch.nn.Module) -> list[torch.nn.Module]:
+    """``function``'s own module (when it is a module or a bound method of one), then ``fence``."""
     owner = function.__self__ if inspect.ismethod(function) else function
-    if isinstance(owner, torch.nn.Module):
-        return [owner]
-    if hasattr(owner, "recompute_modules"):  # the wrappers of neuron_ckpt.recompute.apply
-        return list(owner.recompute_modules)
-    if hasattr(function, "func"):  # functools.partial
-        return _modules_of(function.func)
-    return []
+    modules = [owner] if isinstance(owner, torch.nn.Module) else []
+    for module in [fence] if isinstance(fence, torch.nn.Module) else fence:
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(f"checkpoint: fence must hold nn.Modules, got {type(module).__name__}")
+        if all(module is not m for m in modules):
+            modules.append(module)
+    return modules
 
 
-def _xla_barrier(tensors: list[Any], function: Any) -> None:
+def _xla_barrier(tensors: list[Any], modules: list[torch.nn.Module]) -> None:
     import torch_xla.core.xla_model as xm
 
-    params = [p for m in _modules_of(function) for p in (*m.parameters(), *m.buffers())]
+    params = [p for m in modules for p in (*m.parameters(), *m.buffers())]
     xm.optimization_barrier_([t for t in (*tensors, *params) if torch.is_tensor(t)])
 
 
@@ -195,8 +207,8 @@ class _CheckpointFunction(torch.autograd.Function):
     """Reentrant checkpoint: forward under no_grad, recompute and backpropagate inside backward."""
 
     @staticmethod
-    def forward(ctx, function, spec: _Spec, *flat):
-        ctx.function, ctx.spec = function, spec
+    def forward(ctx, function, modules: list[torch.nn.Module], spec: _Spec, *flat):
+        ctx.function, ctx.modules, ctx.spec = function, modules, spec
         ctx.rng = _RNGSnapshot.take()
         ctx.autocast = _autocast_state(flat)
         ctx.autocast_cache = torch.is_autocast_cache_enabled()
@@ -231,7 +243,7 @@ class _CheckpointFunction(torch.autograd.Function):
             k, shape = ctx.distributed
             tensors[k] = _gather_slices(tensors[k], shape, ctx.spec.group)
         if runtime.is_xla():
-            _xla_barrier(tensors + list(grads), ctx.function)
+            _xla_barrier(tensors + list(grads), ctx.modules)
         it = iter(t.detach().requires_grad_(r) for t, r in zip(tensors, ctx.input_needs_grad))
         values = [next(it) if slot is None else slot for slot in ctx.slots]
         args, kwargs = ctx.spec.unflatten(values)
@@ -248,7 +260,7 @@ class _CheckpointFunction(torch.autograd.Function):
         input_grads = [v.grad if torch.is_tensor(v) and v.requires_grad else None for v in values]
         if ctx.spec.anchor:
             input_grads.append(None)
-        return (None, None, *input_grads)
+        return (None, None, None, *input_grads)
 
 
 def _non_reentrant(function: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
