@@ -50,9 +50,9 @@ import torch
 
 from neuron_ckpt.distributed import initialize_model_parallel, model_parallel_manual_seed
 from neuron_ckpt.distributed.local import run_local
+from neuron_ckpt.memory import ModelShape, TrainingSetup, layer_activation_bytes
 from neuron_ckpt.memory.layers import build_layers, layer_input, measure_layers
 from neuron_ckpt.memory.measure import device_peak_bytes, reset_device_peak
-from neuron_ckpt.memory.spec import LayerSpec
 from neuron_ckpt.recompute import run_layers
 
 MIB = 1 << 20
@@ -65,12 +65,12 @@ def _timeline_peak(path: Path) -> int:
     return max(totals) - totals[0] if totals else 0
 
 
-def _step(spec: LayerSpec, device: torch.device, out_dir: Path | None, name: str) -> dict:
-    layers, extra = build_layers(spec)
+def _step(model: ModelShape, setup: TrainingSetup, recompute: str, device: torch.device, out_dir: Path | None) -> dict:
+    layers, extra = build_layers(model, setup, recompute, model.layers)
     layers.to(device)
     model_parallel_manual_seed(0)
-    rank = initialize_model_parallel(spec.tp).tp_rank
-    x = layer_input(spec, rank).detach().to(device).requires_grad_()
+    rank = initialize_model_parallel(setup.tp).tp_rank
+    x = layer_input(model, setup, rank).detach().to(device).requires_grad_()
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -82,7 +82,7 @@ def _step(spec: LayerSpec, device: torch.device, out_dir: Path | None, name: str
         out.float().square().mean().backward()
     figures = {"device_peak": device_peak_bytes(device), "timeline_error": None}
     if timeline:
-        path = out_dir / f"{name}_rank{rank}.json"
+        path = out_dir / f"{recompute}_rank{rank}.json"
         try:
             prof.export_memory_timeline(str(path), device="cuda:0" if device.type == "cuda" else "cpu")
             figures["profiler"] = _timeline_peak(path)
@@ -93,12 +93,13 @@ def _step(spec: LayerSpec, device: torch.device, out_dir: Path | None, name: str
     return figures
 
 
-def profile_all(specs: dict[str, LayerSpec], device: str, out_dir: str | None) -> dict[str, dict]:
-    """On every rank: measured (recorder) and profiled figures of one step per configuration."""
+def profile_all(model: ModelShape, setup: TrainingSetup, presets: tuple[str, ...], device: str,
+                out_dir: str | None) -> dict[str, dict]:
+    """On every rank: measured (recorder) and profiled figures of one step per recompute preset."""
     results = {}
-    for name, spec in specs.items():
-        measured = measure_layers(spec, backward=True)
-        figures = _step(spec, torch.device(device), Path(out_dir) if out_dir else None, name)
+    for name in presets:
+        measured = measure_layers(model, setup, name, model.layers, backward=True)
+        figures = _step(model, setup, name, torch.device(device), Path(out_dir) if out_dir else None)
         results[name] = {"measured_per_layer": measured.bytes_per_layer, **figures}
     return results
 
@@ -123,18 +124,20 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.device == "cuda" and (args.tp != 1 or not torch.cuda.is_available()):
         p.error("--device cuda needs a CUDA device and --tp 1 (gloo carries the TP collectives here)")
+    presets = ("none", "selective", "full")  # the paper's rows
     try:
-        base = LayerSpec("gpt", args.seq, args.micro_batch, args.hidden, args.heads, tp=args.tp, layers=args.layers,
-                         sequence_parallel=args.sequence_parallel, dtype=args.dtype)
+        model = ModelShape.gpt(args.hidden, args.heads, args.layers)
+        setup = TrainingSetup(args.seq, args.micro_batch, args.tp, dtype=args.dtype,
+                              sequence_parallel=args.sequence_parallel)
+        analytic = {name: layer_activation_bytes(model, setup, name) for name in presets}
     except ValueError as exc:
         p.error(str(exc))
-    specs = {mode: base.with_(recompute=mode) for mode in ("none", "selective", "full")}
     out_dir = None
     if args.timeline:
         os.makedirs(args.out, exist_ok=True)
         out_dir = os.path.abspath(args.out)
-    per_rank = run_local(profile_all, args.tp, specs, args.device, out_dir)
-    errors = {r[name]["timeline_error"] for r in per_rank for name in specs} - {None}
+    per_rank = run_local(profile_all, args.tp, model, setup, presets, args.device, out_dir)
+    errors = {r[name]["timeline_error"] for r in per_rank for name in presets} - {None}
     for error in sorted(errors):
         print(f"memory timeline unusable, fell back to key_averages(): {error}")
     what = "timeline peak" if args.timeline and not errors else "allocated in step"
@@ -142,11 +145,10 @@ def main(argv: list[str] | None = None) -> int:
           f"t={args.tp}{' SP' if args.sequence_parallel else ''} {args.dtype} on {args.device}; MiB, rank 0")
     print(f"{'recompute':<11}{'analytic/layer':>15}{'measured/layer':>15}{'ratio':>8}"
           f"{'profiler ' + what:>28}{'device peak':>13}")
-    for name, spec in specs.items():
+    for name in presets:
         r = per_rank[0][name]
-        analytic = spec.bytes_per_layer()
-        print(f"{name:<11}{_fmt(analytic):>15}{_fmt(r['measured_per_layer']):>15}"
-              f"{r['measured_per_layer'] / analytic:>8.4f}{_fmt(r['profiler']):>28}{_fmt(r['device_peak']):>13}")
+        print(f"{name:<11}{_fmt(analytic[name]):>15}{_fmt(r['measured_per_layer']):>15}"
+              f"{r['measured_per_layer'] / analytic[name]:>8.4f}{_fmt(r['profiler']):>28}{_fmt(r['device_peak']):>13}")
     if out_dir and not errors:
         print(f"memory timelines: {out_dir}/<recompute>_rank<r>.json")
     return 0

@@ -51,6 +51,7 @@ def test_table_output_for_llama(capsys):
                  "--layers", "32"]) == 0
     out = capsys.readouterr().out
     assert "recompute=full" in out and "layer_input" in out and "<- this run" in out
+    assert "selective+mlp_act" in out  # every preset is compared; for Llama all four
 
 
 @pytest.mark.parametrize("args,needle", [
@@ -61,6 +62,7 @@ def test_table_output_for_llama(capsys):
     (["--hidden", "128", "--heads", "8", "--seq", "66", "--tp", "4", "--sequence-parallel"], "seq_len"),
     (["--hidden", "128", "--heads", "8", "--seq", "64", "--tp", "2", "--recompute", "selective",
       "--distribute-saved-activations"], "distribute_saved_activations"),
+    (["--hidden", "128", "--heads", "8", "--seq", "64", "--recompute", "selective+mlp_act"], "not modelled for gpt"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, args, needle):
     with pytest.raises(SystemExit) as exc:

@@ -21,8 +21,8 @@ import pytest
 import transformers
 
 from neuron_ckpt.cli import main as cli_main
-from neuron_ckpt.memory.budget import resolve_llama_config
 from neuron_ckpt.models import load_llama_config
+from neuron_ckpt.models.config_file import PRESETS_DIR
 
 from .tutorial_run import TINY, TUTORIAL
 from .tutorial_run import train_module as _train_module
@@ -96,9 +96,9 @@ def test_a_missing_file_is_a_value_error_naming_it(tmp_path):
     assert str(tmp_path / "nope.json") in _error(tmp_path / "nope.json")
 
 
-@pytest.mark.parametrize("name", ["tiny.json", "llama2_7b.json"])
-def test_the_tutorial_configs_load_as_transformers_reads_them(name):
-    path = TUTORIAL / "configs" / name
+@pytest.mark.parametrize("path", [TUTORIAL / "configs" / "tiny.json", *sorted(PRESETS_DIR.glob("*.json"))],
+                         ids=lambda p: p.name)
+def test_the_tutorial_and_preset_configs_load_as_transformers_reads_them(path):
     assert load_llama_config(path).to_dict() == transformers.LlamaConfig.from_json_file(str(path)).to_dict()
 
 
@@ -120,11 +120,14 @@ def test_hugging_face_metadata_keys_are_accepted(tmp_path):
         k: v for k, v in config.to_dict().items() if k != "_name_or_path"}  # to_json_file drops the name
 
 
-def test_resolve_llama_config_reads_strictly(tmp_path):
+def test_a_directory_or_a_preset_name_reads_strictly(tmp_path):
     _write(tmp_path, TINY | {"hidden_sise": 64})
     with pytest.raises(ValueError, match="did you mean 'hidden_size'"):
-        resolve_llama_config(str(tmp_path))  # a directory holding config.json
-    assert resolve_llama_config("llama2-7b").num_hidden_layers == 32
+        load_llama_config(str(tmp_path))  # a directory holding config.json
+    assert load_llama_config("llama2-7b").num_hidden_layers == 32
+    assert load_llama_config("Llama3-8B").num_key_value_heads == 8  # names are case-insensitive
+    with pytest.raises(ValueError, match=r"llama2-8b: no such file.*preset name \(llama2-7b, llama3-8b\)"):
+        load_llama_config("llama2-8b")
 
 
 # ---- train.py: options that do not apply, the data's length ------------------------------------

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from neuron_ckpt.models.config_file import PRESET_NAMES
+
 ROOT = Path(__file__).resolve().parents[1]
 TUTORIAL = ROOT / "tutorials" / "llama2_7b_tp_zero1"
 RUN_TRN1 = TUTORIAL / "run_trn1.sh"
@@ -104,6 +106,7 @@ def test_dry_run_train(tmp_path: Path) -> None:
     assert _opt(argv, "--checkpoint-dir") == f"{out}/checkpoints" and _opt(argv, "--resume") == "latest"
     assert _opt(argv, "--metrics-file") == f"{out}/metrics.jsonl"
     assert "--stop-at-step" not in argv
+    assert _opt(argv, "--model-config") in PRESET_NAMES  # Llama-2 7B, the config the package ships
     # the user's arguments come last, so they override (argparse keeps the last --max-steps)
     assert argv[-4:] == ["--max-steps", "50", "--seed", "7"] and argv.count("--max-steps") == 2
     assert env["NEURON_CC_FLAGS"] == f"--model-type transformer --cache_dir={tmp_path}/home/neuron_compile_cache/"

@@ -13,7 +13,8 @@ import torch
 import transformers
 
 import neuron_ckpt as nc
-from neuron_ckpt.models import LlamaArgs, LlamaForCausalLM, flops_per_token, num_parameters
+from neuron_ckpt.memory import ModelShape
+from neuron_ckpt.models import LlamaArgs, LlamaForCausalLM
 from neuron_ckpt.recompute import RecomputeConfig, apply_recompute
 
 WORLD = 4
@@ -194,10 +195,12 @@ def test_flops_per_token_llama2_7b():
         vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
         num_attention_heads=32, num_key_value_heads=32, tie_word_embeddings=False,
     )
-    assert num_parameters(config) == 6_738_415_616  # Llama-2 7B
-    n = num_parameters(config, include_embedding=False)
-    assert flops_per_token(config, 4096) == 6 * n + 12 * 32 * 4096 * 4096
-    assert num_parameters(tiny_config(2)) == sum(p.numel() for p in reference(tiny_config(2)).parameters())
+    shape = ModelShape.from_llama(config)
+    assert shape.num_parameters() == 6_738_415_616  # Llama-2 7B
+    n = shape.num_parameters(include_embedding=False)
+    assert shape.flops_per_token(4096) == 6 * n + 12 * 32 * 4096 * 4096
+    tiny = ModelShape.from_llama(tiny_config(2))
+    assert tiny.num_parameters() == sum(p.numel() for p in reference(tiny_config(2)).parameters())
 
 
 # --- selective recompute targets modules whose forward runs; longrope ------------------------

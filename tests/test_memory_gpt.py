@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import neuron_ckpt as nc
+from neuron_ckpt.memory import ModelShape, TrainingSetup, layer_activation_bytes
 from neuron_ckpt.memory.layers import measure_on_ranks
-from neuron_ckpt.memory.spec import LayerSpec
 from neuron_ckpt.models.gpt import GPTConfig, GPTStack
 from neuron_ckpt.recompute import RecomputeConfig, apply_recompute
 from tests.test_memory_analytic import _table2
@@ -24,20 +24,24 @@ from tests.test_memory_analytic import _table2
 WORLD = 4
 TOLERANCE = 0.02
 SHAPES = ((64, 2, 128, 8), (32, 3, 64, 4))  # (s, b, h, a): a and s divisible by every t
+# row: (sequence parallel, recompute)
 ROWS = {
-    "tensor parallel": dict(),
-    "tensor + sequence parallel": dict(sequence_parallel=True),
-    "tensor parallel + selective": dict(recompute="selective"),
-    "tensor + sequence parallel + selective": dict(sequence_parallel=True, recompute="selective"),
-    "full recompute": dict(recompute="full"),
-    "full recompute + sequence parallel": dict(recompute="full", sequence_parallel=True),
-    "full recompute + distribute_saved_activations": dict(recompute="full", distribute_saved_activations=True),
+    "tensor parallel": (False, "none"),
+    "tensor + sequence parallel": (True, "none"),
+    "tensor parallel + selective": (False, "selective"),
+    "tensor + sequence parallel + selective": (True, "selective"),
+    "full recompute": (False, "full"),
+    "full recompute + sequence parallel": (True, "full"),
+    "full recompute + distribute_saved_activations":
+        (False, RecomputeConfig.preset("full", distribute_saved_activations=True)),
 }
 
 
-def _spec(shape: tuple[int, int, int, int], t: int, row: str) -> LayerSpec:
+def _case(shape: tuple[int, int, int, int], t: int, row: str) -> tuple:
+    """(model, setup, recompute) of two such layers."""
     s, b, h, a = shape
-    return LayerSpec("gpt", s, b, h, a, tp=t, layers=2, **ROWS[row])
+    sp, recompute = ROWS[row]
+    return ModelShape.gpt(h, a, layers=2), TrainingSetup(s, b, tp=t, sequence_parallel=sp), recompute
 
 
 def _paper(shape: tuple[int, int, int, int], t: int, row: str) -> Fraction:
@@ -58,7 +62,7 @@ def measured(world):
 
     def get(t: int) -> dict:
         if t not in _MEASURED:
-            per_rank = world(WORLD).run(measure_on_ranks, [_spec(shape, t, row) for shape, row in _CASES])
+            per_rank = world(WORLD).run(measure_on_ranks, [_case(shape, t, row) for shape, row in _CASES])
             _MEASURED[t] = {case: [rank[i] for rank in per_rank] for i, case in enumerate(_CASES)}
         return _MEASURED[t]
 
@@ -68,8 +72,8 @@ def measured(world):
 @pytest.mark.parametrize("t", (1, 2, 4))
 @pytest.mark.parametrize("shape,row", _CASES)
 def test_measured_matches_analytic_and_the_paper(measured, t, shape, row):
-    spec = _spec(shape, t, row)
-    analytic = spec.bytes_per_layer()
+    model, setup, recompute = _case(shape, t, row)
+    analytic = layer_activation_bytes(model, setup, recompute)
     assert analytic == _paper(shape, t, row)  # the analytic model is the paper's formula, to the byte
     if t == 1 and row == "tensor parallel":  # the "no parallelism" row: sbh(34 + 5as/h)
         s, b, h, a = shape
@@ -82,7 +86,7 @@ def test_measured_matches_analytic_and_the_paper(measured, t, shape, row):
         # What is left over is exactly LayerNorm's mean and 1/std (2 x [s, b, 1] per norm).
         if not row.startswith("full"):
             s, b = shape[0], shape[1]
-            tokens = s * b // t if spec.sequence_parallel else s * b
+            tokens = s * b // t if setup.sequence_parallel else s * b
             assert m.bytes_per_layer - analytic == 2 * 2 * tokens * m_stat_bytes(m)
 
 
@@ -94,9 +98,9 @@ def m_stat_bytes(m) -> int:
 
 
 def test_gpt3_selective_saves_70_percent():
-    spec = LayerSpec("gpt", 2048, 1, 12288, 96, tp=8, sequence_parallel=True)
-    kept_all = spec.bytes_per_layer()
-    selective = spec.with_(recompute="selective").bytes_per_layer()
+    gpt3 = ModelShape.gpt(12288, 96, layers=1), TrainingSetup(2048, 1, tp=8, sequence_parallel=True)
+    kept_all = layer_activation_bytes(*gpt3, "none")
+    selective = layer_activation_bytes(*gpt3, "selective")
     assert round(100 * (1 - selective / kept_all)) == 70
 
 
@@ -151,4 +155,4 @@ def test_config_errors_name_the_field():
     with pytest.raises(ValueError, match="hidden_dropout"):
         GPTConfig(64, 4, hidden_dropout=1.0)
     with pytest.raises(ValueError, match="ffn"):
-        LayerSpec("gpt", 64, 2, 64, 4, ffn=100)
+        ModelShape("gpt", 64, 4, 4, 100, 1, 128)

@@ -1,4 +1,4 @@
-"""The Llama layer keeps what ``llama_layer_activation_terms`` says: none / selective / full.
+"""The Llama layer keeps what ``layer_activation_terms`` says: every recompute preset.
 
 Real ``LlamaDecoderLayer`` stacks (bf16, explicit attention with fp32 softmax, RMSNorm, SwiGLU,
 GQA, rotary) on the shared 4-rank world, one worker call per TP degree. Parameters, the causal
@@ -10,36 +10,45 @@ from __future__ import annotations
 
 import pytest
 
-from neuron_ckpt.memory.analytic import ActivationConfig, LlamaLayerShape, llama_layer_activation_terms
+from neuron_ckpt.memory import ModelShape, TrainingSetup, layer_activation_bytes, layer_activation_terms
 from neuron_ckpt.memory.layers import measure_on_ranks
-from neuron_ckpt.memory.spec import LayerSpec, llama_default_ffn
+from neuron_ckpt.memory.shape import default_ffn
+from neuron_ckpt.recompute import RecomputeConfig
 
 WORLD = 4
 TOLERANCE = 0.02
 # (s, b, h, a, g, f): GQA with g < t at t = 4 (replicated kv heads); MHA with an odd-sized FFN.
 SHAPES = ((64, 2, 128, 8, 2, 344), (32, 3, 64, 4, 4, 176))
+# row: (sequence parallel, recompute)
 ROWS = {
-    "none": dict(),
-    "sequence parallel": dict(sequence_parallel=True),
-    "selective": dict(recompute="selective"),
-    "selective + sequence parallel": dict(recompute="selective", sequence_parallel=True),
-    "full": dict(recompute="full"),
-    "full + distribute_saved_activations": dict(recompute="full", distribute_saved_activations=True),
+    "none": (False, "none"),
+    "sequence parallel": (True, "none"),
+    "selective": (False, "selective"),
+    "selective + sequence parallel": (True, "selective"),
+    "selective+mlp_act": (False, "selective+mlp_act"),
+    "full": (False, "full"),
+    "full + distribute_saved_activations": (False, RecomputeConfig.preset("full", distribute_saved_activations=True)),
 }
 _CASES = [(shape, row, dtype) for shape in SHAPES for row in ROWS for dtype in ("bf16", "fp32")]
 _MEASURED: dict[int, dict] = {}
 
 
-def _spec(shape, t: int, row: str, dtype: str) -> LayerSpec:
+def _llama(h: int, a: int, g: int, f: int, layers: int = 2) -> ModelShape:
+    return ModelShape("llama", h, a, g, f, layers, vocab=32000)
+
+
+def _case(shape, t: int, row: str, dtype: str) -> tuple:
+    """(model, setup, recompute) of two such layers."""
     s, b, h, a, g, f = shape
-    return LayerSpec("llama", s, b, h, a, kv_heads=g, ffn=f, tp=t, layers=2, dtype=dtype, **ROWS[row])
+    sp, recompute = ROWS[row]
+    return _llama(h, a, g, f), TrainingSetup(s, b, tp=t, dtype=dtype, sequence_parallel=sp), recompute
 
 
 @pytest.fixture(scope="module")
 def measured(world):
     def get(t: int) -> dict:
         if t not in _MEASURED:
-            per_rank = world(WORLD).run(measure_on_ranks, [_spec(*case[:1], t, *case[1:]) for case in _CASES])
+            per_rank = world(WORLD).run(measure_on_ranks, [_case(*case[:1], t, *case[1:]) for case in _CASES])
             _MEASURED[t] = {case: [rank[i] for rank in per_rank] for i, case in enumerate(_CASES)}
         return _MEASURED[t]
 
@@ -49,7 +58,7 @@ def measured(world):
 @pytest.mark.parametrize("t", (1, 2, 4))
 @pytest.mark.parametrize("shape,row,dtype", _CASES)
 def test_measured_matches_analytic(measured, t, shape, row, dtype):
-    analytic = _spec(shape, t, row, dtype).bytes_per_layer()
+    analytic = layer_activation_bytes(*_case(shape, t, row, dtype))
     for m in measured(t)[(shape, row, dtype)]:
         assert m.unscoped_bytes == 0
         assert m.per_layer_bytes[0] == m.per_layer_bytes[1]
@@ -58,14 +67,15 @@ def test_measured_matches_analytic(measured, t, shape, row, dtype):
         assert m.bytes_per_layer == analytic  # nothing is left out of the Llama model
 
 
-def _by_name(shape: LlamaLayerShape, **config) -> dict[str, int]:
-    return {term.name: term.nbytes for term in llama_layer_activation_terms(shape, ActivationConfig(**config))}
+def _by_name(model: ModelShape, recompute: str = "none", s: int = 64, b: int = 2, t: int = 1) -> dict[str, int]:
+    setup = TrainingSetup(s, b, tp=t, sequence_parallel=False)
+    return {term.name: term.nbytes for term in layer_activation_terms(model, setup, recompute)}
 
 
 def test_terms_follow_the_derivation():
     s, b, h, a, g, f = 64, 2, 128, 8, 2, 344
     d = h // a
-    terms = _by_name(LlamaLayerShape(s, b, h, a, g, f))
+    terms = _by_name(_llama(h, a, g, f), s=s, b=b)
     sbh = s * b * h
     norm = 4 * sbh + 4 * s * b + 2 * sbh  # fp32 input copy, fp32 rstd, bf16 normalised
     assert terms["norm1_input_fp32"] + terms["norm1_rstd_fp32"] + terms["norm1_normalized"] == norm
@@ -74,21 +84,23 @@ def test_terms_follow_the_derivation():
     assert sum(terms[n] for n in ("gate", "silu_out", "up", "down_input")) == 8 * s * b * f
     assert sum(terms.values()) == 2 * norm + 2 * 2 * sbh + 2 * s * b * (2 * a * d + 2 * g * d) \
         + 6 * a * s * s * b + 8 * s * b * f
-    selective = _by_name(LlamaLayerShape(s, b, h, a, g, f), recompute="selective")
+    selective = _by_name(_llama(h, a, g, f), "selective", s=s, b=b)
     assert set(terms) - set(selective) == {"softmax_out_fp32", "probs"}
+    mlp_act = _by_name(_llama(h, a, g, f), "selective+mlp_act", s=s, b=b)
+    assert set(selective) - set(mlp_act) == {"silu_out"}  # the checkpointed SwiGLU keeps gate and up
 
 
 def test_gqa_kv_heads_are_replicated_when_fewer_than_tp():
-    shape = LlamaLayerShape(64, 2, 128, 8, kv_heads=2, ffn=344, tp=4)
-    assert shape.local_kv_heads == 1
-    assert _by_name(shape)["k"] == 2 * 64 * 2 * 1 * 16
+    model = _llama(128, 8, 2, 344)
+    assert model.local_kv_heads(4) == 1
+    assert _by_name(model, t=4)["k"] == 2 * 64 * 2 * 1 * 16
 
 
 def test_llama2_7b_default_ffn_and_shape_errors():
-    assert llama_default_ffn(4096) == 11008
+    assert default_ffn("llama", 4096) == 11008
     with pytest.raises(ValueError, match="kv_heads"):
-        LlamaLayerShape(64, 2, 128, 8, kv_heads=3, ffn=344)
+        _llama(128, 8, 3, 344)
     with pytest.raises(ValueError, match="ffn"):
-        LlamaLayerShape(64, 2, 128, 8, kv_heads=2, ffn=342, tp=4)
+        _by_name(_llama(128, 8, 2, 342), t=4)
     with pytest.raises(ValueError, match="kv_heads.*tp"):
-        LlamaLayerShape(64, 2, 96, 6, kv_heads=3, ffn=96, tp=2)
+        _by_name(_llama(96, 6, 3, 96), t=2)

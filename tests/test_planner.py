@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import itertools
 import json
@@ -23,20 +22,19 @@ import torch
 import transformers
 
 import neuron_ckpt as nc
-from neuron_ckpt.memory.budget import (
-    GIB,
+from neuron_ckpt.cli import main as cli_main
+from neuron_ckpt.memory import (
     ModelShape,
+    NothingFits,
+    SavedTensorRecorder,
     TrainingSetup,
-    largest_collective_bytes,
     layer_options,
-    local_parameters,
     memory_budget,
-    optimizer_step_bytes,
-    resolve_llama_config,
+    plan_recompute,
 )
-from neuron_ckpt.memory.measure import SavedTensorRecorder
-from neuron_ckpt.memory.plan_cli import add_plan_parser, run_plan
-from neuron_ckpt.memory.planner import NothingFits, evaluate, plan_recompute, valid_tp_degrees
+from neuron_ckpt.memory.budget import GIB, largest_collective_bytes, optimizer_step_bytes
+from neuron_ckpt.memory.planner import evaluate, valid_tp_degrees
+from neuron_ckpt.models.config_file import load_llama_config
 from neuron_ckpt.models.llama import LlamaForCausalLM, SwiGLU
 from neuron_ckpt.parallel import CoreAttention
 from neuron_ckpt.recompute import RecomputeConfig, apply_recompute
@@ -53,7 +51,7 @@ def tiny_config(layers: int = 2) -> transformers.LlamaConfig:
 
 
 def _configs(names) -> list[RecomputeConfig | None]:
-    options = layer_options(ModelShape.from_llama_config(tiny_config(len(names))), TrainingSetup(S, B))
+    options = layer_options(ModelShape.from_llama(tiny_config(len(names))), TrainingSetup(S, B))
     return [options[n].recompute for n in names]
 
 
@@ -95,7 +93,7 @@ def _measure_whole_model(t: int, sp: bool) -> dict[str, int]:
 @pytest.mark.parametrize("t,sp", [(1, False), (2, True), (2, False)])
 def test_budget_activations_match_a_measured_llama(world, t, sp):
     measured = world(2).run(_measure_whole_model, t, sp)
-    model = ModelShape.from_llama_config(tiny_config())
+    model = ModelShape.from_llama(tiny_config())
     setup = TrainingSetup(S, B, tp=t, dp=2 // t, sequence_parallel=sp)
     for rank, per_rank in enumerate(measured):
         for label, names in ASSIGNMENTS.items():
@@ -103,6 +101,41 @@ def test_budget_activations_match_a_measured_llama(world, t, sp):
             ratio = per_rank[label] / analytic
             assert abs(ratio - 1) <= TOLERANCE, f"{label}, t={t}, sp={sp}, rank {rank}: measured/analytic {ratio:.4f}"
             assert per_rank[label] == analytic  # in fact to the byte: nothing is left out
+
+
+# ---------------------------------------------------------------------------------------------
+# The shape every tool shares: parameters and FLOPs.
+
+
+def test_presets_parameters_and_flops_per_token():
+    seven_b = ModelShape.from_llama(load_llama_config("llama2-7b"))
+    assert seven_b.num_parameters() == 6_738_415_616  # Llama-2 7B
+    n = seven_b.num_parameters(include_embedding=False)
+    assert seven_b.flops_per_token(4096) == 6 * n + 12 * 32 * 4096 * 4096  # 6N + 12LHQT
+    eight_b = ModelShape.from_llama(load_llama_config("llama3-8b"))
+    assert (eight_b.kv_heads, eight_b.ffn, eight_b.vocab) == (8, 14336, 128256)
+    assert eight_b.num_parameters() == 8_030_261_248  # Llama-3 8B
+    for bias in (False, True):
+        config = tiny_config()
+        config.attention_bias = config.mlp_bias = bias
+        reference = transformers.LlamaForCausalLM(config)
+        assert ModelShape.from_llama(config).num_parameters() == sum(p.numel() for p in reference.parameters())
+
+
+def _local_parameter_count(t: int, bias: bool) -> int:
+    nc.initialize_model_parallel(t)
+    config = tiny_config()
+    config.num_key_value_heads, config.attention_bias, config.mlp_bias = 1, bias, bias  # g < t at t = 2
+    return sum(p.numel() for p in LlamaForCausalLM(config).parameters())
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("t", [1, 2])
+def test_local_parameters_are_what_a_rank_holds(world, t, bias):
+    config = tiny_config()
+    config.num_key_value_heads, config.attention_bias, config.mlp_bias = 1, bias, bias
+    expected = ModelShape.from_llama(config).local_parameters(t)
+    assert world(2).run(_local_parameter_count, t, bias) == [expected, expected]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -145,7 +178,7 @@ def test_planner_is_optimal_against_brute_force(layers, kind):
 
 
 def test_budget_line_items_follow_zero1_and_dtype():
-    model = ModelShape.from_llama_config(resolve_llama_config("llama2-7b"))
+    model = ModelShape.from_llama(load_llama_config("llama2-7b"))
     items = {i.name: i.nbytes for i in memory_budget(model, TrainingSetup(4096, 1, tp=8, dp=4), "selective").items}
     n = items["parameters"] // 2
     assert items["gradients"] == 4 * n  # ZeRO-1 accumulates bf16 gradients in fp32 buffers
@@ -167,9 +200,9 @@ def test_budget_line_items_follow_zero1_and_dtype():
 def test_zero1_step_is_bounded_by_the_bucket_cap():
     """Bucketed, the step's largest collective is the cap and its transient about the fp32
     gradient slices; one bucket moves every local gradient at once (the layout before buckets)."""
-    model = ModelShape.from_llama_config(resolve_llama_config("llama2-7b"))
+    model = ModelShape.from_llama(load_llama_config("llama2-7b"))
     setup = TrainingSetup(4096, 1, tp=8, dp=4)
-    n = local_parameters(model, 8)
+    n = model.local_parameters(8)
     assert largest_collective_bytes(model, setup) == 128 * 2**20
     assert optimizer_step_bytes(model, setup) == -(-n // 4) * 4 + 128 * 2**20
     one = TrainingSetup(4096, 1, tp=8, dp=4, bucket_cap_mb=None, accumulate_fp32=False)
@@ -185,8 +218,8 @@ def test_host_budget_counts_the_model_once_per_tp_rank():
     writers only."""
     from neuron_ckpt.memory.host import host_budget
 
-    model = ModelShape.from_llama_config(resolve_llama_config("llama2-7b"))
-    n = local_parameters(model, 8)
+    model = ModelShape.from_llama(load_llama_config("llama2-7b"))
+    n = model.local_parameters(8)
     four = host_budget(model, TrainingSetup(4096, 1, tp=8, dp=4))
     two = host_budget(model, TrainingSetup(4096, 1, tp=8, dp=2), instance="trn1.32xlarge")
     assert four.checkpoint_model_bytes == two.checkpoint_model_bytes == 8 * n * 2
@@ -202,7 +235,7 @@ def test_host_budget_counts_the_model_once_per_tp_rank():
 
 
 def test_llama2_7b_on_trn1_plan():
-    model = ModelShape.from_llama_config(resolve_llama_config("llama2-7b"))
+    model = ModelShape.from_llama(load_llama_config("llama2-7b"))
     setup = TrainingSetup(seq_len=4096, micro_batch=1, tp=8, dp=4)
     plan = plan_recompute(model, setup, "trn1")  # default reserve: 10%
     selective = evaluate(model, setup, "selective", plan.limit_bytes)
@@ -233,7 +266,7 @@ def test_plan_recompute_forms():
 
 
 def test_nothing_fits_names_the_smallest_tp_and_largest_micro_batch():
-    model = ModelShape.from_llama_config(resolve_llama_config("llama2-7b"))
+    model = ModelShape.from_llama(load_llama_config("llama2-7b"))
     setup = TrainingSetup(seq_len=4096, micro_batch=32, tp=8, dp=4)
     with pytest.raises(NothingFits) as info:
         plan_recompute(model, setup, "trn1", reserve_gib=0)
@@ -254,7 +287,7 @@ def test_nothing_fits_names_the_smallest_tp_and_largest_micro_batch():
 
 
 def test_nothing_fits_even_at_micro_batch_one_says_so():
-    model = ModelShape.from_llama_config(resolve_llama_config("llama2-7b"))
+    model = ModelShape.from_llama(load_llama_config("llama2-7b"))
     with pytest.raises(NothingFits, match="no tensor-parallel degree above 32 fits") as info:
         plan_recompute(model, TrainingSetup(seq_len=4096, micro_batch=1, tp=32, dp=1, zero1=False), 4)
     assert info.value.smallest_tp is None and info.value.largest_micro_batch is None
@@ -333,9 +366,11 @@ def test_per_layer_list_is_validated():
 
 
 def _run(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="neuron-ckpt")
-    add_plan_parser(parser.add_subparsers(dest="command"))
-    return run_plan(parser.parse_args(["plan", *argv]))
+    """``neuron-ckpt plan ...``'s exit status."""
+    try:
+        return cli_main(["plan", *argv])
+    except SystemExit as exc:  # bad input: one line on stderr
+        return exc.code
 
 
 SEVEN_B = ["--config", "llama2-7b", "--tp", "8", "--dp", "4", "--seq", "4096", "--micro-batch", "1"]

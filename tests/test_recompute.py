@@ -521,10 +521,10 @@ def test_parallel_dropout_is_exported_keeps_a_byte_mask_and_replays():
 def test_recompute_presets_have_one_owner():
     """The named recompute choices (planner, budget, memory reports, the tutorial's --recompute)
     are RecomputeConfig presets, and the budget's options carry exactly those configs."""
-    from neuron_ckpt.memory.budget import OPTION_NAMES, ModelShape, TrainingSetup, layer_options
+    from neuron_ckpt.memory import ModelShape, TrainingSetup, layer_options
     from neuron_ckpt.recompute import PRESETS
 
-    assert OPTION_NAMES == PRESETS == ("none", "selective", "selective+mlp_act", "full")
+    assert PRESETS == ("none", "selective", "selective+mlp_act", "full")
     assert RecomputeConfig.preset("none") == RecomputeConfig() and not RecomputeConfig.preset("none").enabled
     assert RecomputeConfig.preset("selective") == RecomputeConfig(granularity="selective", modules=("core_attn",))
     assert RecomputeConfig.preset("selective+mlp_act").modules == ("core_attn", "mlp_act")

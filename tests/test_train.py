@@ -173,11 +173,12 @@ def test_recompute_auto_plans_per_layer_and_trains(world, run_files):
     """--recompute auto takes the planner's per-layer choice for the memory given, and trains
     exactly as the same choice given by hand would (here: a limit between all-selective and
     all-none, so the plan mixes options)."""
-    from neuron_ckpt.memory.budget import ModelShape, TrainingSetup
-    from neuron_ckpt.memory.planner import GIB, evaluate
+    from neuron_ckpt.memory import ModelShape, TrainingSetup
+    from neuron_ckpt.memory.budget import GIB
+    from neuron_ckpt.memory.planner import evaluate
 
     root, common = run_files
-    shape = ModelShape.from_llama_config(SimpleNamespace(**TINY, head_dim=None))
+    shape = ModelShape.from_llama(SimpleNamespace(**TINY, head_dim=None))
     setup = TrainingSetup(seq_len=16, micro_batch=4, tp=2, dp=2, dtype="fp32")
     none = evaluate(shape, setup, "none", 1 << 40).budget.total_bytes
     selective = evaluate(shape, setup, "selective", 1 << 40).budget.total_bytes

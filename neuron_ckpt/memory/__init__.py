@@ -1,0 +1,42 @@
+"""Activation memory: see it, measure it, budget a whole job, plan recompute to fit.
+
+::
+
+    from neuron_ckpt.memory import ModelShape, TrainingSetup, layer_activation_bytes, plan_recompute
+    from neuron_ckpt.models.config_file import load_llama_config
+
+    model = ModelShape.from_llama(load_llama_config("llama2-7b"))   # or ModelShape.gpt(h, a, L)
+    setup = TrainingSetup(seq_len=4096, micro_batch=1, tp=8, dp=4)  # bf16, SP, ZeRO-1
+    layer_activation_bytes(model, setup, "selective")               # one layer, one rank
+    plan = plan_recompute(model, setup, "trn1")                      # per-layer presets that fit
+
+:mod:`.shape` describes the model and the job; :mod:`.analytic` counts one layer's activations
+tensor by tensor (Korthikanti et al. 2022 for GPT, its Llama equivalent); :mod:`.measure`
+counts what autograd really keeps; :mod:`.budget` adds up a device's memory and
+:mod:`.planner` picks the recompute. ``neuron-ckpt memory`` / ``plan`` are :mod:`.report` and
+:mod:`.plan_cli`. See docs/memory.md and docs/planner.md.
+"""
+
+from .analytic import ActivationTerm, layer_activation_bytes, layer_activation_terms, model_activation_bytes
+from .budget import MemoryBudget, memory_budget
+from .measure import SavedTensorRecorder
+from .options import LayerOption, layer_options
+from .planner import NothingFits, Plan, plan_recompute
+from .shape import ModelShape, TrainingSetup
+
+__all__ = [
+    "ActivationTerm",
+    "LayerOption",
+    "MemoryBudget",
+    "ModelShape",
+    "NothingFits",
+    "Plan",
+    "SavedTensorRecorder",
+    "TrainingSetup",
+    "layer_activation_bytes",
+    "layer_activation_terms",
+    "layer_options",
+    "memory_budget",
+    "model_activation_bytes",
+    "plan_recompute",
+]

@@ -9,7 +9,7 @@ One device (a NeuronCore, a GPU) holds one tensor-parallel rank of one data-para
 * **the attention mask**: explicit ``CoreAttention`` keeps one ``[s, s]`` bool mask per process,
   shared by every layer (it lives as long as the process);
 * **activations kept for backward**: per layer from the analytic model
-  (:mod:`.analytic`) under the layer's recompute option, plus what sits outside the layers:
+  (:mod:`.analytic`) under the layer's recompute option (:mod:`.options`), plus what sits outside the layers:
   rotary tables, embedding indices, the final norm, the LM head input and what the
   vocab-parallel cross entropy saves (its fp32 softmax ``[s, b, v/t]`` and the targets), times
   the micro-batches in flight (1 without pipeline parallelism: a micro-batch's backward ends
@@ -29,283 +29,15 @@ measured ``LlamaForCausalLM``. The GPT terms outside the layers are analytic onl
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
-from types import SimpleNamespace
 from typing import Any, Sequence
 
-from ..models.flops import flops_per_token
-from ..recompute import PRESETS, RecomputeConfig
-from .analytic import (
-    ActivationConfig,
-    LayerShape,
-    LlamaLayerShape,
-    layer_activation_terms,
-    llama_layer_activation_terms,
-    llama_outside_layer_terms,
-)
+from ..recompute import PRESETS
+from .analytic import rotary_terms
+from .options import LayerOption, layer_options
+from .shape import ModelShape, TrainingSetup
 
 GIB = 1 << 30
-DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 _FP32, _INT64, _BOOL = 4, 8, 1
-# Elementwise FLOPs per element, for the recompute cost: softmax (scale, mask, max, exp, sum,
-# divide, roughly 5), SiLU times up (x * sigmoid(x) * up, 5), GeLU (tanh form, 8).
-SOFTMAX_FLOPS, SWIGLU_FLOPS, GELU_FLOPS = 5, 5, 8
-
-# Llama-2 7B (Touvron et al. 2023), used when the tutorial's config file is not there.
-_LLAMA2_7B = dict(
-    hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
-    num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096, rms_norm_eps=1e-5,
-    tie_word_embeddings=False, hidden_act="silu",
-)
-_REPO = Path(__file__).resolve().parents[2]
-KNOWN_MODELS: dict[str, tuple[Path, dict[str, Any]]] = {
-    "llama2-7b": (_REPO / "tutorials/llama2_7b_tp_zero1/configs/llama2_7b.json", _LLAMA2_7B),
-}
-
-
-# --------------------------------------------------------------------------------------------
-# The model and the job.
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """The sizes the budget needs: one decoder stack, the embedding and the LM head.
-
-    kind: "llama" (:mod:`neuron_ckpt.models.llama`: RMSNorm, GQA, SwiGLU, untied head) or "gpt"
-        (the paper's layer, :mod:`neuron_ckpt.models.gpt`, with a tied vocab-parallel head).
-    hidden, heads, kv_heads, ffn, layers, vocab: h, a, g (= a without GQA), f, L, v.
-    """
-
-    kind: str
-    hidden: int
-    heads: int
-    kv_heads: int
-    ffn: int
-    layers: int
-    vocab: int
-    name: str = ""
-
-    def __post_init__(self) -> None:
-        if self.kind not in ("llama", "gpt"):
-            raise ValueError(f"kind must be 'llama' or 'gpt', got {self.kind!r}")
-        for name in ("hidden", "heads", "kv_heads", "ffn", "layers", "vocab"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if self.hidden % self.heads:
-            raise ValueError(f"hidden ({self.hidden}) must be a multiple of heads ({self.heads})")
-
-    @classmethod
-    def from_llama_config(cls, config: Any, name: str = "") -> "ModelShape":
-        """From a ``transformers.LlamaConfig`` (or any object with its fields)."""
-        h, a = config.hidden_size, config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or h // a
-        if head_dim * a != h:
-            raise ValueError(f"head_dim ({head_dim}) * heads ({a}) must equal hidden ({h}) for the budget")
-        if getattr(config, "tie_word_embeddings", False):
-            raise ValueError("tie_word_embeddings=True is not supported by LlamaForCausalLM; set it False")
-        g = getattr(config, "num_key_value_heads", None) or a
-        return cls("llama", h, a, g, config.intermediate_size, config.num_hidden_layers, config.vocab_size, name)
-
-    @classmethod
-    def gpt(cls, hidden: int, heads: int, layers: int, vocab: int = 51200, name: str = "") -> "ModelShape":
-        """The paper's GPT: MLP width 4h, no GQA, vocab 51200 by default."""
-        return cls("gpt", hidden, heads, heads, 4 * hidden, layers, vocab, name)
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
-
-    def valid_tp(self, tp: int, seq_len: int | None = None) -> str | None:
-        """Why ``tp`` cannot shard this model (None when it can); ``seq_len`` for sequence parallel."""
-        checks = [
-            (self.heads % tp == 0, f"tp ({tp}) must divide heads ({self.heads})"),
-            (self.kv_heads % tp == 0 or tp % self.kv_heads == 0,
-             f"kv_heads ({self.kv_heads}) must be a multiple of tp ({tp}) or divide it"),
-            (self.ffn % tp == 0, f"tp ({tp}) must divide the MLP width ({self.ffn})"),
-            (self.vocab % tp == 0, f"tp ({tp}) must divide vocab ({self.vocab})"),
-            (seq_len is None or seq_len % tp == 0,
-             f"seq_len ({seq_len}) must be a multiple of tp ({tp}) with sequence parallel"),
-        ]
-        return next((why for ok, why in checks if not ok), None)
-
-
-def resolve_llama_config(path_or_name: str) -> Any:
-    """A ``transformers.LlamaConfig`` from a JSON file, a directory holding ``config.json``, or a
-    known name (``llama2-7b``: the tutorial's config file if present, else built-in numbers).
-    Files are read strictly (:func:`~neuron_ckpt.models.config_file.load_llama_config`): an
-    unknown or missing key, a wrong type or invalid JSON is a ``ValueError`` naming file and key."""
-    import transformers  # lazily: heavy, and only Llama needs it
-
-    from ..models.config_file import load_llama_config
-
-    key = str(path_or_name).lower()
-    if key in KNOWN_MODELS:
-        path, builtin = KNOWN_MODELS[key]
-        if path.is_file():
-            return load_llama_config(path)
-        return transformers.LlamaConfig(**builtin)
-    path = Path(path_or_name)
-    if path.is_dir():
-        path = path / "config.json"
-    if not path.is_file():
-        raise ValueError(
-            f"config: {path_or_name!r} is neither a JSON file, a directory with config.json, nor a known "
-            f"name ({', '.join(KNOWN_MODELS)})"
-        )
-    return load_llama_config(path)
-
-
-@dataclass(frozen=True)
-class TrainingSetup:
-    """How the job runs, per device.
-
-    seq_len, micro_batch: s and b of one micro-batch. tp, dp: tensor- and data-parallel degrees.
-    dtype: parameters, gradients and activations ("bf16" | "fp16" | "fp32").
-    sequence_parallel: Megatron sequence parallelism (the tutorial's default).
-    zero1: shard master weights and AdamW moments over dp (``Zero1Optimizer``).
-    master_weights: keep fp32 master weights; None means yes unless the model is fp32 without
-        ZeRO-1 (``Zero1Optimizer`` always keeps an fp32 slice, even of fp32 parameters).
-    microbatches_in_flight: activations of how many micro-batches are alive at once: 1 without
-        pipeline parallelism (gradient accumulation runs them one after another).
-    bucket_cap_mb: ZeRO-1's bucket cap (``Zero1Optimizer(bucket_cap_mb=...)``): the largest
-        collective of the optimizer step; None: one bucket for everything (no cap).
-    accumulate_fp32: ZeRO-1 accumulates 16-bit gradients in fp32 buffers (4 bytes per
-        parameter) and reduces them in fp32; None: on for bf16/fp16 with ZeRO-1, as the optimizer.
-    """
-
-    seq_len: int
-    micro_batch: int = 1
-    tp: int = 1
-    dp: int = 1
-    dtype: str = "bf16"
-    sequence_parallel: bool = True
-    zero1: bool = True
-    master_weights: bool | None = None
-    microbatches_in_flight: int = 1
-    bucket_cap_mb: float | None = 128.0
-    accumulate_fp32: bool | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("seq_len", "micro_batch", "tp", "dp", "microbatches_in_flight"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if self.dtype not in DTYPE_BYTES:
-            raise ValueError(f"dtype must be one of {tuple(DTYPE_BYTES)}, got {self.dtype!r}")
-        if self.bucket_cap_mb is not None and not self.bucket_cap_mb > 0:
-            raise ValueError(f"bucket_cap_mb must be None or > 0, got {self.bucket_cap_mb!r}")
-        if self.zero1 and self.master_weights is False:
-            raise ValueError("master_weights=False with zero1=True: Zero1Optimizer always keeps an fp32 master slice")
-
-    @property
-    def width(self) -> int:
-        return DTYPE_BYTES[self.dtype]
-
-    @property
-    def keeps_master_weights(self) -> bool:
-        if self.master_weights is not None:
-            return self.master_weights
-        return self.zero1 or self.dtype != "fp32"
-
-    @property
-    def optimizer_shards(self) -> int:
-        return self.dp if self.zero1 else 1
-
-    @property
-    def grad_width(self) -> int:
-        """Bytes per gradient element: fp32 buffers when ZeRO-1 accumulates 16-bit gradients."""
-        on = self.accumulate_fp32 if self.accumulate_fp32 is not None else self.width < _FP32
-        return _FP32 if self.zero1 and on else self.width
-
-
-# --------------------------------------------------------------------------------------------
-# Per-layer recompute options: bytes kept, bytes alive again in backward, FLOPs rerun.
-
-
-@dataclass(frozen=True)
-class LayerOption:
-    """One way to run one layer.
-
-    name: "none", "selective" (core attention), "selective+mlp_act" (also SwiGLU's activation;
-        Llama only) or "full".
-    recompute: the per-layer :class:`RecomputeConfig` (``RecomputeConfig.preset(name)``).
-    saved_bytes: activations the layer keeps for backward, per micro-batch, on one device.
-    rematerialized_bytes: recomputed activations alive again while the layer's backward runs.
-    recompute_flops: forward FLOPs rerun in backward, per micro-batch, on one device.
-    """
-
-    name: str
-    recompute: RecomputeConfig
-    saved_bytes: int
-    rematerialized_bytes: int
-    recompute_flops: float
-
-
-OPTION_NAMES = PRESETS  # the per-layer options, in order of increasing recompute
-
-
-def _local_heads(model: ModelShape, tp: int) -> tuple[int, int]:
-    """(query heads, kv heads) on one rank; kv heads are replicated when fewer than tp."""
-    return model.heads // tp, max(model.kv_heads // tp, 1)
-
-
-def _layer_bytes(model: ModelShape, setup: TrainingSetup, mode: str) -> dict[str, int]:
-    """Analytic terms of one layer, by name, for recompute ``mode`` ("none" | "selective" | "full")."""
-    s, b, t = setup.seq_len, setup.micro_batch, setup.tp
-    config = ActivationConfig(sequence_parallel=setup.sequence_parallel, recompute=mode)
-    if model.kind == "llama":
-        shape = LlamaLayerShape(s, b, model.hidden, model.heads, model.kv_heads, model.ffn, t, setup.width)
-        terms = llama_layer_activation_terms(shape, config)
-    else:
-        shape = LayerShape(s, b, model.hidden, model.heads, t, setup.width)
-        terms = layer_activation_terms(shape, config)
-    return {term.name: term.nbytes for term in terms}
-
-
-def _flops(model: ModelShape, setup: TrainingSetup) -> dict[str, float]:
-    """Forward FLOPs of one layer's parts on one rank, per micro-batch."""
-    s, b, t, h = setup.seq_len, setup.micro_batch, setup.tp, model.hidden
-    a_loc, g_loc = _local_heads(model, t)
-    d = model.head_dim
-    scores = a_loc * s * s * b
-    # QK^T and probs @ V over the whole s x s square (explicit attention computes all of it).
-    core = 4.0 * scores * d + SOFTMAX_FLOPS * scores
-    if model.kind == "llama":
-        act = SWIGLU_FLOPS * s * b * model.ffn / t
-        matmuls = 2.0 * s * b * h * ((2 * a_loc + 2 * g_loc) * d + 3 * model.ffn / t)
-    else:
-        act = GELU_FLOPS * s * b * model.ffn / t
-        matmuls = 2.0 * s * b * 12 * h * h / t
-    return {"core": core, "act": act, "layer": matmuls + core + act}
-
-
-def layer_options(model: ModelShape, setup: TrainingSetup) -> dict[str, LayerOption]:
-    """The recompute options for one layer of ``model`` run as ``setup`` says, by name."""
-    if (why := model.valid_tp(setup.tp, setup.seq_len if setup.sequence_parallel else None)) is not None:
-        raise ValueError(why)
-    none = _layer_bytes(model, setup, "none")
-    selective = _layer_bytes(model, setup, "selective")
-    full = _layer_bytes(model, setup, "full")
-    flops = _flops(model, setup)
-    kept = {"none": sum(none.values()), "selective": sum(selective.values()), "full": sum(full.values())}
-    costs = {"none": 0.0, "selective": flops["core"], "full": flops["layer"]}
-    if model.kind == "llama":
-        # The checkpointed SwiGLU keeps its inputs (gate, up: kept anyway) and not silu(gate).
-        kept["selective+mlp_act"] = kept["selective"] - selective["silu_out"]
-        costs["selective+mlp_act"] = flops["core"] + flops["act"]
-    total_none = kept["none"]
-    return {
-        name: LayerOption(
-            name, RecomputeConfig.preset(name), kept[name], total_none if name == "full" else total_none - kept[name], costs[name]
-        )
-        for name in OPTION_NAMES
-        if name in kept
-    }
-
-
-# --------------------------------------------------------------------------------------------
-# The budget.
 
 
 @dataclass(frozen=True)
@@ -370,23 +102,11 @@ class MemoryBudget:
         }
 
 
-def local_parameters(model: ModelShape, tp: int) -> int:
-    """Parameters held by one tensor-parallel rank (split weights' shard + replicated norms)."""
-    h, d, v, f = model.hidden, model.head_dim, model.vocab, model.ffn
-    a_loc, g_loc = _local_heads(model, tp)
-    if model.kind == "llama":
-        per_layer = h * (2 * a_loc + 2 * g_loc) * d + 3 * h * f // tp + 2 * h
-        return model.layers * per_layer + 2 * v // tp * h + h  # embedding, LM head, final norm
-    # GPT: QKV, projection, fc1, fc2 with biases (row biases replicated), two LayerNorms; tied head.
-    per_layer = 4 * h * h // tp + 2 * h * f // tp + (3 * h + f) // tp + 2 * h + 4 * h
-    return model.layers * per_layer + v // tp * h + 2 * h
-
-
 def largest_collective_bytes(model: ModelShape, setup: TrainingSetup) -> int:
     """The optimizer step's largest collective operand on one rank: ZeRO-1 reduce-scatters the
     gradients (in ``grad_width``) and all-gathers the parameters bucket by bucket, so at most the
     bucket cap; without a cap (or without ZeRO-1: a DP all-reduce of every gradient) all of them."""
-    n = local_parameters(model, setup.tp)
+    n = model.local_parameters(setup.tp)
     whole = n * setup.grad_width
     if not setup.zero1 or setup.bucket_cap_mb is None:
         return whole
@@ -403,7 +123,7 @@ def optimizer_step_bytes(model: ModelShape, setup: TrainingSetup) -> int:
     planning for those. Unbucketed: the whole flattened gradient and its slice in the gradient
     dtype. Plain AdamW: about one fp32 temporary per parameter (foreach kernels).
     """
-    n = local_parameters(model, setup.tp)
+    n = model.local_parameters(setup.tp)
     if not setup.zero1:
         return n * _FP32
     per_shard = -(-n // setup.optimizer_shards)
@@ -413,7 +133,7 @@ def optimizer_step_bytes(model: ModelShape, setup: TrainingSetup) -> int:
 
 
 def _static_items(model: ModelShape, setup: TrainingSetup) -> tuple[list[LineItem], int]:
-    n = local_parameters(model, setup.tp)
+    n = model.local_parameters(setup.tp)
     shards = setup.optimizer_shards
     per_shard = -(-n // shards)  # ZeRO-1 pads the flat buffer to a multiple of dp
     where = f"/dp={shards} (ZeRO-1)" if setup.zero1 else "(not sharded)"
@@ -441,8 +161,7 @@ def _outside_items(model: ModelShape, setup: TrainingSetup) -> tuple[list[LineIt
     sb_local = sb // t if setup.sequence_parallel else sb
     logits = sb * v // t  # elements of [s, b, v/t]
     if model.kind == "llama":
-        shape = LlamaLayerShape(s, b, h, model.heads, model.kv_heads, model.ffn, t, w)
-        rope = sum(term.nbytes for term in llama_outside_layer_terms(shape))
+        rope = sum(term.nbytes for term in rotary_terms(model, setup))
         # F.embedding keeps the (local) ids; at t > 1 the out-of-shard mask too.
         embed = sb * _INT64 + (sb * _BOOL if t > 1 else 0)
         # Final RMSNorm (fp32 input copy, fp32 rstd, normalised) and the LM head's input.
@@ -473,12 +192,6 @@ def _recompute_peak(order: Sequence[LayerOption]) -> int:
     return peak
 
 
-def canonical_order(counts: dict[str, int]) -> tuple[str, ...]:
-    """Layer order that keeps the backward peak lowest for these counts: the layers with the most
-    to rematerialize first (full, selective+mlp_act, selective), no recompute last."""
-    return tuple(name for name in reversed(OPTION_NAMES) for _ in range(counts.get(name, 0)))
-
-
 def memory_budget(
     model: ModelShape,
     setup: TrainingSetup,
@@ -486,7 +199,7 @@ def memory_budget(
     options: dict[str, LayerOption] | None = None,
 ) -> MemoryBudget:
     """The per-device budget with ``layers`` recompute: one option name for every layer, or one
-    per layer (in layer order: it decides the backward peak, see :func:`canonical_order`)."""
+    per layer (in layer order: it decides the backward peak, see :func:`~.options.canonical_order`)."""
     options = options if options is not None else layer_options(model, setup)
     names = (layers,) * model.layers if isinstance(layers, str) else tuple(layers)
     if len(names) != model.layers:
@@ -498,7 +211,7 @@ def memory_budget(
     outside, loss_transient = _outside_items(model, setup)
     m = setup.microbatches_in_flight
     items = list(static)
-    for name in OPTION_NAMES:
+    for name in PRESETS:
         count = names.count(name)
         if count:
             per = options[name].saved_bytes
@@ -521,29 +234,4 @@ def memory_budget(
     return MemoryBudget(model, setup, names, tuple(items), tuple(notes))
 
 
-# --------------------------------------------------------------------------------------------
-# Compute.
-
-
-def step_flops(model: ModelShape, setup: TrainingSetup) -> float:
-    """Model FLOPs of one micro-batch's forward + backward on one device (``6N + 12LHQT`` per
-    token, :func:`neuron_ckpt.models.flops_per_token`, over the ``s*b/t`` tokens per rank)."""
-    s, b, t = setup.seq_len, setup.micro_batch, setup.tp
-    if model.kind == "llama":
-        config = SimpleNamespace(
-            hidden_size=model.hidden, intermediate_size=model.ffn, vocab_size=model.vocab,
-            num_attention_heads=model.heads, num_key_value_heads=model.kv_heads, num_hidden_layers=model.layers,
-        )
-        per_token = flops_per_token(config, s)
-    else:
-        n = model.layers * 12 * model.hidden**2 + model.vocab * model.hidden
-        per_token = 6.0 * n + 12.0 * model.layers * model.hidden * s
-    return per_token * s * b / t
-
-
-__all__ = [
-    "GIB", "KNOWN_MODELS", "LayerOption", "LineItem", "MemoryBudget", "ModelShape", "OPTION_NAMES",
-    "TrainingSetup", "canonical_order", "largest_collective_bytes", "layer_options", "local_parameters",
-    "memory_budget", "optimizer_step_bytes",
-    "resolve_llama_config", "step_flops",
-]
+__all__ = ["GIB", "LineItem", "MemoryBudget", "largest_collective_bytes", "memory_budget", "optimizer_step_bytes"]

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .budget import GIB, ModelShape, TrainingSetup, local_parameters
+from .budget import GIB
+from .shape import ModelShape, TrainingSetup
 
 _FP32 = 4
 _MB = 1 << 20
@@ -133,7 +134,7 @@ def host_budget(
         raise ValueError(f"instance must be one of {sorted(INSTANCES)}, got {instance!r}")
     host = INSTANCES[instance]
     ranks = min(host.ranks, setup.tp * setup.dp)
-    n = local_parameters(model, setup.tp)
+    n = model.local_parameters(setup.tp)
     w = setup.width
     full = largest_full_weight(model)
     construct = n * w + full * _FP32

@@ -1,11 +1,11 @@
-"""Build a stack of real layers from a :class:`~.spec.LayerSpec` and measure what it keeps.
+"""Build a stack of real layers for a :class:`~.shape.ModelShape` and measure what it keeps.
 
 :func:`measure_layers` runs on every rank of an initialised torch.distributed world (a
 ``LocalWorld`` / ``run_local`` worker, or a torchrun process): it sets up tensor parallelism of
-``spec.tp``, builds ``spec.layers`` GPT or Llama layers with recompute applied, runs one forward
-under :class:`~.measure.SavedTensorRecorder` (one scope per layer) and returns this rank's bytes.
-Left out: parameters, the attention modules' shared causal masks and (Llama) the rotary tables,
-which all layers share (:func:`~.analytic.llama_outside_layer_terms` accounts for them).
+``setup.tp``, builds ``num_layers`` GPT or Llama layers with the recompute preset applied, runs
+one forward under :class:`~.measure.SavedTensorRecorder` (one scope per layer) and returns this
+rank's bytes. Left out: parameters, the attention modules' shared causal masks and (Llama) the
+rotary tables, which all layers share (:func:`~.analytic.rotary_terms` accounts for them).
 """
 
 from __future__ import annotations
@@ -17,10 +17,14 @@ import torch
 from ..distributed import initialize_model_parallel, model_parallel_manual_seed
 from ..parallel import CoreAttention
 from ..recompute import RecomputeConfig, apply_recompute, run_layers
+from .analytic import Recompute, resolve
 from .measure import SavedTensorRecorder
-from .spec import LayerSpec
+from .shape import ModelShape, TrainingSetup
 
 LAYER_SCOPE = "layer{}"
+MEASURED_LAYERS = 2  # per-layer figures do not depend on the count; two show they are equal
+TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+Case = tuple[ModelShape, TrainingSetup, Recompute]
 
 
 @dataclass(frozen=True)
@@ -45,65 +49,63 @@ class LayerMeasurement:
         return asdict(self)
 
 
-def recompute_config(spec: LayerSpec) -> RecomputeConfig:
-    """The :class:`RecomputeConfig` that realises ``spec.recompute`` (one layer per checkpoint)."""
-    return RecomputeConfig.preset(spec.recompute, spec.distribute_saved_activations)
-
-
-def llama_args(spec: LayerSpec):
-    """The :class:`~neuron_ckpt.models.LlamaArgs` of the measured layers (no vocabulary: one layer
-    does not read it)."""
-    from ..models.llama_args import LlamaArgs
-
-    return LlamaArgs(
-        vocab_size=1, hidden_size=spec.hidden, intermediate_size=spec.resolved_ffn, num_hidden_layers=spec.layers,
-        num_attention_heads=spec.heads, num_key_value_heads=spec.resolved_kv_heads,
-    )
-
-
-def build_layers(spec: LayerSpec) -> tuple[torch.nn.ModuleList, tuple[torch.Tensor, ...]]:
-    """``spec.layers`` layers with recompute applied, and the extra arguments each layer takes."""
-    state = initialize_model_parallel(spec.tp)
-    dtype = spec.torch_dtype
-    if spec.model == "gpt":
+def build_layers(
+    model: ModelShape, setup: TrainingSetup, recompute: Recompute, num_layers: int = MEASURED_LAYERS
+) -> tuple[torch.nn.ModuleList, tuple[torch.Tensor, ...]]:
+    """``num_layers`` layers with recompute applied, and the extra arguments each layer takes.
+    Checked first as the analytic model checks them (a ``ValueError`` naming the field)."""
+    name, distribute = resolve(model, setup, recompute)
+    state = initialize_model_parallel(setup.tp)
+    dtype = TORCH_DTYPES[setup.dtype]
+    if model.kind == "gpt":
         from ..models.gpt import GPTConfig, GPTLayer
 
-        config = GPTConfig(spec.hidden, spec.heads, sequence_parallel=spec.sequence_parallel, dtype=dtype)
-        layers = torch.nn.ModuleList(GPTLayer(config, state) for _ in range(spec.layers))
+        config = GPTConfig(model.hidden, model.heads, sequence_parallel=setup.sequence_parallel, dtype=dtype)
+        layers = torch.nn.ModuleList(GPTLayer(config, state) for _ in range(num_layers))
         extra: tuple[torch.Tensor, ...] = ()
     else:
         from ..models.llama import LlamaDecoderLayer, LlamaOptions
+        from ..models.llama_args import LlamaArgs
         from ..models.rotary import RotaryEmbedding
 
-        args, options = llama_args(spec), LlamaOptions(spec.sequence_parallel, "explicit", dtype, state)
-        layers = torch.nn.ModuleList(LlamaDecoderLayer(args, options) for _ in range(spec.layers))
-        extra = RotaryEmbedding(args)(spec.seq_len, dtype, torch.device("cpu"))
-    recompute = recompute_config(spec)
-    if recompute.enabled:
-        apply_recompute(layers, recompute, sequence_parallel=spec.sequence_parallel)
+        args = LlamaArgs(
+            vocab_size=model.vocab, hidden_size=model.hidden, intermediate_size=model.ffn,
+            num_hidden_layers=num_layers, num_attention_heads=model.heads, num_key_value_heads=model.kv_heads,
+            head_dim=model.head_dim, max_position_embeddings=setup.seq_len, attention_bias=model.attention_bias,
+            mlp_bias=model.mlp_bias,
+        )  # fmt: skip
+        options = LlamaOptions(setup.sequence_parallel, "explicit", dtype, state)
+        layers = torch.nn.ModuleList(LlamaDecoderLayer(args, options) for _ in range(num_layers))
+        extra = RotaryEmbedding(args)(setup.seq_len, dtype, torch.device("cpu"))
+    config = RecomputeConfig.preset(name, distribute)
+    if config.enabled:
+        apply_recompute(layers, config, sequence_parallel=setup.sequence_parallel)
     return layers.train(), extra
 
 
-def layer_input(spec: LayerSpec, tp_rank: int, seed: int = 0) -> torch.Tensor:
+def layer_input(model: ModelShape, setup: TrainingSetup, tp_rank: int, seed: int = 0) -> torch.Tensor:
     """The ``[s, b, h]`` hidden states (this rank's ``[s/t, b, h]`` chunk under sequence parallel)."""
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(spec.seq_len, spec.micro_batch, spec.hidden, generator=g).to(spec.torch_dtype)
-    if spec.sequence_parallel:
-        x = x.chunk(spec.tp, dim=0)[tp_rank].clone()  # its own storage, not a view of the whole
+    x = torch.randn(setup.seq_len, setup.micro_batch, model.hidden, generator=g).to(TORCH_DTYPES[setup.dtype])
+    if setup.sequence_parallel:
+        x = x.chunk(setup.tp, dim=0)[tp_rank].clone()  # its own storage, not a view of the whole
     return x.requires_grad_()
 
 
-def measure_layers(spec: LayerSpec, seed: int = 0, backward: bool = True) -> LayerMeasurement:
-    """Forward ``spec.layers`` layers once on this rank and count what they keep for backward.
+def measure_layers(
+    model: ModelShape, setup: TrainingSetup, recompute: Recompute, num_layers: int = MEASURED_LAYERS,
+    seed: int = 0, backward: bool = True,
+) -> LayerMeasurement:
+    """Forward ``num_layers`` layers once on this rank and count what they keep for backward.
 
     ``backward``: also run backward afterwards (proves the recomputed stack still trains; the
     counts are taken before it).
     """
-    layers, extra = build_layers(spec)
+    layers, extra = build_layers(model, setup, recompute, num_layers)
     model_parallel_manual_seed(seed)
-    state = initialize_model_parallel(spec.tp)
-    x = layer_input(spec, state.tp_rank, seed)
-    shared = [m.causal_mask(spec.seq_len, x.device) for m in layers.modules() if isinstance(m, CoreAttention)]
+    state = initialize_model_parallel(setup.tp)
+    x = layer_input(model, setup, state.tp_rank, seed)
+    shared = [m.causal_mask(setup.seq_len, x.device) for m in layers.modules() if isinstance(m, CoreAttention)]
     with SavedTensorRecorder(exclude_modules=[layers], exclude_tensors=[*shared, *extra]) as rec:
         handles = rec.attach({LAYER_SCOPE.format(i): layer for i, layer in enumerate(layers)})
         try:
@@ -122,6 +124,9 @@ def measure_layers(spec: LayerSpec, seed: int = 0, backward: bool = True) -> Lay
     return LayerMeasurement(state.tp_rank, per_layer, sum(by_scope.values()), storages)
 
 
-def measure_on_ranks(specs: list[LayerSpec], seed: int = 0, backward: bool = False) -> list[LayerMeasurement]:
-    """:func:`measure_layers` for several specs of one TP degree in one worker call."""
-    return [measure_layers(spec, seed, backward) for spec in specs]
+def measure_on_ranks(
+    cases: list[Case], num_layers: int = MEASURED_LAYERS, seed: int = 0, backward: bool = False
+) -> list[LayerMeasurement]:
+    """:func:`measure_layers` for several ``(model, setup, recompute)`` cases of one TP degree in
+    one worker call."""
+    return [measure_layers(*case, num_layers=num_layers, seed=seed, backward=backward) for case in cases]

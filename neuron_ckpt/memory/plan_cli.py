@@ -9,8 +9,9 @@ Prints the per-device budget of the chosen plan (GiB per line item), the plan (l
 option, the ``RecomputeConfig`` or per-layer list to pass to the model) and its recompute
 FLOPs as a share of a step, with the uniform choices beside it; then the optimizer step's
 largest collective and transient bytes, host memory per rank at its peaks against the instance
-(:mod:`.host`) and the checkpoint size on disk. Bad input: one line on stderr,
-exit status 2. Nothing fits: the reason and what would fit on stderr, exit status 1.
+(:mod:`.host`) and the checkpoint size on disk. Bad input: one line on stderr, exit status 2
+(from the dispatcher, :mod:`neuron_ckpt.cli`). Nothing fits: the reason and what would fit on
+stderr, exit status 1.
 
 Every option given is used or refused: ``--hidden/--heads/--layers/--vocab`` describe a
 ``--model gpt`` (a Llama's shape comes from ``--config``, which a GPT does not take);
@@ -25,18 +26,15 @@ import json
 import math
 import sys
 
-from ..cli import INPUT_ERRORS, error_message
-from .budget import (
-    DTYPE_BYTES, GIB, OPTION_NAMES, ModelShape, TrainingSetup, largest_collective_bytes, optimizer_step_bytes,
-    resolve_llama_config,
-)  # fmt: skip
+from ..recompute import PRESETS
+from .budget import GIB, largest_collective_bytes, optimizer_step_bytes
 from .host import INSTANCES, host_budget
 from .planner import DEVICE_PRESETS, NothingFits, Plan, device_memory_bytes, evaluate, plan_recompute
+from .shape import DEFAULT_VOCAB, DTYPE_BYTES, KINDS, ModelShape, TrainingSetup
 
 HELP = "plan recompute per layer so a training job fits a device's memory"
 
 DEFAULT_CONFIG = "llama2-7b"
-DEFAULT_VOCAB = 51200
 DEFAULT_BUCKET_CAP_MB = 128.0
 GPT_ONLY = ("hidden", "heads", "layers", "vocab")
 
@@ -58,9 +56,9 @@ def _finite(low: float, low_ok: bool):
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``plan`` options, on an existing parser."""
-    parser.add_argument("--model", choices=("llama", "gpt"), default="llama")
+    parser.add_argument("--model", choices=KINDS, default="llama")
     parser.add_argument("--config", default=None,
-                        help=f"llama: a config.json path, a directory holding one, or a known name "
+                        help=f"llama: a config.json path, a directory holding one, or a preset name "
                              f"(default {DEFAULT_CONFIG})")
     parser.add_argument("--hidden", type=int, help="gpt: hidden size")
     parser.add_argument("--heads", type=int, help="gpt: attention heads")
@@ -90,13 +88,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="one JSON object instead of tables")
 
 
-def add_plan_parser(subparsers) -> argparse.ArgumentParser:
-    """Register ``plan`` on an ``add_subparsers()`` object; returns its parser."""
-    parser = subparsers.add_parser("plan", help=HELP, description=HELP)
-    add_arguments(parser)
-    return parser
-
-
 def _model(args: argparse.Namespace) -> ModelShape:
     if args.model == "llama":
         given = [f"--{n}" for n in GPT_ONLY if getattr(args, n, None) is not None]
@@ -105,8 +96,10 @@ def _model(args: argparse.Namespace) -> ModelShape:
                 f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} for --model gpt; a Llama's shape comes "
                 f"from its config: use --config (a config.json path, a directory holding one, or {DEFAULT_CONFIG})"
             )
+        from ..models.config_file import load_llama_config  # lazily: it needs transformers
+
         name = args.config or DEFAULT_CONFIG
-        return ModelShape.from_llama_config(resolve_llama_config(name), name=name)
+        return ModelShape.from_llama(load_llama_config(name), name=name)
     if args.config is not None:
         raise ValueError("--config is for --model llama; a GPT's shape comes from --hidden, --heads, --layers "
                          "and --vocab")
@@ -151,7 +144,7 @@ def build(args: argparse.Namespace) -> tuple[ModelShape, TrainingSetup]:
 
 
 def _alternatives(model: ModelShape, setup: TrainingSetup, plan: Plan) -> list[Plan]:
-    return [evaluate(model, setup, name, plan.limit_bytes, plan.options) for name in OPTION_NAMES
+    return [evaluate(model, setup, name, plan.limit_bytes, plan.options) for name in PRESETS
             if name in plan.options]
 
 
@@ -194,22 +187,19 @@ def _host(model: ModelShape, setup: TrainingSetup, args: argparse.Namespace):
     return host_budget(model, setup, args.instance, writers=args.checkpoint_writers)
 
 
-def run_plan(args: argparse.Namespace) -> int:
-    """Run ``neuron-ckpt plan``; returns the exit status (0 fits, 1 nothing fits, 2 bad input)."""
+def run(args: argparse.Namespace) -> int:
+    """Run ``neuron-ckpt plan``: exit status 0 when it fits, 1 when nothing fits. Bad input raises
+    (``ValueError`` naming the field; the dispatcher prints one line and exits 2)."""
+    model, setup = build(args)
     try:
-        model, setup = build(args)
-        try:
-            plan = plan_recompute(model, setup, device_gib(args), reserve_gib=args.reserve)
-        except NothingFits as exc:
-            if args.json:
-                print(json.dumps({"fits": False, "message": str(exc), "smallest_tp": exc.smallest_tp,
-                                  "largest_micro_batch": exc.largest_micro_batch,
-                                  "least_memory": exc.least.to_dict()}, indent=2))
-            print(f"neuron-ckpt plan: {exc}", file=sys.stderr)
-            return 1
-    except INPUT_ERRORS as exc:  # bad input named by field, unreadable files, overflow
-        print(" ".join(f"neuron-ckpt plan: error: {error_message(exc)}".split()), file=sys.stderr)
-        return 2
+        plan = plan_recompute(model, setup, device_gib(args), reserve_gib=args.reserve)
+    except NothingFits as exc:
+        if args.json:
+            print(json.dumps({"fits": False, "message": str(exc), "smallest_tp": exc.smallest_tp,
+                              "largest_micro_batch": exc.largest_micro_batch,
+                              "least_memory": exc.least.to_dict()}, indent=2))
+        print(f"neuron-ckpt plan: {exc}", file=sys.stderr)
+        return 1
     if args.json:
         out = plan.to_dict()
         out["alternatives"] = {alt.layers[0]: {"total_gib": round(alt.budget.total_gib, 4), "fits": alt.fits,
@@ -223,7 +213,3 @@ def run_plan(args: argparse.Namespace) -> int:
         _print_plan(model, setup, plan)
         _print_step_and_host(model, setup, args)
     return 0
-
-
-# The neuron-ckpt dispatcher (cli.py) registers subcommands as modules with these two names.
-run = run_plan

@@ -4,7 +4,7 @@ Every layer chooses among no recompute, selective (core attention; for Llama als
 activation) and full recompute. The layers are identical, so a plan is a count of layers per
 option; :func:`plan_recompute` tries every split of the ``L`` layers (``O(L^3)`` for four
 options, a few thousand for Llama-2 7B), prices each with :func:`~.budget.memory_budget` in the
-layer order that keeps the backward peak lowest (:func:`~.budget.canonical_order`) and keeps the
+layer order that keeps the backward peak lowest (:func:`~.options.canonical_order`) and keeps the
 one with the fewest recompute FLOPs that fits (ties: less memory). ``tests/test_planner.py``
 checks it against a brute force over every per-layer assignment.
 
@@ -14,8 +14,8 @@ at this degree.
 
 The plan becomes one :class:`~neuron_ckpt.recompute.RecomputeConfig` when it can (one option on
 every layer; or full recompute of the first ``k`` layers and none on the rest, which is
-``method="block"``) and otherwise a per-layer list, which ``apply_recompute``/``layer_runner``
-take as they are.
+``method="block"``) and otherwise a per-layer list; ``apply_recompute(model, plan.recompute)``
+takes either.
 """
 
 from __future__ import annotations
@@ -24,26 +24,14 @@ import itertools
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ..recompute import RecomputeConfig
-from .budget import (
-    GIB,
-    OPTION_NAMES,
-    LayerOption,
-    MemoryBudget,
-    ModelShape,
-    TrainingSetup,
-    canonical_order,
-    layer_options,
-    memory_budget,
-    step_flops,
-)
+from ..recompute import PRESETS, RecomputeConfig
+from .budget import GIB, MemoryBudget, memory_budget
+from .options import LayerOption, canonical_order, layer_options, step_flops
+from .shape import ModelShape, TrainingSetup
 
 # HBM per NeuronCore-v2: a Trainium1 chip has 32 GiB for its two cores (trn1.32xlarge: 16 chips,
 # 32 cores, 512 GiB).
 DEVICE_PRESETS: dict[str, int] = {"trn1": 16 * GIB}
-MAX_MICRO_BATCH = 4096
-
-
 DEFAULT_RESERVE_FRACTION = 0.1
 
 
@@ -95,7 +83,7 @@ class Plan:
     @property
     def counts(self) -> dict[str, int]:
         """Layers per option, in the order none, selective, selective+mlp_act, full (zeros left out)."""
-        return {name: self.layers.count(name) for name in OPTION_NAMES if name in self.layers}
+        return {name: self.layers.count(name) for name in PRESETS if name in self.layers}
 
     @property
     def fits(self) -> bool:
@@ -108,7 +96,7 @@ class Plan:
 
     @property
     def recompute(self) -> RecomputeConfig | list[RecomputeConfig | None] | None:
-        """What ``LlamaForCausalLM(recompute=...)`` / ``apply_recompute`` take for this plan."""
+        """What ``apply_recompute(model, ...)`` takes for this plan."""
         counts = self.counts
         if len(counts) == 1:
             return self.options[self.layers[0]].recompute
@@ -179,7 +167,7 @@ def _best(
 ) -> tuple[Plan | None, Plan]:
     """(cheapest fitting plan or None, least-memory plan)."""
     options = layer_options(model, setup)
-    names = [n for n in OPTION_NAMES if n in options and (allowed is None or n in allowed)]
+    names = [n for n in PRESETS if n in options and (allowed is None or n in allowed)]
     if not names:
         raise ValueError(f"allowed: no known option among {allowed}; choose from {list(options)}")
     best: tuple[float, int, tuple[str, ...]] | None = None
@@ -218,7 +206,7 @@ def plan_recompute(
     buffers, compiler scratch or fragmentation, so a plan that fills the device to the byte
     would not run. Pass 0 to plan to the byte.
 
-    ``allowed``: restrict the options (names from :data:`~.budget.OPTION_NAMES`).
+    ``allowed``: restrict the options (names from :data:`~neuron_ckpt.recompute.PRESETS`).
     Raises :class:`NothingFits` (a ValueError) naming what would fit.
     """
     total = device_memory_bytes(device_memory)

@@ -1,9 +1,11 @@
 """``neuron-ckpt memory``: activation memory of one layer, analytic and (``--measure``) measured.
 
-The command's logic lives here; :mod:`neuron_ckpt.cli` only dispatches. :func:`build_report`
-returns a plain dict (what ``--json`` prints); :func:`format_report` renders it as a table.
-``--measure`` spawns ``--tp`` local gloo processes (``run_local``) and runs up to two real layers
-(:mod:`.layers`); per-layer figures do not depend on the layer count.
+The command's logic lives here; :mod:`neuron_ckpt.cli` only dispatches. The arguments become a
+:class:`~.shape.ModelShape`, a :class:`~.shape.TrainingSetup` and a recompute preset
+(:func:`case_from_args`); :func:`build_report` returns a plain dict (what ``--json`` prints);
+:func:`format_report` renders it as a table. ``--measure`` spawns ``--tp`` local gloo processes
+(``run_local``) and runs up to two real layers (:mod:`.layers`); per-layer figures do not
+depend on the layer count. ``--plot`` draws :mod:`.plot`.
 """
 
 from __future__ import annotations
@@ -11,24 +13,25 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
-from .analytic import RECOMPUTE_MODES
-from .layers import measure_on_ranks
-from .spec import DTYPES, MODELS, LayerSpec
+from ..recompute import PRESETS, RecomputeConfig
+from .analytic import (
+    Recompute, layer_activation_bytes, layer_activation_terms, model_activation_bytes, outside_layer_terms, resolve,
+    supported_presets,
+)  # fmt: skip
+from .layers import MEASURED_LAYERS, Case, measure_on_ranks
+from .shape import DEFAULT_VOCAB, DTYPE_BYTES, KINDS, ModelShape, TrainingSetup, default_ffn
 
 MIB = 1 << 20
-MEASURED_LAYERS = 2
 
-# Table 2 of Korthikanti et al., the row each GPT configuration falls in.
+# Table 2 of Korthikanti et al., the row each GPT configuration falls in: by preset, without and
+# with the saved input split by t (sequence parallel, or distributed saved activations).
 PAPER_ROWS = {
-    (False, "none"): "sbh(10 + 24/t + 5as/(ht))",
-    (True, "none"): "sbh(34/t + 5as/(ht))",
-    (False, "selective"): "sbh(10 + 24/t)",
-    (True, "selective"): "sbh(34/t)",
-    (False, "full"): "2sbh",
-    (True, "full"): "2sbh/t",
+    "none": ("sbh(10 + 24/t + 5as/(ht))", "sbh(34/t + 5as/(ht))"),
+    "selective": ("sbh(10 + 24/t)", "sbh(34/t)"),
+    "full": ("2sbh", "2sbh/t"),
 }
 
 
@@ -45,7 +48,7 @@ def positive_int(text: str) -> int:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``memory`` subcommand's options."""
     add = parser.add_argument
-    add("--model", choices=MODELS, default="gpt", help="gpt: the paper's layer; llama: RMSNorm/GQA/SwiGLU")
+    add("--model", choices=KINDS, default="gpt", help="gpt: the paper's layer; llama: RMSNorm/GQA/SwiGLU")
     add("--hidden", type=positive_int, required=True, help="h, model width")
     add("--heads", type=positive_int, required=True, help="a, attention heads")
     add("--kv-heads", type=positive_int, help="llama: key/value heads (GQA); default: --heads")
@@ -54,67 +57,82 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--micro-batch", type=positive_int, default=1, help="b, sequences per micro-batch")
     add("--tp", type=positive_int, default=1, help="t, tensor-parallel degree")
     add("--sequence-parallel", action="store_true", help="shard norms/dropouts along the sequence")
-    add("--recompute", choices=RECOMPUTE_MODES, default="none")
+    add("--recompute", choices=PRESETS, default="none", help="a preset (selective+mlp_act: llama only)")
     add("--distribute-saved-activations", action="store_true", help="full recompute: keep 1/t of the layer input")
     add("--layers", type=positive_int, default=1, help="layers in the model (totals are layers x per layer)")
-    add("--dtype", choices=tuple(DTYPES), default="bf16", help="activation dtype")
+    add("--dtype", choices=tuple(DTYPE_BYTES), default="bf16", help="activation dtype")
     add("--measure", action="store_true", help=f"run {MEASURED_LAYERS} real layers on --tp local gloo processes")
     add("--json", action="store_true", help="print one JSON object instead of a table")
     add("--plot", metavar="PATH", help="write a PNG: bytes per layer against sequence length")
 
 
-def spec_from_args(args: argparse.Namespace) -> LayerSpec:
-    """The validated :class:`LayerSpec`; a ``ValueError`` naming the field otherwise."""
-    return LayerSpec(
-        model=args.model, seq_len=args.seq, micro_batch=args.micro_batch, hidden=args.hidden, heads=args.heads,
-        kv_heads=args.kv_heads, ffn=args.ffn, tp=args.tp, sequence_parallel=args.sequence_parallel,
-        recompute=args.recompute, distribute_saved_activations=args.distribute_saved_activations,
-        layers=args.layers, dtype=args.dtype,
-    )
+def case_from_args(args: argparse.Namespace) -> Case:
+    """``(model, setup, recompute)``, checked as the analytic model checks them; a
+    ``ValueError`` naming the field otherwise. The vocabulary plays no part in one layer."""
+    kv_heads = args.heads if args.kv_heads is None else args.kv_heads
+    ffn = default_ffn(args.model, args.hidden) if args.ffn is None else args.ffn
+    model = ModelShape(args.model, args.hidden, args.heads, kv_heads, ffn, args.layers, DEFAULT_VOCAB)
+    setup = TrainingSetup(args.seq, args.micro_batch, args.tp, dtype=args.dtype,
+                          sequence_parallel=args.sequence_parallel)
+    recompute = RecomputeConfig.preset(args.recompute)
+    if args.distribute_saved_activations:
+        recompute = replace(recompute, distribute_saved_activations=True)
+    resolve(model, setup, recompute)
+    return model, setup, recompute
 
 
-def comparison_specs(spec: LayerSpec) -> dict[str, LayerSpec]:
-    """The same layer under each recompute mode (distribution only where it applies: full)."""
-    return {
-        mode: spec.with_(recompute=mode, distribute_saved_activations=spec.distribute_saved_activations and mode == "full")
-        for mode in RECOMPUTE_MODES
-    }
+def comparisons(model: ModelShape, setup: TrainingSetup, recompute: Recompute) -> dict[str, RecomputeConfig]:
+    """The same layer under each preset (distribution only where it applies: full)."""
+    _, distribute = resolve(model, setup, recompute)
+    return {name: RecomputeConfig.preset(name, distribute and name == "full") for name in supported_presets(model)}
 
 
-def measure(specs: list[LayerSpec]) -> list[dict]:
-    """Measure each spec (all of one TP degree) on ``tp`` spawned gloo ranks; per spec, all ranks."""
+def measure(cases: list[Case]) -> list[dict]:
+    """Measure each case (all of one TP degree) on ``tp`` spawned gloo ranks; per case, all ranks."""
     from ..distributed.local import run_local
 
-    small = [s.with_(layers=min(s.layers, MEASURED_LAYERS)) for s in specs]
-    per_rank = run_local(measure_on_ranks, specs[0].tp, small)
+    layers = min(cases[0][0].layers, MEASURED_LAYERS)
+    per_rank = run_local(measure_on_ranks, cases[0][1].tp, cases, layers)
     return [
         {
             "measured_bytes_per_layer": max(rank[i].bytes_per_layer for rank in per_rank),
             "measured_per_rank": [rank[i].bytes_per_layer for rank in per_rank],
-            "measured_layers": small[i].layers,
+            "measured_layers": layers,
             "measured_storages": [dict(zip(("scope", "dtype", "shape", "bytes"), row)) for row in per_rank[0][i].storages],
         }
-        for i in range(len(specs))
+        for i in range(len(cases))
     ]
 
 
-def build_report(spec: LayerSpec, measured: dict | None = None) -> dict:
+def _spec(model: ModelShape, setup: TrainingSetup, recompute: Recompute) -> dict:
+    """What the report describes, flat (the ``spec`` of ``--json``)."""
+    name, distribute = resolve(model, setup, recompute)
+    return {
+        "model": model.kind, "seq_len": setup.seq_len, "micro_batch": setup.micro_batch, "hidden": model.hidden,
+        "heads": model.heads, "kv_heads": model.kv_heads if model.kind == "llama" else None, "ffn": model.ffn,
+        "tp": setup.tp, "sequence_parallel": setup.sequence_parallel, "recompute": name,
+        "distribute_saved_activations": distribute, "layers": model.layers, "dtype": setup.dtype,
+    }  # fmt: skip
+
+
+def build_report(model: ModelShape, setup: TrainingSetup, recompute: Recompute, measured: dict | None = None) -> dict:
     """Everything the command prints, as a JSON-ready dict."""
-    per_layer = spec.bytes_per_layer()
-    outside = spec.outside_layer_terms()
-    baseline = comparison_specs(spec)["none"].bytes_per_layer()
+    name, distribute = resolve(model, setup, recompute)
+    per_layer = layer_activation_bytes(model, setup, recompute)
+    outside = outside_layer_terms(model, setup, recompute)
+    baseline = layer_activation_bytes(model, setup, "none")
     report = {
-        "spec": asdict(spec),
+        "spec": _spec(model, setup, recompute),
         "analytic_bytes_per_layer": per_layer,
-        "analytic_bytes_total": spec.layers * per_layer + sum(t.nbytes for t in outside),
-        "breakdown": [asdict(t) for t in spec.terms()],
+        "analytic_bytes_total": model_activation_bytes(model, setup, recompute, outside),
+        "breakdown": [asdict(t) for t in layer_activation_terms(model, setup, recompute)],
         "outside_layer_terms": [asdict(t) for t in outside],
-        "vs_no_recompute": {m: s.bytes_per_layer() / baseline for m, s in comparison_specs(spec).items()},
+        "vs_no_recompute": {n: layer_activation_bytes(model, setup, c) / baseline
+                            for n, c in comparisons(model, setup, recompute).items()},
         "saving_vs_no_recompute": 1 - per_layer / baseline,
     }
-    if spec.model == "gpt":
-        report["paper_formula"] = PAPER_ROWS[(spec.sequence_parallel or spec.distribute_saved_activations,
-                                              spec.recompute)]
+    if model.kind == "gpt":
+        report["paper_formula"] = PAPER_ROWS[name][setup.sequence_parallel or distribute]
     if measured is not None:
         report.update(measured)
         report["measured_over_analytic"] = measured["measured_bytes_per_layer"] / per_layer
@@ -182,16 +200,21 @@ def check_plot_path(path: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """The ``memory`` command. Raises ``ValueError`` on bad input (the CLI prints one line)."""
-    spec = spec_from_args(args)
+    model, setup, recompute = case_from_args(args)
     if args.plot:
         check_plot_path(args.plot)
     measured = None
     if args.measure:
-        measured = measure([spec])[0]
-    report = build_report(spec, measured)
+        measured = measure([(model, setup, recompute)])[0]
+    report = build_report(model, setup, recompute, measured)
     if args.plot:
-        from .plot import plot_memory_vs_seq
+        from . import plot
 
-        report["plot"] = plot_memory_vs_seq(spec, args.plot, measure_points=args.measure)
+        points = None
+        if args.measure:  # each curve's configuration run for real at this sequence length
+            variants = plot.variants(model, setup)
+            results = measure([(model, variant, name) for (name, _), variant in variants.items()])
+            points = {key: result["measured_bytes_per_layer"] for key, result in zip(variants, results)}
+        report["plot"] = plot.plot_memory_vs_seq(model, setup, args.plot, points)
     print(json.dumps(report) if args.json else format_report(report))
     return 0

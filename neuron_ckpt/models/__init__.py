@@ -1,7 +1,6 @@
 """Models built from the parallel layers, and their ``transformers`` checkpoint conversion."""
 
 from .config_file import load_llama_config
-from .flops import flops_per_token, num_parameters
 from .hf_checkpoint import check_hf_config, hf_config_for, load_hf_checkpoint, read_hf_config
 from .hf_export import check_writable, save_hf_checkpoint
 from .llama import CausalLMOutput, LlamaForCausalLM
@@ -13,11 +12,9 @@ __all__ = [
     "LlamaForCausalLM",
     "check_hf_config",
     "check_writable",
-    "flops_per_token",
     "hf_config_for",
     "load_hf_checkpoint",
     "load_llama_config",
-    "num_parameters",
     "read_hf_config",
     "save_hf_checkpoint",
 ]

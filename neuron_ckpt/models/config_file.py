@@ -1,5 +1,8 @@
 """Reading a Llama model config JSON strictly: :func:`load_llama_config`.
 
+It takes a file, a directory holding ``config.json``, or the name of a config shipped with the
+package (:data:`PRESET_NAMES`: ``llama2-7b``, ``llama3-8b``, the JSON files in ``presets/``).
+
 ``transformers.LlamaConfig.from_json_file`` keeps a key it does not know as a stray attribute
 and fills a key that is missing with Llama-7B's default, so ``"num_hiden_layers": 4`` builds 32
 layers and a config without ``hidden_size`` builds a 4096-wide model, without a word. This reads
@@ -23,6 +26,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+PRESETS_DIR = Path(__file__).with_name("presets")
+PRESET_NAMES = tuple(sorted(p.stem for p in PRESETS_DIR.glob("*.json")))
 SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 # Keys a Hugging Face config.json may hold beyond LlamaConfig().to_dict() of the installed
@@ -194,11 +199,27 @@ def check_llama_config_dict(data: dict, source: str = "the model config") -> Non
         raise ValueError(f"{source}: " + "; ".join(errors))
 
 
-def load_llama_config(path: str | Path) -> Any:
-    """A ``transformers.LlamaConfig`` from a JSON file, checked as the module docstring says;
-    a ``ValueError`` naming the file and every problem otherwise."""
+def config_path(path_or_name: str | Path) -> Path:
+    """The JSON file of a preset name (case-insensitive), a directory's ``config.json``, or the
+    file itself; a ``ValueError`` naming it and the presets when it is none of them."""
+    if str(path_or_name).lower() in PRESET_NAMES:
+        return PRESETS_DIR / f"{str(path_or_name).lower()}.json"
+    path = Path(path_or_name)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.exists():
+        raise ValueError(f"{path_or_name}: no such file, directory holding config.json, or preset name "
+                         f"({', '.join(PRESET_NAMES)})")
+    return path
+
+
+def load_llama_config(path_or_name: str | Path) -> Any:
+    """A ``transformers.LlamaConfig`` from a JSON file, a directory holding ``config.json`` or a
+    preset name (:func:`config_path`), checked as the module docstring says; a ``ValueError``
+    naming the file and every problem otherwise."""
     import transformers
 
+    path = config_path(path_or_name)
     data = read_json_object(path)
     check_llama_config_dict(data, str(path))
     try:
@@ -207,5 +228,5 @@ def load_llama_config(path: str | Path) -> Any:
         raise ValueError(f"{path}: transformers.LlamaConfig refuses it: {' '.join(str(exc).split())}") from None
 
 
-__all__ = ["METADATA_KEYS", "SHAPE_KEYS", "check_llama_config_dict", "load_llama_config", "read_json_object",
-           "valid_keys"]
+__all__ = ["METADATA_KEYS", "PRESET_NAMES", "SHAPE_KEYS", "check_llama_config_dict", "config_path", "load_llama_config",
+           "read_json_object", "valid_keys"]

@@ -90,7 +90,7 @@ class FitOptions:
     """Sequences per optimizer step over all DP ranks (for throughput)."""
     seq_len: int
     flops_per_token: float
-    """Model FLOPs per token (:func:`neuron_ckpt.models.flops_per_token`) for MFU."""
+    """Model FLOPs per token (:meth:`neuron_ckpt.memory.ModelShape.flops_per_token`) for MFU."""
     peak_tflops_per_rank: float
     checkpoint_every: int = 0
     """Save every N steps (0: never, except ``save_at_end``)."""

@@ -1,7 +1,7 @@
 """Per-step training metrics: throughput, model-FLOPs utilisation (MFU), JSON-lines records.
 
 ``MFU = flops_per_token * tokens_per_second / (peak FLOP/s per rank * ranks)`` with the model
-FLOPs of :func:`neuron_ckpt.models.flops_per_token` (recompute not counted).
+FLOPs of :meth:`neuron_ckpt.memory.ModelShape.flops_per_token` (recompute not counted).
 
 Peak dense FLOP/s per rank (one process drives one of these devices), from the vendors' specs:
 

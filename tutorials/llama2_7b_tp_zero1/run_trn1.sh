@@ -124,7 +124,7 @@ else
 fi
 
 CMD=("${LAUNCH[@]}" "${DISTRIBUTED_ARGS[@]}" train.py
-  --model-config configs/llama2_7b.json --data "$DATA"
+  --model-config llama2-7b --data "$DATA"
   --tp 8 --sequence-parallel --recompute "${RECOMPUTE:-selective}" --attention explicit --dtype bf16
   --micro-batch-size 1 --global-batch-size 1024
   --lr 3e-4 --min-lr-ratio 0.1 --warmup-steps 100 --max-steps "$MAX_STEPS" --decay cosine

@@ -26,10 +26,10 @@ import torch
 import neuron_ckpt as nc
 from neuron_ckpt.data import DataParallelBatches, PackedDataset
 from neuron_ckpt.distributed.runtime import barrier, collective_timeout_s, detect_backend, get_runtime
+from neuron_ckpt.memory import ModelShape
 from neuron_ckpt.models import (
     LlamaForCausalLM,
     check_writable,
-    flops_per_token,
     hf_config_for,
     load_hf_checkpoint,
     load_llama_config,
@@ -221,8 +221,7 @@ def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 def _auto_recompute(cfg: TrainConfig, config, state, seq_len: int, dtype: torch.dtype, backend: str):
     """``--recompute auto``: the per-layer recompute with the least recompute FLOPs that fits
     (neuron_ckpt.memory.planner, the same plan ``neuron-ckpt plan`` prints)."""
-    from neuron_ckpt.memory.budget import ModelShape, TrainingSetup
-    from neuron_ckpt.memory.planner import plan_recompute
+    from neuron_ckpt.memory import TrainingSetup, plan_recompute
 
     memory = cfg.device_memory or {"xla": "trn1"}.get(backend)
     if memory is None and backend != "nccl":
@@ -238,7 +237,7 @@ def _auto_recompute(cfg: TrainConfig, config, state, seq_len: int, dtype: torch.
         sequence_parallel=cfg.sequence_parallel,
         zero1=True,
     )
-    return plan_recompute(ModelShape.from_llama_config(config), setup, memory)
+    return plan_recompute(ModelShape.from_llama(config), setup, memory)
 
 
 def _open_dataset(path: str, rt) -> PackedDataset:
@@ -384,7 +383,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     device_kind = cfg.device_kind or detect_device_kind(rt.backend)
     peak = cfg.peak_tflops or peak_tflops(device_kind, dtype)
-    fpt = flops_per_token(config, seq_len)
+    fpt = ModelShape.from_llama(config).flops_per_token(seq_len)
     if is_main:
         n_params = sum(p.numel() for p in model.parameters())
         print(
