@@ -77,17 +77,17 @@ def test_terms_follow_the_derivation():
     d = h // a
     terms = _by_name(_llama(h, a, g, f), s=s, b=b)
     sbh = s * b * h
-    norm = 4 * sbh + 4 * s * b + 2 * sbh  # fp32 input copy, fp32 rstd, bf16 normalised
-    assert terms["norm1_input_fp32"] + terms["norm1_rstd_fp32"] + terms["norm1_normalized"] == norm
+    norm = 2 * sbh + 4 * s * b  # the fused RMSNorm: its bf16 input, the fp32 1/rms
+    assert terms["norm1_input"] + terms["norm1_rstd_fp32"] == norm
     assert terms["k"] == terms["v"] == 2 * s * b * g * d  # kv heads, not repeated
     assert terms["softmax_out_fp32"] == 4 * a * s * s * b and terms["probs"] == 2 * a * s * s * b
-    assert sum(terms[n] for n in ("gate", "silu_out", "up", "down_input")) == 8 * s * b * f
+    assert sum(terms[n] for n in ("gate", "up", "down_input")) == 6 * s * b * f  # silu(gate) recomputed
     assert sum(terms.values()) == 2 * norm + 2 * 2 * sbh + 2 * s * b * (2 * a * d + 2 * g * d) \
-        + 6 * a * s * s * b + 8 * s * b * f
+        + 6 * a * s * s * b + 6 * s * b * f
     selective = _by_name(_llama(h, a, g, f), "selective", s=s, b=b)
     assert set(terms) - set(selective) == {"softmax_out_fp32", "probs"}
     mlp_act = _by_name(_llama(h, a, g, f), "selective+mlp_act", s=s, b=b)
-    assert set(selective) - set(mlp_act) == {"silu_out"}  # the checkpointed SwiGLU keeps gate and up
+    assert mlp_act == selective  # the fused SwiGLU keeps only gate and up, as its checkpoint would
 
 
 def test_gqa_kv_heads_are_replicated_when_fewer_than_tp():

@@ -129,7 +129,10 @@ def test_applied_recompute_replays_dropout_exactly_behind_the_barrier(xla, confi
     assert "opt-barrier" not in base[2]
     loss, grads, text = _train_step(xla.device, config)
     assert torch.equal(loss, base[0])
-    assert all(torch.equal(a, b) for a, b in zip(grads, base[1]))
+    # The recomputed masks are the forward's: a different mask moves these gradients by percents
+    # (seed 2 above). XLA fuses the fenced recompute graph differently from the plain one, and the
+    # fused RMSNorm's backward reduces in a different order there: fp32 rounding, measured 9e-8.
+    assert max(rel(a, b) for a, b in zip(grads, base[1])) < 1e-6
     assert "opt-barrier" in text  # the recompute is fenced off from the forward
 
 

@@ -158,21 +158,16 @@ def _gpt_terms(model: ModelShape, setup: TrainingSetup, name: str, distribute: b
 
 
 def _rmsnorm_terms(prefix: str, sb: int, h: int, width: int) -> list[tuple[str, int]]:
-    # h.float() feeds pow(2) and the multiply by rstd: the fp32 copy of the input is kept (for a
-    # 16-bit input; for fp32 it is the input itself). rsqrt keeps its [s, b, 1] fp32 output. The
-    # scale by the weight keeps the normalised activation (the weight gradient reads it).
-    return [
-        (f"{prefix}_input_fp32", _FP32 * sb * h),
-        (f"{prefix}_rstd_fp32", _FP32 * sb),
-        (f"{prefix}_normalized", width * sb * h),
-    ]
+    # The fused RMSNorm (parallel/fused_ops.py) keeps its input as it is and the [s, b, 1] fp32
+    # 1/rms; backward recomputes the normalised value from them.
+    return [(f"{prefix}_input", width * sb * h), (f"{prefix}_rstd_fp32", _FP32 * sb)]
 
 
 def _llama_terms(model: ModelShape, setup: TrainingSetup, name: str, distribute: bool) -> list[ActivationTerm]:
     """The Llama layer's terms. Selective recompute drops the attention core (fp32 softmax output
-    and its 16-bit copy, the ``s^2`` terms); with ``mlp_act`` also ``silu(gate)`` (the
-    checkpointed SwiGLU keeps its inputs, gate and up, which are kept anyway); full recompute
-    keeps only the layer input."""
+    and its 16-bit copy, the ``s^2`` terms); ``mlp_act`` drops nothing more (the fused SwiGLU
+    keeps only gate and up, which its checkpoint would keep too); full recompute keeps only the
+    layer input."""
     s, b, h, t, w = setup.seq_len, setup.micro_batch, model.hidden, setup.tp, setup.width
     sp = setup.sequence_parallel
     if name == "full":
@@ -193,13 +188,10 @@ def _llama_terms(model: ModelShape, setup: TrainingSetup, name: str, distribute:
         ("k", w * s * b * g_loc * d),  # at kv heads: never repeated to the query heads
         ("v", w * s * b * g_loc * d),
         ("proj_input", w * s * b * a_loc * d),
-        ("gate", w * s * b * f_loc),  # silu input
-        ("silu_out", w * s * b * f_loc),  # silu(gate) * up keeps both factors
+        ("gate", w * s * b * f_loc),  # the fused SwiGLU keeps its inputs and recomputes silu(gate)
         ("up", w * s * b * f_loc),
         ("down_input", w * s * b * f_loc),
     ]
-    if name == "selective+mlp_act":
-        inside = [term for term in inside if term[0] != "silu_out"]
     if name == "none":
         scores = a_loc * s * s * b
         inside.append(("softmax_out_fp32", _FP32 * scores))

@@ -164,8 +164,8 @@ def _outside_items(model: ModelShape, setup: TrainingSetup) -> tuple[list[LineIt
         rope = sum(term.nbytes for term in rotary_terms(model, setup))
         # F.embedding keeps the (local) ids; at t > 1 the out-of-shard mask too.
         embed = sb * _INT64 + (sb * _BOOL if t > 1 else 0)
-        # Final RMSNorm (fp32 input copy, fp32 rstd, normalised) and the LM head's input.
-        final = sb_local * h * (_FP32 + w) + sb_local * _FP32 + sb_local * h * w
+        # Final RMSNorm (its input and the fp32 1/rms) and the LM head's input.
+        final = sb_local * h * w + sb_local * _FP32 + sb_local * h * w
         items = [LineItem("act: embedding + rotary", embed + rope, "activations", "ids, shard mask, cos/sin tables")]
     else:
         # Paper section 4.3: embedding dropout mask; final LayerNorm input and stats; head input.

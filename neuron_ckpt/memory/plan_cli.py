@@ -148,16 +148,21 @@ def _alternatives(model: ModelShape, setup: TrainingSetup, plan: Plan) -> list[P
             if name in plan.options]
 
 
+def _config_text(config) -> str:
+    name = config.preset_name
+    return repr(config) if name is None else f'RecomputeConfig.preset("{name}")'
+
+
 def _recompute_text(plan: Plan) -> str:
     rc = plan.recompute
     if not isinstance(rc, list):
-        return repr(rc)
+        return _config_text(rc)
     runs, start = [], 0
     for i in range(1, len(rc) + 1):  # compress runs of equal entries: "layers 0-13: ..."
         if i == len(rc) or rc[i] != rc[start]:
-            runs.append(f"  layers {start}-{i - 1}: {rc[start]!r}")
+            runs.append(f"  layers {start}-{i - 1}: {_config_text(rc[start])}")
             start = i
-    return "per-layer list, pass it as recompute=[...]:\n" + "\n".join(runs)
+    return "a per-layer list for apply_recompute(model, [...]):\n" + "\n".join(runs)
 
 
 def _print_plan(model: ModelShape, setup: TrainingSetup, plan: Plan) -> None:
