@@ -16,8 +16,9 @@ The contract for models is in :mod:`.apply`; the activation checkpoint function 
 """
 
 from .activation_checkpoint import checkpoint
-from .apply import DEFAULT_MODULE_MAP, apply_recompute, remove_recompute, run_layers
+from .apply import apply_recompute, remove_recompute, run_layers
 from .config import GRANULARITIES, METHODS, MODULES, PRESETS, RecomputeConfig
+from .module_map import DEFAULT_MODULE_MAP
 
 __all__ = [
     "DEFAULT_MODULE_MAP",

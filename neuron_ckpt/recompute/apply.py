@@ -31,16 +31,7 @@ Contract for models (ours and yours)::
   parameters are the same with or without recompute, and saved checkpoints load either way.
   :func:`remove_recompute` undoes it.
 
-Which submodule a selective name means is set by ``module_map`` (name -> attribute name, dotted
-path, class, or a tuple of those); entries given override :data:`DEFAULT_MODULE_MAP` one by
-one. A name that matches nothing in a layer is an error, so a typo never silently disables
-recompute. For a ``transformers`` Llama layer, for example: ``{"core_attn": "self_attn",
-"mlp": "mlp", "mlp_act": "act_fn"}`` (HF's attention module includes the projections).
-
-A name must also land on a submodule whose forward runs. A module that uses a child's parameters
-without calling it (``LlamaMLP`` multiplies by ``gate_proj`` and ``up_proj`` in one fused matmul)
-lists that child in a class attribute ``weights_only_children``; a name matching such a child is
-an error, since wrapping a forward that is never called would recompute nothing.
+Which submodule a selective name means (``module_map``) is in :mod:`.module_map`.
 
 Inside: one function per strategy (``_selective``, ``_full_block``, ``_full_uniform``; and
 ``_per_layer``, which applies them one layer at a time) lists the units to recompute, changing
@@ -59,27 +50,13 @@ from typing import Any, Callable, Sequence, Union
 import torch
 
 from ..parallel import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear, VocabParallelEmbedding
-from ..parallel.attention import CoreAttention
 from ..parallel.norms import LayerNorm, RMSNorm
 from .activation_checkpoint import checkpoint
-from .config import MODULE_ALIASES, MODULES, RecomputeConfig, validate_per_layer
+from .config import RecomputeConfig, validate_per_layer
+from .module_map import Patterns, resolve_module_map, selected_modules
 
-Pattern = Union[str, type, tuple]
-Patterns = dict[str, Pattern]
 Layers = Union[torch.nn.Module, Sequence[torch.nn.Module]]  # a model with .layers, or the layers
 Modules = list[torch.nn.Module]
-
-DEFAULT_MODULE_MAP: dict[str, Pattern] = {
-    "core_attn": CoreAttention,
-    "mlp": "mlp",
-    "mlp_act": ("act_fn", "mlp_act"),
-    "norm": (RMSNorm, LayerNorm, torch.nn.LayerNorm, torch.nn.RMSNorm),
-}
-
-# Selective modules whose input is the replicated hidden state (without sequence parallel), so
-# distribute_saved_activations can split it; core attention and MLP activation inputs are
-# already sharded by head / feature over the TP group and are saved as they are.
-_REPLICATED_INPUT = ("mlp", "norm")
 
 # Our layers that take sequence_parallel: a model built from them runs sequence parallel if they do.
 _SEQUENCE_PARALLEL_LAYERS = (
@@ -119,7 +96,7 @@ def apply_recompute(
     layers = _as_layer_list(model)
     if sequence_parallel is None:
         sequence_parallel = _runs_sequence_parallel(layers)
-    patterns = _module_map(module_map)
+    patterns = resolve_module_map(module_map)
     if config is None:
         config = RecomputeConfig()
     if isinstance(config, RecomputeConfig):
@@ -206,7 +183,7 @@ def _selective(layers: Modules, config: RecomputeConfig, patterns: Patterns, fir
     return [
         _Unit(f"{i}.{qualname}", (module,), config, replicated and config.distribute_saved_activations)
         for i, layer in enumerate(layers, start=first)
-        for qualname, module, replicated in _selected_modules(layer, i, config.modules, patterns)
+        for qualname, module, replicated in selected_modules(layer, i, config.modules, patterns)
     ]
 
 
@@ -380,79 +357,3 @@ def _runs_sequence_parallel(layers: Modules) -> bool:
     return any(
         m.sequence_parallel for layer in layers for m in layer.modules() if isinstance(m, _SEQUENCE_PARALLEL_LAYERS)
     )
-
-
-def _module_map(module_map: Patterns | None) -> Patterns:
-    merged = dict(DEFAULT_MODULE_MAP)
-    for name, pattern in (module_map or {}).items():
-        canonical = MODULE_ALIASES.get(name, name)
-        if canonical not in MODULES:
-            raise ValueError(f"module_map: unknown module {name!r}; known modules: {list(MODULES)}")
-        if not _valid_pattern(pattern):
-            raise ValueError(
-                f"module_map[{name!r}] must be an attribute name / dotted path (str), a module class, "
-                f"or a tuple of those; got {pattern!r}"
-            )
-        merged[canonical] = pattern
-    return merged
-
-
-def _valid_pattern(pattern: Any) -> bool:
-    if isinstance(pattern, (tuple, list)):
-        return bool(pattern) and all(_valid_pattern(p) for p in pattern)
-    return (isinstance(pattern, str) and bool(pattern)) or (
-        isinstance(pattern, type) and issubclass(pattern, torch.nn.Module)
-    )
-
-
-def _matches(qualname: str, module: torch.nn.Module, pattern: Pattern) -> bool:
-    if isinstance(pattern, (tuple, list)):
-        return any(_matches(qualname, module, p) for p in pattern)
-    if isinstance(pattern, str):
-        return qualname == pattern or qualname.endswith("." + pattern)
-    return isinstance(module, pattern)
-
-
-def _children_without_forward(layer: torch.nn.Module) -> list[str]:
-    """Qualified names of the submodules of ``layer`` whose forward never runs: those a module
-    lists in its ``weights_only_children`` (it uses their parameters directly)."""
-    idle = []
-    for q, m in layer.named_modules():
-        for child in getattr(m, "weights_only_children", ()):
-            idle.append(f"{q}.{child}" if q else child)
-    return idle
-
-
-def _selected_modules(
-    layer: torch.nn.Module, index: int, names: Sequence[str], patterns: Patterns
-) -> list[tuple[str, torch.nn.Module, bool]]:
-    """``(qualified name, module, input is replicated)`` of layer ``index`` for the selective
-    ``names``; the outermost match wins, a module shared within the layer comes once."""
-    found: dict[str, tuple[torch.nn.Module, bool]] = {}
-    idle = _children_without_forward(layer)
-    for name in names:
-        hits = [(q, m) for q, m in layer.named_modules() if q and _matches(q, m, patterns[name])]
-        if not hits:
-            raise ValueError(
-                f"modules: {name!r} matched no submodule of layer {index} ({type(layer).__name__}) with "
-                f"pattern {patterns[name]!r}; pass module_map={{{name!r}: <attribute name or class>}}. "
-                f"Submodules: {[q for q, _ in layer.named_modules() if q][:20]}"
-            )
-        for q, m in hits:
-            owner = next((o for o in idle if q == o or q.startswith(o + ".")), None)
-            if owner is not None:
-                parent = layer.get_submodule(owner.rpartition(".")[0]) if "." in owner else layer
-                raise ValueError(
-                    f"modules: {name!r} matched {q!r} in layer {index} ({type(layer).__name__}) with pattern "
-                    f"{patterns[name]!r}, but {type(parent).__name__} never runs the forward of "
-                    f"{owner.rpartition('.')[2]!r} (it reads only its weights, in a fused matmul), so "
-                    f"recomputing it would recompute nothing; pass module_map={{{name!r}: <a submodule "
-                    "whose forward runs>}}"
-                )
-            if all(m is not other for other, _ in found.values()):  # a shared instance once
-                found.setdefault(q, (m, name in _REPLICATED_INPUT))
-    return [
-        (q, m, replicated)
-        for q, (m, replicated) in found.items()
-        if not any(q.startswith(other + ".") for other in found)  # an enclosing module is recomputed already
-    ]
