@@ -2,7 +2,7 @@
 
 Launch one process per device with torchrun (see run_trn1.sh, run_slurm.sbatch, run_cpu.sh)::
 
-    torchrun --nproc_per_node 32 train.py --model-config configs/llama2_7b.json \\
+    torchrun --nproc_per_node 32 train.py --model-config llama2-7b \\
         --data data/train.safetensors --tp 8 --sequence-parallel --recompute selective ...
 
 Every option is a field of :class:`TrainConfig` (``--help`` lists them). The pieces live in the
@@ -62,7 +62,7 @@ class TrainConfig:
     """All options of a run; validated at construction."""
 
     model_config: Optional[str] = opt(
-        None, "transformers LlamaConfig JSON (default: --init-hf's config.json, else configs/tiny.json)"
+        None, "a transformers LlamaConfig JSON or a preset (llama2-7b, llama3-8b); default: --init-hf's config.json, else configs/tiny.json"
     )
     data: str = opt("data/train.safetensors", "packed token file from prepare_data.py")
     # parallelism
