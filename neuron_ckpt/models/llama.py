@@ -81,6 +81,16 @@ class LlamaOptions:
         if self.parallel_state is None:
             object.__setattr__(self, "parallel_state", get_parallel_state())
 
+    def linear(self, args: LlamaArgs, bias: bool) -> dict:
+        """The keyword arguments every parallel linear layer of the model takes."""
+        return dict(
+            bias=bias,
+            sequence_parallel=self.sequence_parallel,
+            init_method=normal_init(args.initializer_range),
+            dtype=self.dtype,
+            parallel_state=self.parallel_state,
+        )
+
 
 @dataclass
 class CausalLMOutput:
@@ -100,13 +110,7 @@ class LlamaAttention(torch.nn.Module):
     def __init__(self, args: LlamaArgs, options: LlamaOptions):
         super().__init__()
         self.head_dim = args.head_dim
-        linear = dict(
-            bias=args.attention_bias,
-            sequence_parallel=options.sequence_parallel,
-            init_method=normal_init(args.initializer_range),
-            dtype=options.dtype,
-            parallel_state=options.parallel_state,
-        )
+        linear = options.linear(args, args.attention_bias)
         self.qkv = QKVParallelLinear(
             args.hidden_size, args.num_attention_heads, args.num_key_value_heads, self.head_dim, **linear
         )
@@ -155,13 +159,7 @@ class LlamaMLP(torch.nn.Module):
     def __init__(self, args: LlamaArgs, options: LlamaOptions):
         super().__init__()
         h, i = args.hidden_size, args.intermediate_size
-        column = dict(
-            bias=args.mlp_bias,
-            sequence_parallel=options.sequence_parallel,
-            init_method=normal_init(args.initializer_range),
-            dtype=options.dtype,
-            parallel_state=options.parallel_state,
-        )
+        column = options.linear(args, args.mlp_bias)
         self.gate_proj = ColumnParallelLinear(h, i, **column)
         self.up_proj = ColumnParallelLinear(h, i, **column)
         self.down_proj = RowParallelLinear(i, h, input_is_parallel=True, **column)
@@ -232,15 +230,7 @@ class LlamaForCausalLM(torch.nn.Module):
         )
         self.layers = torch.nn.ModuleList(LlamaDecoderLayer(args, options) for _ in range(args.num_hidden_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, sp, dtype, parallel_state=state)
-        self.lm_head = ColumnParallelLinear(
-            args.hidden_size,
-            args.vocab_size,
-            bias=False,
-            sequence_parallel=sp,
-            init_method=init,
-            dtype=dtype,
-            parallel_state=state,
-        )
+        self.lm_head = ColumnParallelLinear(args.hidden_size, args.vocab_size, **options.linear(args, bias=False))
         self.rotary = RotaryEmbedding(args)
 
     @property
