@@ -1,4 +1,5 @@
-"""init_distributed picks the backend from the device and works with and without a launcher;
+"""init_distributed picks the device from torch.accelerator (or torch-xla) and the backend from
+torch's default for that device, and works with and without a launcher; no module names CUDA;
 the parallel state lays out TP ranks contiguously; the RNG tracker gives TP ranks their own
 dropout stream and restores the outer one."""
 
@@ -64,7 +65,9 @@ def test_under_torchrun_tp_ranks_are_contiguous(tmp_path):
 def test_backend_detection_and_override(monkeypatch):
     # torch-xla is not installed in this environment: PJRT_DEVICE alone must not pick xla.
     monkeypatch.setenv("PJRT_DEVICE", "CPU")
-    assert runtime.detect_backend() == ("nccl" if torch.cuda.is_available() else "gloo")
+    acc = torch.accelerator.current_accelerator(check_available=True)
+    expected = torch.distributed.get_default_backend_for_device(acc.type) if acc else "gloo"
+    assert runtime.detect_backend() == expected
     with pytest.raises(ValueError, match="backend must be one of"):
         runtime.init_distributed(backend="mpi")
 
@@ -125,3 +128,108 @@ def test_rng_tracker_streams(world):
     # Seed + 2718 + tp_rank, the Megatron convention.
     g = torch.Generator().manual_seed(1234 + 2718 + 1)
     assert torch.equal(res[1]["inside"], torch.rand(4, generator=g))
+
+
+def _stand_in_accelerator(monkeypatch, device_type: str, backend: str | None = None) -> list[int]:
+    """Make torch report ``device_type`` as its accelerator (this CPU-only torch has none), with
+    ``backend`` registered as its default process-group backend; returns the device indices the
+    runtime selects."""
+    monkeypatch.delenv("PJRT_DEVICE", raising=False)
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda check_available=False: torch.device(device_type))
+    if backend is not None:
+        monkeypatch.setitem(torch.distributed.Backend.default_device_backend_map, device_type, backend)
+    selected: list[int] = []
+    monkeypatch.setattr(torch.accelerator, "set_device_index", selected.append)
+    return selected
+
+
+@pytest.mark.parametrize(
+    "device_type, backend",
+    [("xpu", "xccl"), ("privateuseone", "neuronccl")],  # xccl: torch's own default for xpu
+)
+def test_any_accelerator_gives_its_device_and_torchs_backend(monkeypatch, device_type, backend):
+    """A stand-in accelerator (xpu; a PrivateUse1 device such as TorchNeuron's ``neuron`` with a
+    backend its extension registers) yields that device type and torch's backend for it, not
+    cuda/nccl; torch-neuronx without torch-xla is then the TorchNeuron eager path, not an error."""
+    _stand_in_accelerator(monkeypatch, device_type, None if device_type == "xpu" else backend)
+    for installed in (set(), {"torch_neuronx"}):
+        monkeypatch.setattr(runtime, "_module_available", lambda name: name in installed)
+        assert runtime.accelerator_type() == device_type
+        assert runtime.detect_device_type() == device_type
+        assert runtime.detect_backend() == backend
+        assert runtime._select(None) == (backend, device_type)
+    assert backend in runtime.backends()
+    # An explicit eager backend other than the accelerator's runs on the host CPU.
+    assert runtime._select("gloo") == ("gloo", "cpu")
+    assert runtime._select(backend) == (backend, device_type)
+    # torch-xla driving the device still wins over the accelerator.
+    monkeypatch.setattr(runtime, "_module_available", lambda name: name in {"torch_neuronx", "torch_xla"})
+    assert runtime.detect_backend() == "xla" and runtime._select(None) == ("xla", "xla")
+
+
+def test_accelerator_without_a_default_backend_is_named(monkeypatch):
+    _stand_in_accelerator(monkeypatch, "privateuseone")
+    with pytest.raises(RuntimeError, match="no default backend for the 'privateuseone' device"):
+        runtime.detect_backend()
+
+
+def test_init_distributed_on_a_stand_in_accelerator(monkeypatch):
+    """End to end in this process: the runtime's device is the accelerator at LOCAL_RANK, selected
+    through torch.accelerator (gloo stands in for the accelerator's backend so the group forms)."""
+    selected = _stand_in_accelerator(monkeypatch, "privateuseone", "gloo")
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    assert not torch.distributed.is_initialized()
+    rt = runtime.init_distributed()
+    try:
+        assert (rt.backend, rt.device, selected) == ("gloo", torch.device("privateuseone", 0), [0])
+    finally:
+        runtime.destroy_runtime()
+
+
+def test_rng_state_captures_the_accelerator_generator(monkeypatch):
+    """get_rng_state / set_rng_state reach the accelerator's generator through its device module
+    (here xpu's, standing in), once that device is initialised; before that, CPU only."""
+    _stand_in_accelerator(monkeypatch, "xpu")
+    restored = []
+    monkeypatch.setattr(torch.xpu, "get_rng_state", lambda: torch.tensor([7], dtype=torch.uint8))
+    monkeypatch.setattr(torch.xpu, "set_rng_state", restored.append)
+    monkeypatch.setattr(torch.xpu, "is_initialized", lambda: False)
+    assert get_rng_state().device is None
+    monkeypatch.setattr(torch.xpu, "is_initialized", lambda: True)
+    state = get_rng_state()
+    assert torch.equal(state.device, torch.tensor([7], dtype=torch.uint8))
+    cpu_before = torch.get_rng_state()
+    torch.rand(3)
+    set_rng_state(state)
+    assert torch.equal(torch.get_rng_state(), cpu_before) and restored == [state.device]
+
+
+CUDA_LITERAL = re.compile(r"""['"]cuda[:'"]|\btorch\.cuda\b""")
+
+
+def test_no_module_names_cuda():
+    """Device moves, autocast and RNG use the runtime's device type, which comes from
+    torch.accelerator: no literal "cuda" and no torch.cuda anywhere in the library or the
+    tutorials, the runtime included (any accelerator torch registers must work)."""
+    found = []
+    for top in ("neuron_ckpt", "tutorials"):
+        for dirpath, _, files in os.walk(os.path.join(ROOT, top)):
+            for name in files:
+                path = os.path.join(dirpath, name)
+                rel = os.path.relpath(path, ROOT).replace(os.sep, "/")
+                if not name.endswith(".py"):
+                    continue
+                with open(path, encoding="utf-8") as f:
+                    for n, line in enumerate(f, 1):
+                        if CUDA_LITERAL.search(line):
+                            found.append(f"{rel}:{n}: {line.strip()}")
+    assert not found, "\n".join(found)
+
+
+def test_the_cuda_check_catches_what_it_should():
+    for line in ('x.to("cuda")', "torch.device('cuda', 0)", 'x.to("cuda:1")', "torch.cuda.synchronize()"):
+        assert CUDA_LITERAL.search(line), line
+    for line in ("CUDA autocast runs in fp32", "``cuda``, ``xpu``", "torch.accelerator.synchronize()"):
+        assert not CUDA_LITERAL.search(line), line

@@ -8,8 +8,11 @@ TP ranks, while dropout on replicated activations must agree. Megatron's convent
   them via ``with get_rng_tracker().fork(): ...``.
 
 A stream here is the pair (CPU generator state, device generator state). Some peers save only
-the CPU state; a dropout on a CUDA or XLA tensor draws from the device generator, so that one
-must be saved and restored too. :func:`get_rng_state` / :func:`set_rng_state` are what
+the CPU state; a dropout on an accelerator or XLA tensor draws from the device generator, so that
+one must be saved and restored too. The accelerator's generator is reached through
+``torch.get_device_module(type)`` (CUDA, XPU, and a PrivateUse1 device that registers a module
+with ``get_rng_state`` / ``set_rng_state``, as TorchNeuron's ``neuron`` does), once that device has
+been initialised: capturing it must not be what initialises the device. :func:`get_rng_state` / :func:`set_rng_state` are what
 recompute uses to replay a region bit-identically.
 """
 
@@ -32,25 +35,31 @@ class RNGState:
     """A snapshot of every generator a forward pass may draw from."""
 
     cpu: torch.Tensor
-    device: object | None  # CUDA: ByteTensor; XLA: int seed state; CPU-only run: None
+    device: object | None  # accelerator: its module's get_rng_state(); XLA: int seed state; CPU: None
 
 
 def _device_kind() -> str:
+    """``xla``, the accelerator's device type when its generator can be captured, or ``cpu``."""
     if runtime.is_xla():
         return "xla"
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        return "cuda"
-    return "cpu"
+    acc = runtime.accelerator_type()
+    if acc is None:
+        return "cpu"
+    module = torch.get_device_module(acc)
+    if not (hasattr(module, "get_rng_state") and hasattr(module, "set_rng_state")):
+        return "cpu"
+    is_initialized = getattr(module, "is_initialized", None)
+    return acc if is_initialized is None or is_initialized() else "cpu"
 
 
 def get_rng_state() -> RNGState:
     kind = _device_kind()
-    if kind == "cuda":
-        dev = torch.cuda.get_rng_state()
-    elif kind == "xla":
+    if kind == "xla":
         import torch_xla.core.xla_model as xm
 
         dev = xm.get_rng_state()
+    elif kind != "cpu":
+        dev = torch.get_device_module(kind).get_rng_state()
     else:
         dev = None
     return RNGState(cpu=torch.get_rng_state(), device=dev)
@@ -61,16 +70,16 @@ def set_rng_state(state: RNGState) -> None:
     if state.device is None:
         return
     kind = _device_kind()
-    if kind == "cuda":
-        torch.cuda.set_rng_state(state.device)
-    elif kind == "xla":
+    if kind == "xla":
         import torch_xla.core.xla_model as xm
 
         xm.set_rng_state(state.device)
+    elif kind != "cpu":
+        torch.get_device_module(kind).set_rng_state(state.device)
 
 
 def _seed_all(seed: int) -> None:
-    torch.manual_seed(seed)  # seeds CPU and every CUDA device
+    torch.manual_seed(seed)  # seeds CPU and every accelerator device (CUDA, XPU, PrivateUse1)
     if _device_kind() == "xla":
         import torch_xla.core.xla_model as xm
 

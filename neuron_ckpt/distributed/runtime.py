@@ -1,18 +1,23 @@
 """Process-level runtime: which device drives this process, which backend talks between ranks.
 
 This is the one module that reads launcher environment variables (``RANK``, ``WORLD_SIZE``,
-``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``, ``PJRT_DEVICE``). Layers never do.
+``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``, ``PJRT_DEVICE``), and the one that names devices
+or asks torch which accelerator it has. Layers never do.
 
-Backend choice, unless ``backend=`` overrides it:
+Device and backend, unless ``backend=`` overrides them:
 
-* ``xla``  when torch-xla drives the device: torch-neuronx is importable (NeuronCores) or
-  ``PJRT_DEVICE`` is set and torch-xla is importable;
-* ``nccl`` when CUDA is available;
-* ``gloo`` otherwise (CPU).
+* ``xla`` when torch-xla drives the device: torch-neuronx is importable together with torch-xla
+  (trn1, Neuron SDK 2.29 or earlier), or ``PJRT_DEVICE`` is set and torch-xla is importable;
+* otherwise the accelerator ``torch.accelerator`` reports (``neuron`` under TorchNeuron on
+  trn2/trn3, ``cuda``, ``xpu``, ... any device torch registers), one per local rank, with the
+  backend torch registers as that device's default
+  (``torch.distributed.get_default_backend_for_device``: ``nccl`` for cuda, ``xccl`` for xpu);
+* ``cpu`` with ``gloo`` when there is no accelerator.
 
-torch-neuronx without torch-xla is a Neuron SDK of 2.30 or later, which trains through
-TorchNeuron on trn2/trn3 and has no PyTorch/XLA: detection refuses it rather than quietly
-training on the host CPU. trn1 trains with Neuron SDK 2.29 or earlier (torch-xla 2.9).
+An explicit eager backend that is not the accelerator's default (``backend="gloo"`` on a GPU or
+Trainium host) runs on the host CPU. torch-neuronx without torch-xla and without an accelerator
+torch can see is refused rather than quietly training on the host CPU: it is a TorchNeuron SDK
+(2.30 or later) on a machine with no NeuronCore visible, or a trn1 venv missing torch-xla.
 """
 
 from __future__ import annotations
@@ -26,8 +31,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-
-BACKENDS = ("xla", "nccl", "gloo")
 
 
 @dataclass(frozen=True)
@@ -57,25 +60,74 @@ def _module_available(name: str) -> bool:
 
 
 NEURON_WITHOUT_XLA = (
-    "torch-neuronx is installed but torch-xla is not: this Neuron SDK (2.30 or later) trains "
-    "through TorchNeuron on trn2/trn3 and has no PyTorch/XLA. Training on trn1 needs Neuron SDK "
-    "2.29 or earlier (torch-neuronx 2.9 with torch-xla 2.9): activate that SDK's venv and "
-    "pip install -e \".[trn1,tutorial]\" (docs/trainium.md). Pass backend='gloo' to train on the "
-    "host CPU instead."
+    "torch-neuronx is installed but torch-xla is not, and torch sees no accelerator "
+    "(torch.accelerator.is_available() is False). A Neuron SDK of 2.30 or later (TorchNeuron) trains "
+    "on trn2/trn3 through the native 'neuron' device, which torch does not see on this machine. "
+    "Training on trn1 needs Neuron SDK 2.29 or earlier (torch-neuronx 2.9 with torch-xla 2.9): "
+    "activate that SDK's venv and pip install -e \".[trn1,tutorial]\" (docs/trainium.md). Pass "
+    "backend='gloo' to train on the host CPU instead."
 )
 
 
-def detect_backend() -> str:
-    """The backend this process would use: ``xla``, ``nccl`` or ``gloo``."""
-    neuron = _module_available("torch_neuronx")
-    if _module_available("torch_xla"):
-        if neuron or os.environ.get("PJRT_DEVICE"):
-            return "xla"
-    elif neuron:
+def backends() -> tuple[str, ...]:
+    """Backends ``init_distributed(backend=...)`` accepts: ``xla`` and every backend torch
+    registers as some device's default (gloo, nccl, xccl, and a PrivateUse1 device's own)."""
+    defaults = dist.Backend.default_device_backend_map.values()
+    return ("xla", *sorted(set(defaults) - {"xla"}))
+
+
+def accelerator_type() -> str | None:
+    """The accelerator torch has in this process (``neuron``, ``cuda``, ``xpu``, ...), or None
+    when there is none. From ``torch.accelerator``, so a PrivateUse1 device counts too."""
+    if not torch.accelerator.is_available():
+        return None
+    acc = torch.accelerator.current_accelerator()
+    return None if acc is None else acc.type
+
+
+def _xla_drives_device() -> bool:
+    if not _module_available("torch_xla"):
+        return False
+    return _module_available("torch_neuronx") or bool(os.environ.get("PJRT_DEVICE"))
+
+
+def _default_backend(device_type: str) -> str:
+    try:
+        return dist.get_default_backend_for_device(device_type)
+    except ValueError:
+        raise RuntimeError(
+            f"torch.distributed has no default backend for the {device_type!r} device (its torch "
+            f"extension registered none); pass init_distributed(backend=...), one of {backends()}"
+        ) from None
+
+
+def detect_device_type() -> str:
+    """The device type this process would use: ``xla``, the accelerator's, or ``cpu``."""
+    if _xla_drives_device():
+        return "xla"
+    acc = accelerator_type()
+    if acc is None and _module_available("torch_neuronx"):
         raise RuntimeError(NEURON_WITHOUT_XLA)
-    if torch.cuda.is_available():
-        return "nccl"
-    return "gloo"
+    return acc or "cpu"
+
+
+def detect_backend() -> str:
+    """The backend this process would use: ``xla``, or torch's default for the device type of
+    :func:`detect_device_type` (``gloo`` on CPU)."""
+    return _select(None)[0]
+
+
+def _select(backend: str | None) -> tuple[str, str]:
+    """``(backend, device type)`` for ``init_distributed(backend=...)``."""
+    if backend is None:
+        device_type = detect_device_type()
+        return ("xla" if device_type == "xla" else _default_backend(device_type)), device_type
+    if backend == "xla":
+        return "xla", "xla"
+    acc = accelerator_type()
+    if acc is not None and backend == dist.Backend.default_device_backend_map.get(acc):
+        return backend, acc
+    return backend, "cpu"  # e.g. gloo on a GPU or Trainium host: train on the host CPU
 
 
 def free_port() -> int:
@@ -103,15 +155,15 @@ def _xla_rendezvous_env(launched: bool):
             del os.environ["MASTER_ADDR"]
 
 
-def _device_for(backend: str, local_rank: int) -> torch.device:
-    if backend == "xla":
+def _device_for(device_type: str, local_rank: int) -> torch.device:
+    if device_type == "xla":
         import torch_xla
 
         return torch_xla.device()
-    if backend == "nccl":
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
+    if device_type == "cpu":
+        return torch.device("cpu")
+    torch.accelerator.set_device_index(local_rank)
+    return torch.device(device_type, local_rank)
 
 
 def init_distributed(backend: str | None = None, timeout_s: float = 1800.0) -> Runtime:
@@ -126,8 +178,8 @@ def init_distributed(backend: str | None = None, timeout_s: float = 1800.0) -> R
     gives the TP and DP groups the same).
     """
     global _RUNTIME, _TIMEOUT_S
-    if backend is not None and backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS} or None (auto), got {backend!r}")
+    if backend is not None and backend not in backends():
+        raise ValueError(f"backend must be one of {backends()} or None (auto), got {backend!r}")
     if _RUNTIME is not None and dist.is_initialized():
         if backend is not None and backend != _RUNTIME.backend:
             raise ValueError(
@@ -135,7 +187,7 @@ def init_distributed(backend: str | None = None, timeout_s: float = 1800.0) -> R
                 f"{_RUNTIME.backend!r}; call destroy_distributed() first"
             )
         return _RUNTIME
-    backend = backend or detect_backend()
+    backend, device_type = _select(backend)
     timeout = datetime.timedelta(seconds=timeout_s)
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     local_rank = int(os.environ.get("LOCAL_RANK", "0")) if launched else 0
@@ -162,7 +214,7 @@ def init_distributed(backend: str | None = None, timeout_s: float = 1800.0) -> R
         rank=dist.get_rank(),
         world_size=dist.get_world_size(),
         local_rank=local_rank,
-        device=_device_for(backend, local_rank),
+        device=_device_for(device_type, local_rank),
         host_group=dist.new_group(backend="gloo", timeout=timeout) if backend == "xla" else None,
     )
     return _RUNTIME

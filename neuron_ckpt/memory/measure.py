@@ -215,24 +215,33 @@ def _unpack(tensor: torch.Tensor) -> torch.Tensor:
 def device_peak_bytes(device: torch.device | str) -> int | None:
     """Peak bytes the device allocator has handed out, or None where there is no such counter.
 
-    CUDA: ``torch.cuda.max_memory_allocated`` (reset it with ``reset_device_peak``).
+    The accelerator torch has (CUDA, XPU, TorchNeuron's ``neuron``, ...):
+    ``torch.accelerator.max_memory_allocated`` (reset it with ``reset_device_peak``); a device
+    that is not the current accelerator gets None.
     XLA: ``xm.get_memory_info``'s ``peak_bytes_used`` (else ``bytes_used``) when torch_xla is
     installed and the runtime reports it. Untested here: no XLA device with a memory counter.
     CPU: None; there is no allocator peak to read, use ``SavedTensorRecorder`` instead.
     """
     device = torch.device(device)
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
     if device.type == "xla":
         return _xla_peak_bytes(device)
+    if _is_accelerator(device):
+        return torch.accelerator.max_memory_allocated(device)
     return None
 
 
 def reset_device_peak(device: torch.device | str) -> None:
-    """Start a new peak window where the device supports it (CUDA); a no-op elsewhere."""
+    """Start a new peak window where the device supports it (the accelerator); a no-op elsewhere."""
     device = torch.device(device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    if _is_accelerator(device):
+        torch.accelerator.reset_peak_memory_stats(device)
+
+
+def _is_accelerator(device: torch.device) -> bool:
+    if device.type == "cpu" or not torch.accelerator.is_available():
+        return False
+    acc = torch.accelerator.current_accelerator()
+    return acc is not None and acc.type == device.type
 
 
 def _xla_peak_bytes(device: torch.device) -> int | None:

@@ -37,12 +37,18 @@ DEFAULT_RESERVE_FRACTION = 0.1
 
 def device_memory_bytes(spec: float | int | str | None) -> int:
     """Bytes of one device: a number of GiB, a preset name (``"trn1"``: 16 GiB per NeuronCore),
-    or None for the detected device (CUDA: total memory from ``torch.cuda.mem_get_info``)."""
+    or None for the detected accelerator (total memory from ``torch.accelerator.get_memory_info``
+    where torch has it (2.13 does, 2.9 does not), else the device module's ``mem_get_info``)."""
     if spec is None:
         import torch
 
-        if torch.cuda.is_available():
-            return int(torch.cuda.mem_get_info()[1])
+        if torch.accelerator.is_available():
+            get_info = getattr(torch.accelerator, "get_memory_info", None)
+            if get_info is None:
+                acc = torch.accelerator.current_accelerator()
+                get_info = getattr(torch.get_device_module(acc.type), "mem_get_info", None)
+            if get_info is not None:
+                return int(get_info()[1])
         raise ValueError(
             "device memory: no accelerator with a memory counter is visible (CPU); pass it in GiB or "
             f"as a preset ({', '.join(DEVICE_PRESETS)})"

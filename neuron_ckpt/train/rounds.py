@@ -29,15 +29,26 @@ def all_max(value: int) -> int:
     """The max of ``value`` over all ranks, on the host (XLA: through the runtime's gloo group)."""
     if not (dist.is_available() and dist.is_initialized()):
         return value
-    try:
-        rt = runtime.get_runtime()
-        group, backend = rt.host_group, rt.backend
-    except RuntimeError:
-        group, backend = None, dist.get_backend()
-    device = torch.device("cuda", torch.cuda.current_device()) if group is None and backend == "nccl" else torch.device("cpu")
+    group, device = _flag_group_and_device()
     t = torch.tensor([value], dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return int(t.item())
+
+
+def _flag_group_and_device() -> tuple[dist.ProcessGroup | None, torch.device]:
+    """The group and device for a host value's collective: XLA's gloo host group on the CPU, else
+    the default group on the runtime's device (the CPU on gloo; the accelerator on its backend:
+    nccl, xccl, TorchNeuron's)."""
+    try:
+        rt = runtime.get_runtime()
+    except RuntimeError:  # torch.distributed initialised by someone else
+        acc = runtime.accelerator_type()
+        if acc is None or dist.get_backend() == "gloo":
+            return None, torch.device("cpu")
+        return None, torch.device(acc, torch.accelerator.current_device_index())
+    if rt.host_group is not None:
+        return rt.host_group, torch.device("cpu")
+    return None, rt.device
 
 
 def agree(error: BaseException | None, what: str) -> None:
