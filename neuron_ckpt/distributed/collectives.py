@@ -4,7 +4,10 @@ The one module that knows the difference between eager backends (gloo, nccl) and
 eager calls go through torch.distributed (``all_gather_single`` / ``reduce_scatter_single`` on
 torch >= 2.13, ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` on older torch such as the
 Neuron SDK's 2.9); XLA calls go through ``torch_xla.core.xla_model`` with replica groups, which
-lower to HLO collectives. A group of size 1 is a no-op everywhere.
+lower to HLO collectives. Under ``torch.compile`` (dynamo tracing) the eager backends go through
+the functional collectives of ``torch.distributed._functional_collectives`` instead, which dynamo
+traces into the graph (``async_op=True`` calls are graph breaks); eager runs are unchanged. A
+group of size 1 is a no-op everywhere.
 
 One contract on every backend: a collective returns its result and never modifies its input
 (XLA's collectives are functional; the eager ones write into a fresh tensor, so callers need no
@@ -27,6 +30,17 @@ from .parallel_state import Group
 # the old ones.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _compiling() -> bool:
+    """True while dynamo traces: collectives must then be functional, never ``async_op``."""
+    return torch.compiler.is_compiling()
+
+
+def _funcol():
+    import torch.distributed._functional_collectives as funcol
+
+    return funcol
 
 
 def _xm():
@@ -53,6 +67,8 @@ def all_reduce(tensor: torch.Tensor, group: Group, op: str = "sum") -> torch.Ten
         xm = _xm()
         reduce_type = xm.REDUCE_SUM if op == "sum" else xm.REDUCE_MAX
         return xm.all_reduce(reduce_type, tensor, groups=[list(g) for g in group.replica_groups])
+    if _compiling():
+        return _funcol().all_reduce(tensor.contiguous(), op, group.process_group)
     # dist.all_reduce works in place: reduce a contiguous copy, never the caller's tensor.
     out = tensor.clone(memory_format=torch.contiguous_format)
     reduce_op = dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX
@@ -70,6 +86,8 @@ def all_gather(tensor: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
             tensor.contiguous(), dim=dim, groups=[list(g) for g in group.replica_groups], pin_layout=False
         )
     # The flat collective concatenates along dim 0: move ``dim`` first, gather, move it back.
+    if _compiling():
+        return _funcol().all_gather_tensor(tensor.movedim(dim, 0).contiguous(), 0, group.process_group).movedim(0, dim)
     return all_gather_start(tensor.movedim(dim, 0), group).wait().movedim(0, dim)
 
 
@@ -92,6 +110,9 @@ def reduce_scatter(tensor: torch.Tensor, dim: int, group: Group) -> torch.Tensor
             groups=[list(g) for g in group.replica_groups],
             pin_layout=False,
         )
+    if _compiling():
+        flat = tensor.movedim(dim, 0).contiguous()
+        return _funcol().reduce_scatter_tensor(flat, "sum", 0, group.process_group).movedim(0, dim)
     return reduce_scatter_start(tensor.movedim(dim, 0), group).wait().movedim(0, dim)
 
 
@@ -99,8 +120,8 @@ class Pending:
     """A collective started with ``async_op``; :meth:`wait` returns its result.
 
     Lets a caller overlap communication with computation (backward of the sequence-parallel
-    linear layers). On XLA and for groups of one the result is ready at once: the compiler
-    schedules XLA collectives itself.
+    linear layers). On XLA, under ``torch.compile`` and for groups of one the result is ready at
+    once: the compiler schedules those collectives itself.
     """
 
     def __init__(self, result: torch.Tensor, work=None):
@@ -115,7 +136,7 @@ class Pending:
 
 def all_gather_start(tensor: torch.Tensor, group: Group) -> Pending:
     """Start :func:`all_gather` along dim 0; ``.wait()`` for the result."""
-    if group.size == 1 or runtime.is_xla():
+    if group.size == 1 or runtime.is_xla() or _compiling():
         return Pending(all_gather(tensor, 0, group))
     tensor = tensor.contiguous()
     out = torch.empty((group.size * tensor.shape[0],) + tensor.shape[1:], dtype=tensor.dtype, device=tensor.device)
@@ -124,7 +145,7 @@ def all_gather_start(tensor: torch.Tensor, group: Group) -> Pending:
 
 def reduce_scatter_start(tensor: torch.Tensor, group: Group) -> Pending:
     """Start :func:`reduce_scatter` along dim 0; ``.wait()`` for the result."""
-    if group.size == 1 or runtime.is_xla() or tensor.shape[0] % group.size:
+    if group.size == 1 or runtime.is_xla() or _compiling() or tensor.shape[0] % group.size:
         return Pending(reduce_scatter(tensor, 0, group))  # (a size error is raised there)
     tensor = tensor.contiguous()
     out = torch.empty((tensor.shape[0] // group.size,) + tensor.shape[1:], dtype=tensor.dtype, device=tensor.device)

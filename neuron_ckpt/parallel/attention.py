@@ -90,6 +90,8 @@ class CoreAttention(torch.nn.Module):
 
     def causal_mask(self, s: int, device: torch.device) -> torch.Tensor:
         """The ``[s, s]`` bool mask (True above the diagonal) every layer shares; see :func:`causal_mask`."""
+        if torch.compiler.is_compiling():  # dynamo would trace through the cache and warn
+            return torch.ones(s, s, dtype=torch.bool, device=device).triu_(1)
         return causal_mask(s, torch.device(device))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

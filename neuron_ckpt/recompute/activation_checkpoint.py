@@ -49,6 +49,7 @@ from ..distributed import collectives as C
 from ..distributed import runtime
 from ..distributed.parallel_state import Group, get_parallel_state, model_parallel_is_initialized
 from ..distributed.random import get_rng_state, get_rng_tracker, set_rng_state
+from ..parallel.attention import CoreAttention
 
 
 def checkpoint(
@@ -69,6 +70,22 @@ def checkpoint(
     """
     if not torch.is_grad_enabled():
         return function(*args, **kwargs)
+    options = (fence, use_reentrant, distribute_saved_activations)
+    if torch.compiler.is_compiling():
+        if _forks_rng_stream(_fenced_modules(function, fence)):
+            return _outside_graph(function, args, *options, kwargs)
+        return _compiled(function, args, kwargs)
+    return _eager_checkpoint(function, args, *options, kwargs)
+
+
+def _eager_checkpoint(
+    function: Callable[..., Any],
+    args: tuple,
+    fence: Sequence[torch.nn.Module] | torch.nn.Module,
+    use_reentrant: bool,
+    distribute_saved_activations: bool,
+    kwargs: dict,
+) -> Any:
     if not use_reentrant:
         if runtime.is_xla():
             raise ValueError(
@@ -261,6 +278,39 @@ class _CheckpointFunction(torch.autograd.Function):
         if ctx.spec.anchor:
             input_grads.append(None)
         return (None, None, None, *input_grads)
+
+
+def _forks_rng_stream(modules: list[torch.nn.Module]) -> bool:
+    """Whether ``modules`` draw dropout from a tracker stream: a :class:`CoreAttention` with
+    ``attention_dropout > 0`` in training (the one layer of ours that forks the model-parallel
+    stream inside a recomputed region).
+
+    The tracker's fork reads and writes generator states, which dynamo cannot trace: such a
+    region is a graph break under ``torch.compile``, and torch's checkpoint would then run it
+    eagerly without replaying the tracker streams (a different mask in recompute). It runs
+    through our own checkpoint instead, outside the graph, with exact replay.
+    """
+    return any(
+        isinstance(m, CoreAttention) and m.training and m.attention_dropout > 0
+        for module in modules
+        for m in module.modules()
+    )
+
+
+@torch.compiler.disable
+def _outside_graph(*args: Any) -> Any:
+    """:func:`_eager_checkpoint` run eagerly from compiled code (one graph break)."""
+    return _eager_checkpoint(*args)
+
+
+def _compiled(function: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    # Under torch.compile the RNG snapshot is a graph break (dynamo does not trace
+    # torch.get_rng_state) and a reentrant Function cannot run its forward's graph again in
+    # backward. torch's non-reentrant checkpoint is what dynamo traces instead: a higher-order op
+    # whose region AOT autograd's partitioner recomputes in the backward graph, so the whole
+    # function stays one graph. Random ops are never recomputed there (the partitioner keeps
+    # their outputs), so a recomputed dropout mask is the forward's by construction.
+    return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, **kwargs)
 
 
 def _non_reentrant(function: Callable[..., Any], args: tuple, kwargs: dict) -> Any:

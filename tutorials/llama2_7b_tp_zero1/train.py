@@ -81,6 +81,9 @@ class TrainConfig:
     recompute_num_layers: Optional[int] = opt(None, "full recompute: group size (uniform) / layers recomputed (block)")
     recompute_modules: str = opt("core_attn", "selective recompute: comma-separated modules (core_attn,mlp,mlp_act,norm)")
     attention: str = opt("explicit", "core attention implementation", ["explicit", "sdpa"])
+    compile: bool = opt(
+        False, "torch.compile the model (inductor on CPU/CUDA, the neuron backend on TorchNeuron; not on XLA, which compiles already)"
+    )
     dtype: str = opt("auto", "parameter/compute dtype; auto: bf16 on XLA and CUDA, fp32 on CPU", ["auto", "fp32", "bf16"])
     backend: Optional[str] = opt(None, "torch.distributed backend (default: detected)", ["xla", "nccl", "gloo"])
     collective_timeout: Optional[float] = opt(
@@ -270,6 +273,17 @@ def _check_device_kind(device_kind: Optional[str], backend: str) -> None:
         )
 
 
+def compile_backend(device_type: str, backend: str) -> str:
+    """The ``torch.compile`` backend for the runtime's device: ``"neuron"`` on TorchNeuron
+    (trn2/trn3), ``"inductor"`` elsewhere; refused on XLA (trn1), whose graphs XLA compiles."""
+    if backend == "xla":
+        raise ValueError(
+            "--compile is for eager devices (CPU, CUDA, TorchNeuron on trn2/trn3); on XLA (trn1) the "
+            "model already runs as compiled XLA graphs: drop --compile"
+        )
+    return "neuron" if device_type == "neuron" else "inductor"
+
+
 def _check_output_paths(cfg: TrainConfig) -> None:
     """At start-up, on every rank (a collective): the outputs can be written, rather than failing
     at the first save / first logged step. The metrics file and TensorBoard directory are checked
@@ -315,6 +329,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"--collective-timeout {cfg.collective_timeout:g} not applied: torch.distributed was initialised "
               "before main() (e.g. by LocalWorld)", flush=True)  # fmt: skip
     _check_device_kind(cfg.device_kind, rt.backend)
+    compile_with = compile_backend(rt.device.type, rt.backend) if cfg.compile else None
     _check_output_paths(cfg)  # every rank, before any work: not at the first save / logged step
     dtype = DTYPES[cfg.dtype] if cfg.dtype != "auto" else (torch.float32 if rt.backend == "gloo" else torch.bfloat16)
     checkpoints = CheckpointManager(
@@ -403,7 +418,7 @@ def main(argv: list[str] | None = None) -> dict:
     options = FitOptions(stop, cfg.global_batch_size, seq_len, fpt, peak, cfg.checkpoint_every, log_every=log_every)
     try:
         records = fit(
-            model, optimizer, iter(batches), schedule, options, state, rt.device, metrics,
+            torch.compile(model, backend=compile_with) if compile_with else model, optimizer, iter(batches), schedule, options, state, rt.device, metrics,
             start_step=start_step, checkpoints=checkpoints if cfg.checkpoint_dir else None,
             checkpoint_payload=lambda step: (train_state.state_dict(), {**layout, "train_config": dataclasses.asdict(cfg)}),
         )  # fmt: skip
