@@ -71,9 +71,10 @@ NEURON_WITHOUT_XLA = (
 
 def backends() -> tuple[str, ...]:
     """Backends ``init_distributed(backend=...)`` accepts: ``xla`` and every backend torch
-    registers as some device's default (gloo, nccl, xccl, and a PrivateUse1 device's own)."""
+    registers as some device's default (gloo, nccl, xccl, and a PrivateUse1 device's own), except
+    torch's testing-only ``fake`` process group."""
     defaults = dist.Backend.default_device_backend_map.values()
-    return ("xla", *sorted(set(defaults) - {"xla"}))
+    return ("xla", *sorted(set(defaults) - {"xla", "fake"}))
 
 
 def accelerator_type() -> str | None:

@@ -25,7 +25,7 @@ import torch
 
 import neuron_ckpt as nc
 from neuron_ckpt.data import DataParallelBatches, PackedDataset
-from neuron_ckpt.distributed.runtime import barrier, collective_timeout_s, detect_backend, get_runtime
+from neuron_ckpt.distributed.runtime import backends, barrier, collective_timeout_s, detect_backend, get_runtime
 from neuron_ckpt.memory import ModelShape
 from neuron_ckpt.models import (
     LlamaForCausalLM,
@@ -85,7 +85,7 @@ class TrainConfig:
         False, "torch.compile the model (inductor on CPU/CUDA, the neuron backend on TorchNeuron; not on XLA, which compiles already)"
     )
     dtype: str = opt("auto", "parameter/compute dtype; auto: bf16 on XLA and CUDA, fp32 on CPU", ["auto", "fp32", "bf16"])
-    backend: Optional[str] = opt(None, "torch.distributed backend (default: detected)", ["xla", "nccl", "gloo"])
+    backend: Optional[str] = opt(None, "torch.distributed backend (default: detected)", list(backends()))
     collective_timeout: Optional[float] = opt(
         None, "seconds a collective waits for the other ranks; then the run fails naming the ranks that stopped "
         "answering (default: 7200 on XLA, where the first step compiles for up to an hour on each rank while the "
@@ -221,13 +221,13 @@ def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def _auto_recompute(cfg: TrainConfig, config, state, seq_len: int, dtype: torch.dtype, backend: str):
+def _auto_recompute(cfg: TrainConfig, config, state, seq_len: int, dtype: torch.dtype, device_type: str):
     """``--recompute auto``: the per-layer recompute with the least recompute FLOPs that fits
     (neuron_ckpt.memory.planner, the same plan ``neuron-ckpt plan`` prints)."""
     from neuron_ckpt.memory import TrainingSetup, plan_recompute
 
-    memory = cfg.device_memory or {"xla": "trn1"}.get(backend)
-    if memory is None and backend != "nccl":
+    memory = cfg.device_memory or {"xla": "trn1"}.get(device_type)
+    if memory is None and device_type == "cpu":
         raise ValueError("--recompute auto on CPU needs --device-memory (GiB one rank may use)")
     if cfg.attention != "explicit":
         raise ValueError("--recompute auto plans the explicit attention's memory; use --attention explicit")
@@ -331,7 +331,7 @@ def main(argv: list[str] | None = None) -> dict:
     _check_device_kind(cfg.device_kind, rt.backend)
     compile_with = compile_backend(rt.device.type, rt.backend) if cfg.compile else None
     _check_output_paths(cfg)  # every rank, before any work: not at the first save / logged step
-    dtype = DTYPES[cfg.dtype] if cfg.dtype != "auto" else (torch.float32 if rt.backend == "gloo" else torch.bfloat16)
+    dtype = DTYPES[cfg.dtype] if cfg.dtype != "auto" else (torch.float32 if rt.device.type == "cpu" else torch.bfloat16)
     checkpoints = CheckpointManager(
         cfg.checkpoint_dir or ".", cfg.keep_last, rt.rank, rt.world_size, parallel_state=state,
         local_rank=rt.local_rank, writers=cfg.checkpoint_writers, log=_print if is_main else None,
@@ -360,7 +360,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     recompute, plan = cfg.recompute_config(), None
     if cfg.recompute == "auto":
-        plan = _auto_recompute(cfg, config, state, seq_len, dtype, rt.backend)
+        plan = _auto_recompute(cfg, config, state, seq_len, dtype, rt.device.type)
         recompute = plan.recompute
         if is_main:
             print(
