@@ -3,7 +3,8 @@
 * The budget's activations are what a real ``LlamaForCausalLM`` keeps for backward (measured,
   within 2%) under no / selective / selective+mlp_act / full recompute and per-layer mixes.
 * The planner's choice fits and nothing cheaper fits: a brute force over every per-layer
-  assignment (L = 1..4, many limits) finds no assignment with fewer recompute FLOPs that fits.
+  assignment (L = 1..4, many limits) finds no assignment with fewer recompute FLOPs that fits;
+  likewise against a limit on the activations alone (``plan_activations``).
 * When nothing fits, the error says so and names what would: the smallest tensor-parallel
   degree and the largest micro-batch that fit.
 * A per-layer list of ``RecomputeConfig`` runs a Llama with the same loss and gradients as no
@@ -30,6 +31,7 @@ from neuron_ckpt.memory import (
     TrainingSetup,
     layer_options,
     memory_budget,
+    plan_activations,
     plan_recompute,
 )
 from neuron_ckpt.memory.budget import GIB, largest_collective_bytes, optimizer_step_bytes
@@ -175,6 +177,26 @@ def test_planner_is_optimal_against_brute_force(layers, kind):
         assert plan.limit_bytes == limit and plan.fits
         assert plan.budget.total_bytes <= limit
         assert plan.recompute_flops == pytest.approx(best, rel=1e-12), (limit, plan.layers)
+
+
+@pytest.mark.parametrize("layers", [1, 3])
+def test_plan_activations_is_optimal_against_brute_force(layers):
+    model = ModelShape("llama", 64, 4, 2, 176, layers, 128)
+    setup = TrainingSetup(seq_len=128, micro_batch=2, tp=1, zero1=False)
+    options = layer_options(model, setup)
+    budgets = [memory_budget(model, setup, n, options) for n in itertools.product(options, repeat=layers)]
+    acts = sorted({b.activation_bytes for b in budgets})
+    for limit in sorted({x + d for x in acts for d in (-1, 0)}):
+        fitting = [sum(options[n].recompute_flops for n in b.layers) for b in budgets if b.activation_bytes <= limit]
+        if not fitting:
+            with pytest.raises(NothingFits, match="no recompute choice keeps at most"):
+                plan_activations(model, setup, limit)
+            continue
+        plan = plan_activations(model, setup, limit)
+        assert plan.limit_on == "activations" and plan.fits and plan.used_bytes == plan.budget.activation_bytes <= limit
+        assert plan.recompute_flops == pytest.approx(min(fitting), rel=1e-12), (limit, plan.layers)
+    # Parameters, optimizer state and workspace do not count: at the activations of no recompute, none.
+    assert plan_activations(model, setup, acts[-1]).layers == ("none",) * layers
 
 
 def test_budget_line_items_follow_zero1_and_dtype():

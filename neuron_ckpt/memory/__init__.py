@@ -21,7 +21,7 @@ from .analytic import ActivationTerm, layer_activation_bytes, layer_activation_t
 from .budget import MemoryBudget, memory_budget
 from .measure import SavedTensorRecorder
 from .options import LayerOption, layer_options
-from .planner import NothingFits, Plan, plan_recompute
+from .planner import NothingFits, Plan, plan_activations, plan_recompute
 from .shape import ModelShape, TrainingSetup
 
 __all__ = [
@@ -38,5 +38,6 @@ __all__ = [
     "layer_options",
     "memory_budget",
     "model_activation_bytes",
+    "plan_activations",
     "plan_recompute",
 ]

@@ -12,6 +12,10 @@ When nothing fits, :class:`NothingFits` says by how much and what would: the sma
 tensor-parallel degree that fits (same dp and micro-batch) and the largest micro-batch that fits
 at this degree.
 
+:func:`plan_activations` does the same search against a limit on the activations alone (what
+``SavedTensorRecorder`` measures), to compare with another implementation at equal activation
+memory (``scripts/bench_equal_memory.py``).
+
 The plan becomes one :class:`~neuron_ckpt.recompute.RecomputeConfig` when it can (one option on
 every layer; or full recompute of the first ``k`` layers and none on the rest, which is
 ``method="block"``) and otherwise a per-layer list; ``apply_recompute(model, plan.recompute)``
@@ -71,9 +75,11 @@ def device_memory_bytes(spec: float | int | str | None) -> int:
 class Plan:
     """A recompute choice for every layer, its memory and its cost.
 
-    layers: the option of each layer in layer order. limit_bytes: the device memory it was
-    planned for (after ``reserve``). recompute_flops / step_flops: FLOPs rerun in backward and
-    the model FLOPs of forward + backward, both per micro-batch on one device.
+    layers: the option of each layer in layer order. limit_bytes: what it was planned for: the
+    device memory after ``reserve`` (``limit_on="total"``, :func:`plan_recompute`) or the
+    activations alone (``limit_on="activations"``, :func:`plan_activations`). recompute_flops /
+    step_flops: FLOPs rerun in backward and the model FLOPs of forward + backward, both per
+    micro-batch on one device.
     """
 
     budget: MemoryBudget
@@ -81,6 +87,7 @@ class Plan:
     limit_bytes: int
     recompute_flops: float
     step_flops: float
+    limit_on: str = "total"
 
     @property
     def layers(self) -> tuple[str, ...]:
@@ -92,8 +99,13 @@ class Plan:
         return {name: self.layers.count(name) for name in PRESETS if name in self.layers}
 
     @property
+    def used_bytes(self) -> int:
+        """What the limit applies to: the budget's total, or its activations (``limit_on``)."""
+        return _used(self.budget, self.limit_on)
+
+    @property
     def fits(self) -> bool:
-        return self.budget.total_bytes <= self.limit_bytes
+        return self.used_bytes <= self.limit_bytes
 
     @property
     def overhead(self) -> float:
@@ -119,6 +131,7 @@ class Plan:
         configs = rc if isinstance(rc, list) else [rc]
         return {
             "fits": self.fits,
+            "limit_on": self.limit_on,
             "limit_bytes": self.limit_bytes,
             "limit_gib": round(self.limit_bytes / GIB, 4),
             "counts": self.counts,
@@ -150,15 +163,24 @@ class NothingFits(ValueError):
         self.least, self.smallest_tp, self.largest_micro_batch = least, smallest_tp, largest_micro_batch
 
 
+LIMITS_ON = ("total", "activations")
+
+
+def _used(budget: MemoryBudget, limit_on: str) -> int:
+    return budget.activation_bytes if limit_on == "activations" else budget.total_bytes
+
+
 def evaluate(
     model: ModelShape, setup: TrainingSetup, layers: str | tuple[str, ...], limit_bytes: int,
-    options: dict[str, LayerOption] | None = None,
+    options: dict[str, LayerOption] | None = None, limit_on: str = "total",
 ) -> Plan:
     """The :class:`Plan` of a given assignment (one option name, or one per layer), fitting or not."""
+    if limit_on not in LIMITS_ON:
+        raise ValueError(f"limit_on must be one of {LIMITS_ON}, got {limit_on!r}")
     options = options if options is not None else layer_options(model, setup)
     budget = memory_budget(model, setup, layers, options)
     flops = sum(options[name].recompute_flops for name in budget.layers)
-    return Plan(budget, options, limit_bytes, flops, step_flops(model, setup))
+    return Plan(budget, options, limit_bytes, flops, step_flops(model, setup), limit_on)
 
 
 def _splits(total: int, parts: int):
@@ -169,9 +191,10 @@ def _splits(total: int, parts: int):
 
 
 def _best(
-    model: ModelShape, setup: TrainingSetup, limit_bytes: int, allowed: tuple[str, ...] | None
+    model: ModelShape, setup: TrainingSetup, limit_bytes: int, allowed: tuple[str, ...] | None,
+    limit_on: str = "total",
 ) -> tuple[Plan | None, Plan]:
-    """(cheapest fitting plan or None, least-memory plan)."""
+    """(cheapest fitting plan or None, least-memory plan); memory is what ``limit_on`` names."""
     options = layer_options(model, setup)
     names = [n for n in PRESETS if n in options and (allowed is None or n in allowed)]
     if not names:
@@ -180,15 +203,15 @@ def _best(
     least: tuple[int, float, tuple[str, ...]] | None = None
     for split in _splits(model.layers, len(names)):
         order = canonical_order(dict(zip(names, split)))
-        total = memory_budget(model, setup, order, options).total_bytes
+        total = _used(memory_budget(model, setup, order, options), limit_on)
         cost = sum(options[n].recompute_flops for n in order)
         if least is None or (total, cost) < least[:2]:
             least = (total, cost, order)
         if total <= limit_bytes and (best is None or (cost, total) < best[:2]):
             best = (cost, total, order)
     assert least is not None
-    plan = evaluate(model, setup, best[2], limit_bytes, options) if best else None
-    return plan, evaluate(model, setup, least[2], limit_bytes, options)
+    plan = evaluate(model, setup, best[2], limit_bytes, options, limit_on) if best else None
+    return plan, evaluate(model, setup, least[2], limit_bytes, options, limit_on)
 
 
 def valid_tp_degrees(model: ModelShape, setup: TrainingSetup) -> list[int]:
@@ -225,6 +248,36 @@ def plan_recompute(
     if plan is not None:
         return plan
     raise _nothing_fits(model, setup, limit, least, allowed)
+
+
+def plan_activations(
+    model: ModelShape,
+    setup: TrainingSetup,
+    activation_bytes: int,
+    allowed: tuple[str, ...] | None = None,
+) -> Plan:
+    """The per-layer recompute with the fewest recompute FLOPs whose activations kept for
+    backward are at most ``activation_bytes``: ``budget.activation_bytes``, the layers plus the
+    embedding, rotary tables, final norm, LM head input and loss, which is what
+    ``SavedTensorRecorder`` measures over a forward with labels (parameters and the shared
+    causal mask left out).
+
+    For comparing with another implementation at equal activation memory
+    (``scripts/bench_equal_memory.py``). Parameters, gradients, optimizer state and workspace
+    are not limited, so the plan does not say the job fits a device: :func:`plan_recompute`
+    does. The plan's ``limit_on`` is ``"activations"``. Raises :class:`NothingFits` when even
+    the least (full recompute of every layer) keeps more.
+    """
+    if isinstance(activation_bytes, bool) or not isinstance(activation_bytes, int) or activation_bytes < 0:
+        raise ValueError(f"activation_bytes must be an int >= 0, got {activation_bytes!r}")
+    plan, least = _best(model, setup, activation_bytes, allowed, "activations")
+    if plan is not None:
+        return plan
+    raise NothingFits(
+        f"no recompute choice keeps at most {activation_bytes / 2**20:,.1f} MiB of activations: the least "
+        f"({least.describe()}) keeps {least.used_bytes / 2**20:,.1f} MiB",
+        least, None, None,
+    )
 
 
 def _fits(model: ModelShape, setup: TrainingSetup, limit: int, allowed) -> bool:
@@ -265,5 +318,5 @@ def _nothing_fits(model: ModelShape, setup: TrainingSetup, limit: int, least: Pl
     return NothingFits("; ".join(parts), least, smallest_tp, largest_b)
 
 
-__all__ = ["DEVICE_PRESETS", "NothingFits", "Plan", "device_memory_bytes", "evaluate", "plan_recompute",
-           "valid_tp_degrees"]
+__all__ = ["DEVICE_PRESETS", "LIMITS_ON", "NothingFits", "Plan", "device_memory_bytes", "evaluate",
+           "plan_activations", "plan_recompute", "valid_tp_degrees"]
