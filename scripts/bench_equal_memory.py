@@ -61,15 +61,10 @@ import time
 
 import torch
 
+from neuron_ckpt.memory.report import positive_int
+
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 MiB = 2**20
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive int, got {value}")
-    return value
 
 
 def parse_args() -> argparse.Namespace:

@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import errno
-import json
 import subprocess
 import sys
 import time
@@ -20,10 +19,9 @@ import pytest
 import torch
 
 import neuron_ckpt as nc
-from neuron_ckpt.data import write_packed
 from neuron_ckpt.parallel import VocabParallelEmbedding
 from neuron_ckpt.paths import check_output_paths
-from .tutorial_run import TINY
+from .tutorial_run import tiny_run_files
 from .tutorial_run import train_error as _train_error
 
 REPO = Path(__file__).resolve().parents[1]
@@ -101,11 +99,7 @@ def test_check_output_paths_names_the_option_and_reason(tmp_path, kind, option, 
 @pytest.fixture(scope="module")
 def train_files(tmp_path_factory) -> tuple[Path, list[str]]:
     root = tmp_path_factory.mktemp("bad_out")
-    (root / "tiny.json").write_text(json.dumps(TINY))
-    blocks = np.random.default_rng(0).integers(0, 128, size=(32, 16))
-    write_packed(root / "train.safetensors", blocks, vocab_size=128, tokenizer="random")
-    common = [
-        "--model-config", str(root / "tiny.json"), "--data", str(root / "train.safetensors"),
+    common = tiny_run_files(root, np.random.default_rng(0).integers(0, 128, size=(32, 16))) + [
         "--tp", "2", "--global-batch-size", "4", "--max-steps", "2", "--warmup-steps", "1",
     ]  # fmt: skip
     return root, common

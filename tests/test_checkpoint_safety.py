@@ -13,15 +13,13 @@ import shutil
 import warnings
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
-from neuron_ckpt.data import write_packed
 from neuron_ckpt.train import CheckpointManager
 from neuron_ckpt.train.metrics import MetricsWriter, drop_after_step, make_record
 
-from .tutorial_run import TINY
+from .tutorial_run import tiny_run_files
 from .tutorial_run import train as _train
 from .tutorial_run import train_error as _train_error
 
@@ -29,12 +27,7 @@ from .tutorial_run import train_error as _train_error
 @pytest.fixture(scope="module")
 def run_files(tmp_path_factory) -> tuple[Path, list[str]]:
     root = tmp_path_factory.mktemp("safety")
-    (root / "tiny.json").write_text(json.dumps(TINY))
-    starts = np.random.default_rng(0).integers(0, 128, size=(64, 1))
-    blocks = (starts + np.arange(16)) % 128
-    write_packed(root / "train.safetensors", blocks, vocab_size=128, tokenizer="random")
-    common = [
-        "--model-config", str(root / "tiny.json"), "--data", str(root / "train.safetensors"),
+    common = tiny_run_files(root) + [
         "--tp", "2", "--global-batch-size", "8", "--max-steps", "12", "--warmup-steps", "1",
         "--lr", "1e-2",
     ]  # fmt: skip

@@ -77,19 +77,12 @@ def test_compiled_recompute_replays_tensor_parallel_dropout(world):
 
 
 def test_tutorial_compile_trains_like_eager(world, tmp_path):
-    import json
-
     import numpy as np
 
-    from neuron_ckpt.data import write_packed
+    from .tutorial_run import tiny_run_files, train
 
-    from .tutorial_run import train
-
-    (tmp_path / "tiny.json").write_text(json.dumps(TINY))
     blocks = (np.random.default_rng(0).integers(0, 128, size=(16, 1)) + np.arange(16)) % 128
-    write_packed(tmp_path / "train.safetensors", blocks, vocab_size=128, tokenizer="random")
-    argv = [
-        "--model-config", str(tmp_path / "tiny.json"), "--data", str(tmp_path / "train.safetensors"),
+    argv = tiny_run_files(tmp_path, blocks) + [
         "--tp", "2", "--sequence-parallel", "--recompute", "selective", "--global-batch-size", "4",
         "--max-steps", "3", "--warmup-steps", "1", "--lr", "1e-2",
     ]  # fmt: skip

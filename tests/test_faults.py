@@ -21,15 +21,13 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
-from neuron_ckpt.data import write_packed
 from neuron_ckpt.train import CheckpointManager, NonFiniteError
 from neuron_ckpt.train import faults
 
-from .tutorial_run import TINY, TUTORIAL
+from .tutorial_run import TUTORIAL, tiny_run_files
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -37,11 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def run_files(tmp_path_factory) -> tuple[Path, list[str]]:
     root = tmp_path_factory.mktemp("faults")
-    (root / "tiny.json").write_text(json.dumps(TINY))
-    starts = np.random.default_rng(0).integers(0, 128, size=(64, 1))
-    write_packed(root / "train.safetensors", (starts + np.arange(16)) % 128, vocab_size=128, tokenizer="random")
-    common = [
-        "--model-config", str(root / "tiny.json"), "--data", str(root / "train.safetensors"),
+    common = tiny_run_files(root) + [
         "--global-batch-size", "8", "--max-steps", "12", "--warmup-steps", "1", "--lr", "1e-2",
     ]  # fmt: skip
     return root, common

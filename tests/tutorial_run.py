@@ -3,8 +3,11 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
+
+import numpy as np
 
 TUTORIAL = Path(__file__).resolve().parents[1] / "tutorials" / "llama2_7b_tp_zero1"
 TINY = {
@@ -12,6 +15,19 @@ TINY = {
     "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
     "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
 }  # fmt: skip
+
+
+def tiny_run_files(root: Path, blocks: np.ndarray | None = None) -> list[str]:
+    """Write the tiny config and a packed token file under ``root``; the ``--model-config`` and
+    ``--data`` arguments that name them. ``blocks``: the token blocks (default: 64 blocks of 16
+    consecutive ids from random starts, so the loss can fall)."""
+    if blocks is None:
+        blocks = (np.random.default_rng(0).integers(0, 128, size=(64, 1)) + np.arange(16)) % 128
+    from neuron_ckpt.data import write_packed
+
+    (root / "tiny.json").write_text(json.dumps(TINY))
+    write_packed(root / "train.safetensors", blocks, vocab_size=128, tokenizer="random")
+    return ["--model-config", str(root / "tiny.json"), "--data", str(root / "train.safetensors")]
 
 
 def train_module():

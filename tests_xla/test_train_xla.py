@@ -16,14 +16,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch_xla.core.xla_model as xm
 import torch_xla.debug.metrics as met
 
-from neuron_ckpt.data import write_packed
 from neuron_ckpt.train.schedule import LRSchedule
-from tests.tutorial_run import TINY, TUTORIAL, train_module
+from tests.tutorial_run import TUTORIAL, tiny_run_files, train_module
 
 pytestmark = pytest.mark.usefixtures("xla")
 GRAD_ACCUM = 4
@@ -38,11 +36,7 @@ def _counts() -> dict[str, int]:
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     root = tmp_path_factory.mktemp("train_xla")
-    (root / "tiny.json").write_text(json.dumps(TINY))
-    starts = np.random.default_rng(0).integers(0, 128, size=(64, 1))
-    write_packed(root / "train.safetensors", (starts + np.arange(16)) % 128, vocab_size=128, tokenizer="random")
-    argv = [
-        "--model-config", str(root / "tiny.json"), "--data", str(root / "train.safetensors"),
+    argv = tiny_run_files(root) + [
         "--recompute", "selective", "--dtype", "bf16", "--micro-batch-size", "2",
         "--global-batch-size", str(2 * GRAD_ACCUM), "--lr", "1e-2", "--warmup-steps", "3",
         "--max-steps", "10", "--decay", "cosine", "--log-every", "3",
