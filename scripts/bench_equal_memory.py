@@ -23,10 +23,10 @@ One process, TP 1, world size 1 (a 1-rank gloo group), on CPU::
    applied with ``apply_recompute``), measured the same way (the process-wide causal mask is a
    cached buffer, left out like HF's buffers; the budget counts it as static). Planned and
    measured bytes are both printed, and measured ours is compared with measured HF's.
-4. Forward + backward step times of HF with checkpointing, ours as planned, and ours without
-   recompute and with selective recompute (for selective's overhead), taking turns every
-   iteration (the order rotates) so drift hits them alike; ratios of the best step of each,
-   medians beside.
+4. Forward + backward step times of HF with checkpointing, ours as planned, ours with the same
+   full recompute in the reentrant (Megatron-style) variant, and ours without recompute and with
+   selective recompute (for selective's overhead), taking turns every iteration (the order
+   rotates) so drift hits them alike; ratios of the best step of each, medians beside.
 
 Targets (issue 14), printed beside the measurements, not asserted: ours at least 1.25x faster
 than HF's checkpointing at no more activation memory; selective at most 1.03x no recompute.
@@ -37,10 +37,12 @@ checkpointing keeps about the least any per-layer recompute can: each layer's in
 fp32 ``[s, v]`` log-softmax for the loss, the same bytes as our cross entropy's fp32 softmax.
 So at its memory the planner can only choose full recompute on every layer (the script prints
 what is left to spare and what the cheapest step up would need), and the ratio compares two
-full recomputes. There torch's non-reentrant checkpoint has an edge: it stops recomputing once
-the last tensor backward needs is rebuilt, and the down projection's input is saved before its
-matmul runs, so it never reruns that matmul (about a fifth of a Llama layer's forward FLOPs);
-our checkpoint reruns the whole layer. Results of one run: docs/recompute.md.
+full recomputes: it measures the two implementations, not the recompute policy. Both now stop
+the rerun once the last tensor backward needs is rebuilt (torch's non-reentrant checkpoint, our
+default off XLA): autograd saves the down projection's input before its matmul runs, so that
+matmul (about a fifth of a Llama layer's forward FLOPs) is never rerun. "ours full reentrant /
+ours planned" is what that early stop saves against the reentrant variant, which reruns the
+whole layer. Results of one run: docs/recompute.md.
 
 Not counted on HF's side, and printed separately: the tensors HF's checkpoints hold through
 their closures rather than save (the causal mask, the rotary tables, the position ids, passed
@@ -206,7 +208,8 @@ def main() -> None:
     torch.manual_seed(0)
     ours = LlamaForCausalLM(config, dtype=dtype).train()  # one model: each variant applies its recompute
     # None stands for HF; our variants are recompute configs applied in turn to the one model.
-    variants = {"hf checkpointing": None, "ours planned": plan.recompute,
+    reentrant = [RecomputeConfig(granularity="full", method="uniform", num_layers=1, use_reentrant=True)] * a.layers
+    variants = {"hf checkpointing": None, "ours planned": plan.recompute, "ours full reentrant": reentrant,
                 "ours none": RecomputeConfig(), "ours selective": RecomputeConfig.preset("selective")}
     apply_recompute(ours, plan.recompute)
     ours_bytes = measure_ours(ours, ids)
@@ -240,7 +243,8 @@ def main() -> None:
     print(f"  whole-device budget (plan_recompute's view): none {none_total / MiB:,.0f} MiB, full "
           f"{full.total_bytes / MiB:,.0f} MiB; its peak workspace at full: {full.items[-1].note}")
     kept = {"hf checkpointing": f"{hf_bytes / MiB:8.2f} MiB measured",
-            "ours planned": f"{ours_bytes / MiB:8.2f} MiB measured"}
+            "ours planned": f"{ours_bytes / MiB:8.2f} MiB measured",
+            "ours full reentrant": f"{memory_budget(shape, setup, 'full').activation_bytes / MiB:8.2f} MiB planned"}
     for name in ("none", "selective"):
         kept[f"ours {name}"] = f"{memory_budget(shape, setup, name).activation_bytes / MiB:8.2f} MiB planned"
     print("step time, forward + backward (activations kept beside):")
@@ -256,6 +260,9 @@ def main() -> None:
     ratio("ours selective / ours none", "ours selective", "ours none",
           f"target <= 1.03 (recompute FLOPs: {selective_flops:.1%} of the step's)")
     ratio("ours planned / ours none", "ours planned", "ours none", "what equal memory costs us")
+    if set(plan.layers) == {"full"}:
+        ratio("ours full reentrant / ours planned", "ours full reentrant", "ours planned",
+              "the early stop: the down projection is not rerun")
     ratio("hf checkpointing / ours none", "hf checkpointing", "ours none",
           "the ceiling: no plan beats recomputing nothing")
     del hf, ours

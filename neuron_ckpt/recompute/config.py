@@ -63,11 +63,13 @@ class RecomputeConfig:
     all-gather it over the tensor-parallel group before recomputing (Megatron's option). Not with
     sequence parallel (the input is already split) nor with ``use_reentrant=False``."""
 
-    use_reentrant: bool = True
-    """``True``: Megatron-style activation checkpoint (a custom autograd Function that reruns the
-    forward in backward); works on every backend, including XLA. ``False``:
-    ``torch.utils.checkpoint``'s non-reentrant variant (supports ``torch.autograd.grad``); refused
-    on XLA."""
+    use_reentrant: bool | None = None
+    """``None`` (default): the reentrant variant on XLA and with ``distribute_saved_activations``,
+    the non-reentrant one everywhere else. ``True``: Megatron-style activation checkpoint (a custom
+    autograd Function that reruns the whole forward in backward); works on every backend,
+    including XLA. ``False``: ``torch.utils.checkpoint``'s non-reentrant variant, which stops the
+    rerun once the last tensor backward needs is rebuilt (a Llama layer's down projection is never
+    rerun) and supports ``torch.autograd.grad``; refused on XLA."""
 
     def __post_init__(self) -> None:
         # Normalise ``modules`` (a list is fine as input; the frozen config stores a tuple).
@@ -95,8 +97,8 @@ class RecomputeConfig:
             raise ValueError(
                 f"distribute_saved_activations must be a bool, got {self.distribute_saved_activations!r}"
             )
-        if not isinstance(self.use_reentrant, bool):
-            raise ValueError(f"use_reentrant must be a bool, got {self.use_reentrant!r}")
+        if self.use_reentrant is not None and not isinstance(self.use_reentrant, bool):
+            raise ValueError(f"use_reentrant must be None, True or False, got {self.use_reentrant!r}")
 
         if self.granularity == "full":
             if self.method is None:
@@ -126,7 +128,7 @@ class RecomputeConfig:
                 raise ValueError(
                     "distribute_saved_activations=True needs recompute: set granularity to 'selective' or 'full'"
                 )
-        if self.distribute_saved_activations and not self.use_reentrant:
+        if self.distribute_saved_activations and self.use_reentrant is False:
             raise ValueError(
                 "distribute_saved_activations=True needs use_reentrant=True (the non-reentrant "
                 "torch.utils.checkpoint keeps the full input alive)"
@@ -178,13 +180,13 @@ class RecomputeConfig:
                 "distribute_saved_activations=True cannot be used with sequence_parallel=True: the "
                 "saved input is already split over the tensor-parallel group"
             )
-        if not self.use_reentrant and self.enabled:
+        if self.use_reentrant is False and self.enabled:
             from ..distributed.runtime import is_xla
 
             if is_xla():
                 raise ValueError(
                     "use_reentrant=False is not supported on XLA (torch_xla's checkpoint is reentrant "
-                    "only); use use_reentrant=True"
+                    "only); use use_reentrant=True or leave it None"
                 )
 
 
