@@ -149,6 +149,67 @@ def _cross_entropy(t: int) -> dict[str, float]:
     return errs
 
 
+def _cross_entropy_bf16(t: int) -> dict[str, bool | float]:
+    """bf16 logits: the kept bf16 softmax (+ fp32 target probability) against the same cross
+    entropy fed the fp32 copy of those logits (which keeps the fp32 softmax), its gradient
+    rounded to bf16 as autograd rounds it for bf16 logits."""
+    st = nc.initialize_model_parallel(t)
+    V = 64
+    # Scale 12: many tokens put p > 0.99 on one entry, where the target's p - 1 would cancel.
+    full = (12 * full_input(S, B, V)).to(torch.bfloat16)
+    target = full.float().argmax(-1)
+    target[1::2] = torch.randint(0, V, target[1::2].shape, generator=torch.Generator().manual_seed(4))
+    target[0, 0] = -100
+    out: dict[str, bool | float] = {}
+    for reduction, scale in (("sum", 0.5), ("mean", 1.0), ("sum", 0.3)):
+        grads = []
+        for dtype in (torch.bfloat16, torch.float32):
+            local = chunk(full, -1, st).to(dtype).clone().requires_grad_()
+            loss = vocab_parallel_cross_entropy(local, target, ignore_index=-100, reduction=reduction)
+            (loss * scale).backward()
+            grads.append(local.grad.to(torch.bfloat16))
+        ours, ref = grads
+        key = f"{reduction}*{scale}"
+        out[f"{key} equal"] = torch.equal(ours, ref)
+        # One bf16 rounding: |ours - ref| <= one bf16 ulp of ref (2^-7 relative, normal range).
+        ulp = ref.float().abs() * 2**-7
+        out[f"{key} within one ulp"] = bool(((ours.float() - ref.float()).abs() <= ulp).all())
+    out["max p"] = float(torch.softmax(full.float(), -1).amax())
+    return out
+
+
+def test_cross_entropy_bf16_keeps_a_bf16_softmax_with_the_fp32_gradient(world):
+    """2^k grad_loss (sum * 0.5): bit-identical to the fp32 softmax; otherwise within one bf16
+    rounding (double rounding); the target entries (p near 1) never lose to cancellation."""
+    for t in (1, 2):
+        for rank, res in enumerate(world(t).run(_cross_entropy_bf16, t)):
+            assert res["max p"] > 0.99, res
+            assert res["sum*0.5 equal"], (t, rank, res)  # grad_loss 0.5 = 2^-1
+            for key, value in res.items():
+                if key.endswith("within one ulp"):
+                    assert value, (t, rank, key, res)
+
+
+def test_cross_entropy_keeps_half_the_bytes_for_bf16_logits():
+    from neuron_ckpt.memory import SavedTensorRecorder
+
+    nc.initialize_model_parallel(1)
+    try:
+        target = torch.randint(0, 1000, (8, 4), generator=torch.Generator().manual_seed(0))
+        kept = {}
+        for dtype in (torch.bfloat16, torch.float32):
+            logits = torch.randn(8, 4, 1000, dtype=dtype, requires_grad=True)
+            with SavedTensorRecorder() as rec:
+                loss = vocab_parallel_cross_entropy(logits, target, reduction="none")
+            kept[dtype] = rec.total_bytes
+            del loss
+        masks = 32 * (8 + 1 + 1)  # int64 index, two bool masks
+        assert kept[torch.float32] == 32 * 1000 * 4 + masks
+        assert kept[torch.bfloat16] == 32 * 1000 * 2 + 32 * 4 + masks
+    finally:
+        nc.destroy_distributed()
+
+
 def _norms(t: int) -> dict[str, float]:
     st = nc.initialize_model_parallel(t)
     errs = {}

@@ -11,11 +11,12 @@ One device (a NeuronCore, a GPU) holds one tensor-parallel rank of one data-para
 * **activations kept for backward**: per layer from the analytic model
   (:mod:`.analytic`) under the layer's recompute option (:mod:`.options`), plus what sits outside the layers:
   rotary tables, embedding indices, the final norm, the LM head input and what the
-  vocab-parallel cross entropy saves (its fp32 softmax ``[s, b, v/t]`` and the targets), times
+  vocab-parallel cross entropy saves (its softmax ``[s, b, v/t]``, bf16 with bf16 logits and fp32
+  otherwise, and the targets), times
   the micro-batches in flight (1 without pipeline parallelism: a micro-batch's backward ends
   before the next forward starts);
 * **peak workspace**: the largest transient on top, whichever is worst of (a) the loss: the
-  ``[s, b, v/t]`` logits plus the cross entropy's fp32 copy and shifted logits, (b) a recomputed
+  ``[s, b, v/t]`` logits plus the cross entropy's fp32 working copy (and its bf16 softmax), (b) a recomputed
   layer's activations alive again during its backward, on top of the layers before it, (c) the
   optimizer step (after the activations are freed): the flattened gradients and fp32 slices.
 
@@ -172,12 +173,17 @@ def _outside_items(model: ModelShape, setup: TrainingSetup) -> tuple[list[LineIt
         items = [LineItem("act: embedding", sb_local * h, "activations", "dropout mask")]
         final = sb_local * h * w + 2 * sb_local * w + sb_local * h * w
     items.append(LineItem("act: final norm + LM head", final, "activations", "norm input/stats, LM head input"))
-    # Vocab-parallel cross entropy: fp32 softmax [s, b, v/t], target index, two bool masks; the
-    # mean's division keeps its int64 token count.
-    loss = logits * _FP32 + sb * (_INT64 + 2 * _BOOL) + _INT64
-    items.append(LineItem("act: loss", loss, "activations", "fp32 softmax [s, b, v/t] + targets"))
-    # While it runs: the logits (w) and two fp32 temporaries (the cast, the shifted logits).
-    transient = logits * (w + (_FP32 if w != _FP32 else 0) + _FP32)
+    # Vocab-parallel cross entropy: the softmax [s, b, v/t] (bf16 with bf16 logits, plus each
+    # target's fp32 probability; fp32 otherwise), target index, two bool masks; the mean's
+    # division keeps its int64 token count.
+    lean = setup.dtype == "bf16"
+    softmax = logits * w + sb * _FP32 if lean else logits * _FP32
+    loss = softmax + sb * (_INT64 + 2 * _BOOL) + _INT64
+    what = "bf16 softmax [s, b, v/t] + fp32 target p" if lean else "fp32 softmax [s, b, v/t]"
+    items.append(LineItem("act: loss", loss, "activations", f"{what} + targets"))
+    # While it runs: the logits (w), one fp32 [s, b, v/t] buffer (the cast, shifted and
+    # exponentiated in place; for fp32 logits the shifted copy) and the bf16 softmax it keeps.
+    transient = logits * (w + _FP32 + (w if lean else 0))
     return items, transient
 
 
@@ -224,7 +230,7 @@ def memory_budget(
     layer_saved = sum(o.saved_bytes for o in order)
     recompute = _recompute_peak(order) - layer_saved
     candidates = [
-        (loss_transient, "loss: logits + fp32 temporaries of the cross entropy"),
+        (loss_transient, "loss: logits + the cross entropy's fp32 working copy"),
         (recompute, "a recomputed layer's activations during its backward"),
         (step - saved, "optimizer step: fp32 gradient slices + one bucket buffer (activations freed)"),
     ]

@@ -7,6 +7,18 @@ dimension (Neuron, like NxD, wants no collective on the last dim): a MAX of the 
 then one SUM of the target logit and the sum of exponentials stacked along a new leading dim.
 Computed in fp32 whatever the logits' dtype. Semantics equal
 ``torch.nn.functional.cross_entropy`` (``ignore_index``; ``mean`` over the tokens not ignored).
+
+What it keeps for backward. The gradient is ``(softmax - onehot(target)) * grad_loss``. For fp32
+or fp16 logits the fp32 softmax ``[..., v/t]`` is kept, as Megatron and ``F.cross_entropy`` (an
+fp32 log-softmax) keep it. For **bf16** logits it keeps the softmax rounded to bf16 (half the
+bytes: often the largest single activation of a Llama step, 4·s·b·v/t bytes in fp32) plus the
+fp32 probability of each target (``[...]``). The target entries, where ``p - 1`` would lose
+everything to cancellation if ``p`` were rounded, are therefore computed from fp32 exactly as
+before; every other entry is ``bf16(p) * grad_loss``, and the gradient reaching the bf16 logits
+is rounded to bf16 anyway. So it is bit-identical to the fp32-softmax gradient whenever
+``grad_loss`` is a power of two (``sum``, or ``mean`` over 2^k tokens) and otherwise within one
+bf16 rounding of it (double rounding; ``tests/test_layers.py`` checks both). The forward works
+in place on its fp32 copy of the logits (no second ``[..., v/t]`` fp32 temporary).
 """
 
 from __future__ import annotations
@@ -22,33 +34,45 @@ REDUCTIONS = ("mean", "sum", "none")
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, ignore_index: int, group: Group):
-        logits = logits.float()
-        v_local = logits.shape[-1]
+        lean = logits.dtype == torch.bfloat16
+        x = logits.float()  # a copy unless the logits are fp32: then work out of place once
+        v_local = x.shape[-1]
         start = group.rank * v_local
         # Global max by a MAX all-reduce of the local maxima: a collective with no dimension (an
         # all-gather of them would run along the last dim, which Neuron handles badly). The max
         # only stabilises exp(); it cancels in the loss and its gradient, so it needs no autograd
         # (forward runs under no_grad).
-        gmax = C.all_reduce(logits.amax(dim=-1), group, op="max").unsqueeze(-1)
-        shifted = logits - gmax
+        gmax = C.all_reduce(x.amax(dim=-1), group, op="max").unsqueeze(-1)
+        shifted = x.sub_(gmax) if x is not logits else x - gmax
         ignored = target == ignore_index
         local_t = target - start
         mine = (local_t >= 0) & (local_t < v_local) & ~ignored
         idx = torch.where(mine, local_t, torch.zeros_like(local_t)).unsqueeze(-1)
         target_logit = torch.gather(shifted, -1, idx).squeeze(-1) * mine
-        exp = shifted.exp()
+        exp = shifted.exp_()
         sum_exp = exp.sum(dim=-1)
         both = C.all_reduce(torch.stack([target_logit, sum_exp]), group)
         loss = (both[1].log() - both[0]).masked_fill(ignored, 0.0)
         softmax = exp.div_(both[1].unsqueeze(-1))
-        ctx.save_for_backward(softmax, idx, mine, ignored)
+        if lean:
+            # The target's probability in fp32 (0 where the target is not on this rank), then the
+            # softmax in bf16: half the bytes, the same gradient to within its bf16 rounding.
+            p_target = torch.gather(softmax, -1, idx).squeeze(-1) * mine
+            softmax = softmax.to(torch.bfloat16)
+        else:
+            p_target = torch.empty(0)
+        ctx.save_for_backward(softmax, p_target, idx, mine, ignored)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        softmax, idx, mine, ignored = ctx.saved_tensors
-        grad = softmax.clone()
-        grad.scatter_add_(-1, idx, -mine.unsqueeze(-1).to(grad.dtype))
+        softmax, p_target, idx, mine, ignored = ctx.saved_tensors
+        grad = softmax.float() if softmax.dtype != torch.float32 else softmax.clone()
+        if p_target.numel():
+            at_target = torch.where(mine, p_target - 1.0, torch.gather(grad, -1, idx).squeeze(-1))
+            grad.scatter_(-1, idx, at_target.unsqueeze(-1))
+        else:
+            grad.scatter_add_(-1, idx, -mine.unsqueeze(-1).to(grad.dtype))
         grad.masked_fill_(ignored.unsqueeze(-1), 0.0)
         grad.mul_(grad_loss.unsqueeze(-1))
         return grad, None, None, None
