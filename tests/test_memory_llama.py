@@ -80,12 +80,12 @@ def test_terms_follow_the_derivation():
     norm = 2 * sbh + 4 * s * b  # the fused RMSNorm: its bf16 input, the fp32 1/rms
     assert terms["norm1_input"] + terms["norm1_rstd_fp32"] == norm
     assert terms["k"] == terms["v"] == 2 * s * b * g * d  # kv heads, not repeated
-    assert terms["softmax_out_fp32"] == 4 * a * s * s * b and terms["probs"] == 2 * a * s * s * b
+    assert terms["probs"] == 2 * a * s * s * b  # the fused masked softmax keeps only its bf16 output
     assert sum(terms[n] for n in ("gate", "up", "down_input")) == 6 * s * b * f  # silu(gate) recomputed
     assert sum(terms.values()) == 2 * norm + 2 * 2 * sbh + 2 * s * b * (2 * a * d + 2 * g * d) \
-        + 6 * a * s * s * b + 6 * s * b * f
+        + 2 * a * s * s * b + 6 * s * b * f
     selective = _by_name(_llama(h, a, g, f), "selective", s=s, b=b)
-    assert set(terms) - set(selective) == {"softmax_out_fp32", "probs"}
+    assert set(terms) - set(selective) == {"probs"}
     mlp_act = _by_name(_llama(h, a, g, f), "selective+mlp_act", s=s, b=b)
     assert mlp_act == selective  # the fused SwiGLU keeps only gate and up, as its checkpoint would
 

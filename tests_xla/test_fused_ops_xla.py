@@ -1,4 +1,4 @@
-"""``rms_norm`` and ``swiglu`` on the XLA device: the eager CPU numbers, and no op falls back.
+"""``rms_norm``, ``swiglu`` and ``masked_softmax`` on the XLA device: the eager CPU numbers, and no op falls back.
 
 Forward output and the gradients of both inputs of ``sum(out * r)``, XLA against eager CPU in
 the same process:
@@ -8,6 +8,7 @@ the same process:
   ``silu`` as ``gate * sigmoid(gate)`` rounding the sigmoid to bf16 first, where ATen's kernel
   rounds once, so the two differ by one to two units (measured up to 4.6e-3, swiglu's gate
   gradient; rms_norm in bf16 came out equal bit for bit). A wrong formula is off by ~1.
+  ``masked_softmax`` (causal mask, ``[b, a, s, s]`` scores) is held to the same bounds.
 
 Lowering: ``torch_xla.debug.metrics.executed_fallback_ops()`` (the ops that ran on the CPU
 because XLA has no lowering for them) is empty after forward and backward and the graph's HLO
@@ -21,7 +22,8 @@ import torch
 import torch_xla
 import torch_xla.debug.metrics as met
 
-from neuron_ckpt.parallel.fused_ops import rms_norm, swiglu
+from neuron_ckpt.parallel.attention import masked_score
+from neuron_ckpt.parallel.fused_ops import masked_softmax, rms_norm, swiglu
 
 from .helpers import TOL, hlo, rel
 
@@ -47,7 +49,14 @@ def run(fn, inputs: list[torch.Tensor], device) -> tuple[list[torch.Tensor], str
     return [t.cpu() for t in results], text
 
 
+def causal_softmax(x: torch.Tensor) -> torch.Tensor:
+    mask = torch.ones(x.shape[-1], x.shape[-1], dtype=torch.bool, device=x.device).triu_(1)
+    return masked_softmax(x, mask, masked_score(x.dtype))
+
+
 CASES = {
+    "masked_softmax-fp32": (causal_softmax, [3 * randn(B, 4, S, S, seed=4)]),
+    "masked_softmax-bf16": (causal_softmax, [(3 * randn(B, 4, S, S, seed=4)).bfloat16()]),
     "rms_norm-fp32": (lambda x, w: rms_norm(x, w, 1e-6), [randn(S, B, H, seed=0), 1 + 0.1 * randn(H, seed=1)]),
     "rms_norm-bf16-fp32weight": (
         lambda x, w: rms_norm(x, w, 1e-6),

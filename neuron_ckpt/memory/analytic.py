@@ -8,7 +8,7 @@ where the bytes go and a measurement can be compared term by term:
   (h -> 4h) -> GeLU -> fc2 -> dropout -> residual. Activations are ``setup.width`` bytes wide,
   dropout masks 1 byte (what ``torch.native_dropout`` saves). Presets none, selective, full:
   exactly the rows of Table 2.
-* the Llama layer (:mod:`neuron_ckpt.models.llama`): RMSNorm, GQA, rotary, fp32 softmax, SwiGLU,
+* the Llama layer (:mod:`neuron_ckpt.models.llama`): RMSNorm, GQA, rotary, fp32 softmax kept in 16 bits, SwiGLU,
   no dropout; derived in docs/memory.md ("The Llama layer"). Every preset.
 
 Every function takes ``(model, setup, recompute)``: a :class:`~.shape.ModelShape`, a
@@ -164,8 +164,8 @@ def _rmsnorm_terms(prefix: str, sb: int, h: int, width: int) -> list[tuple[str, 
 
 
 def _llama_terms(model: ModelShape, setup: TrainingSetup, name: str, distribute: bool) -> list[ActivationTerm]:
-    """The Llama layer's terms. Selective recompute drops the attention core (fp32 softmax output
-    and its 16-bit copy, the ``s^2`` terms); ``mlp_act`` drops nothing more (the fused SwiGLU
+    """The Llama layer's terms. Selective recompute drops the attention core (the softmax output
+    in the activation dtype, the ``s^2`` term); ``mlp_act`` drops nothing more (the fused SwiGLU
     keeps only gate and up, which its checkpoint would keep too); full recompute keeps only the
     layer input."""
     s, b, h, t, w = setup.seq_len, setup.micro_batch, model.hidden, setup.tp, setup.width
@@ -193,10 +193,9 @@ def _llama_terms(model: ModelShape, setup: TrainingSetup, name: str, distribute:
         ("down_input", w * s * b * f_loc),
     ]
     if name == "none":
-        scores = a_loc * s * s * b
-        inside.append(("softmax_out_fp32", _FP32 * scores))
-        if w != _FP32:  # the cast back to 16 bits, kept by the matmul with V
-            inside.append(("probs", w * scores))
+        # The fused masked softmax keeps only its output, in the activation dtype: the tensor
+        # the matmul with V keeps too (one storage).
+        inside.append(("probs", w * a_loc * s * s * b))
     return [ActivationTerm(n, v, sp) for n, v in outside] + [ActivationTerm(n, v, True) for n, v in inside]
 
 

@@ -9,7 +9,7 @@ from .attention import CoreAttention
 from .cross_entropy import vocab_parallel_cross_entropy
 from .dropout import dropout
 from .embedding import VocabParallelEmbedding
-from .fused_ops import rms_norm, swiglu
+from .fused_ops import masked_softmax, rms_norm, swiglu
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .norms import LayerNorm, RMSNorm
 from .qkv import QKVParallelLinear
@@ -23,6 +23,7 @@ __all__ = [
     "RowParallelLinear",
     "VocabParallelEmbedding",
     "dropout",
+    "masked_softmax",
     "rms_norm",
     "swiglu",
     "vocab_parallel_cross_entropy",

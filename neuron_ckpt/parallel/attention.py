@@ -7,9 +7,10 @@ attention output ``[s, b, heads*d]``. Two implementations, same numerics up to r
   ``-inf``: see :func:`masked_score`), softmax, dropout, weighted sum of ``V``, written out.
   Autograd then keeps the ``[b, a, s, s]`` softmax output, dropout mask and dropout output: the
   ``5as^2b`` term of Korthikanti et al. that selective recompute removes.
-  Softmax runs in fp32 (``softmax_in_fp32``, as ``transformers`` Llama does), which makes its
-  saved output 4 bytes per element instead of 2; set it False to follow the paper's 16-bit
-  accounting.
+  Softmax runs in fp32 (``softmax_in_fp32``, as ``transformers`` Llama does) through
+  :func:`~.fused_ops.masked_softmax`, which keeps only its output in the scores' dtype (2 bytes
+  per element in bf16, as the paper and Megatron's fused softmax count), not the fp32 softmax
+  that the plain expression would keep beside it.
 * ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention``. A fused kernel keeps no
   ``s^2`` tensor (flash / memory-efficient backends) or keeps it internally, so recomputing it
   buys little memory; selective recompute is then pointless and full recompute is the lever.
@@ -33,6 +34,7 @@ import torch.nn.functional as F
 
 from ..distributed.random import get_rng_tracker
 from .dropout import dropout
+from .fused_ops import masked_softmax
 
 IMPLEMENTATIONS = ("explicit", "sdpa")
 
@@ -116,11 +118,13 @@ class CoreAttention(torch.nn.Module):
         # memory-bound devices every pass over an [b, a, s, s] tensor costs as much as a matmul.
         qg = q.reshape(b, g, (a // g) * s, d) * (1.0 / math.sqrt(d))
         scores = torch.matmul(qg, k.transpose(-1, -2)).view(b, a, s, s)
-        scores = scores.masked_fill_(self.causal_mask(s, q.device), masked_score(scores.dtype))
+        mask, fill = self.causal_mask(s, q.device), masked_score(scores.dtype)
         if self.softmax_in_fp32:
-            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+            # One Function: keeps only the 16-bit probabilities (which the matmul with V keeps
+            # anyway), not the fp32 softmax beside them; no backward pass for the mask.
+            probs = masked_softmax(scores, mask, fill)
         else:
-            probs = torch.softmax(scores, dim=-1)
+            probs = torch.softmax(scores.masked_fill_(mask, fill), dim=-1)
         if p > 0:
             probs = dropout(probs, p)  # 1-byte mask, as the paper counts
         out = torch.matmul(probs.view(b, g, (a // g) * s, s), v)

@@ -1,12 +1,20 @@
-"""RMSNorm and SwiGLU as single autograd Functions that keep only their inputs for backward.
+"""RMSNorm, SwiGLU and the attention softmax as single autograd Functions that keep only what
+their backward cannot do without.
 
-Written as plain expressions, these two let autograd keep every intermediate its ops need. Per
+Written as plain expressions, these let autograd keep every intermediate its ops need. Per
 ``n`` activation elements in a 16-bit dtype:
 
 - ``rms_norm(x, w, eps)``: the plain expression keeps fp32 ``x`` (4n bytes), the fp32 rstd and
   the normalised ``x`` in 16 bits (2n); the Function keeps ``x`` (2n) and rstd (fp32, ``[..., 1]``).
 - ``swiglu(gate, up)``: the plain expression keeps ``gate``, ``silu(gate)`` and ``up`` (6n); the
   Function keeps ``gate`` and ``up`` (4n).
+- ``masked_softmax(scores, mask, fill)``: ``softmax(scores.masked_fill(mask, fill), dtype=fp32)
+  .to(scores.dtype)`` keeps the fp32 softmax (4n) beside the 16-bit probabilities the matmul with
+  V keeps anyway (2n), and in backward copies the ``[b, a, s, s]`` gradient three more times for
+  the in-place mask (autograd's CopySlices and masked_fill backward); the Function keeps only
+  the 16-bit output (the tensor the matmul keeps: 0 bytes of its own) and has no mask backward
+  (the output, hence the gradient, is exactly 0 where masked). Megatron's fused scale-mask-softmax
+  kernel keeps the same 16-bit output; the paper's ``5as^2b`` counts it that way.
 
 Backward recomputes the rest: a few elementwise ops over tensors it reads anyway. The forward
 runs the same ops as the plain expressions, so outputs are bit-identical to them. None of the
@@ -34,7 +42,14 @@ Statistics run in ``x``'s dtype promoted to at least fp32: fp32 for 16-bit and f
 exactly as ``x.float()``; fp64 inputs keep fp64 (``x.float()`` would round them to fp32), which
 is what lets ``gradcheck`` check the backward.
 
-Both are differentiable once (a second derivative through them raises): training needs no more.
+``masked_softmax``'s forward is the plain expression's ops on the same values (bit-identical).
+Its backward is autograd's softmax backward kernel (``_softmax_backward_data``) in fp32, fed the
+16-bit output widened to fp32 instead of the fp32 output: each probability carries one more
+16-bit rounding (relative 2^-9 in bf16) into a gradient that is then rounded to 16 bits anyway.
+``tests/test_fused_ops.py`` bounds it against an fp64 reference. For fp32 scores it keeps the fp32
+output and its backward is autograd's, bit for bit.
+
+All are differentiable once (a second derivative through them raises): training needs no more.
 """
 
 from __future__ import annotations
@@ -42,7 +57,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-__all__ = ["rms_norm", "swiglu"]
+__all__ = ["masked_softmax", "rms_norm", "swiglu"]
 
 
 def _stats_dtype(x: torch.Tensor) -> torch.dtype:
@@ -117,3 +132,37 @@ class _SwiGLU(torch.autograd.Function):
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``F.silu(gate) * up``, bit for bit, forward and backward; keeps only ``gate`` and ``up``."""
     return _SwiGLU.apply(gate, up)
+
+
+class _MaskedSoftmax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, scores: torch.Tensor, mask: torch.Tensor, fill: float) -> torch.Tensor:
+        # A fresh copy in at least fp32 (fp64 stays fp64, for gradcheck) to mask in place; x is
+        # rebound so each temporary goes as soon as the next exists (peak: scores + two fp32
+        # [.., s, s] tensors, as for softmax(dtype=fp32) itself).
+        x = scores.to(_stats_dtype(scores), copy=True).masked_fill_(mask, fill)
+        x = torch.softmax(x, dim=-1)
+        out = x.to(scores.dtype)
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        (out,) = ctx.saved_tensors
+        compute = _stats_dtype(out)
+        d = torch.ops.aten._softmax_backward_data(grad.to(compute), out.to(compute), -1, compute)
+        return d.to(out.dtype), None, None
+
+
+def masked_softmax(scores: torch.Tensor, mask: torch.Tensor, fill: float) -> torch.Tensor:
+    """``torch.softmax(scores.masked_fill(mask, fill), -1, dtype=torch.float32).to(scores.dtype)``,
+    bit for bit, keeping only its output for backward.
+
+    ``mask``: bool, broadcastable to ``scores`` (True: masked). ``fill`` must make the masked
+    probabilities exactly 0 (a large negative finite value such as ``finfo(bf16).min``) and leave
+    every row at least one unmasked entry: the backward relies on it (no mask of its own).
+    """
+    if mask.dtype != torch.bool:
+        raise ValueError(f"mask must be a bool tensor, got {mask.dtype}")
+    return _MaskedSoftmax.apply(scores, mask, fill)
