@@ -1,6 +1,7 @@
-"""Saved bytes and forward + backward time of ``fused_ops.rms_norm`` / ``swiglu`` against the plain expressions.
+"""Saved bytes and forward + backward time of ``fused_ops.rms_norm`` / ``swiglu`` / ``masked_softmax`` against the plain expressions.
 
-Two parts: the ops alone (``--part ops``) and one whole ``LlamaDecoderLayer`` (``--part layer``)::
+Two parts: the ops alone (``--part ops``; RMSNorm and SwiGLU) and one whole ``LlamaDecoderLayer``
+(``--part layer``; all three)::
 
     python scripts/bench_fused_ops.py                    # both, CPU
     python scripts/bench_fused_ops.py --part layer --layer-dtype bf16 --layer-iters 11
@@ -21,8 +22,10 @@ the minimum is the stable estimate); medians beside. Ratios are fused / plain.
 **Layer.** One ``LlamaDecoderLayer`` at TP 1 (default seq 1024, hidden 2048, ffn 5504, 16 heads,
 batch 1; fp32 and bf16 parameters and activations), forward + backward of the layer from a
 ``[s, 1, h]`` input, in three variants taking turns every iteration (in rotating order): as
-built (both fused), with ``SwiGLU.forward`` patched to the plain ``F.silu(gate) * up``, and
-with ``RMSNorm.forward`` patched to the plain expression (the patches are undone after each
+built (all fused), with ``SwiGLU.forward`` patched to the plain ``F.silu(gate) * up``, with
+``RMSNorm.forward`` patched to the plain expression, and with the attention's ``masked_softmax``
+patched to the expression it replaced (in-place mask, ``softmax(dtype=fp32)``, cast; it keeps the
+fp32 softmax too and backpropagates through the mask) (the patches are undone after each
 step). Per variant: the bytes
 the layer keeps for backward (parameters, rotary tables and the shared causal mask left out;
 the analytic model's figure beside, which describes the fused layer) and the step time; ratios
@@ -149,20 +152,26 @@ def bench_ops(a: argparse.Namespace, device: torch.device) -> None:
 
 
 @contextlib.contextmanager
-def patched(cls: type, forward):
-    """``cls.forward = forward`` for the duration of the block."""
-    original = cls.forward
-    cls.forward = forward
+def patched(owner, forward, name: str = "forward"):
+    """``owner.<name> = forward`` (a class's forward, a module's function) for the block."""
+    original = getattr(owner, name)
+    setattr(owner, name, forward)
     try:
         yield
     finally:
-        cls.forward = original
+        setattr(owner, name, original)
+
+
+def plain_masked_softmax(scores: torch.Tensor, mask: torch.Tensor, fill: float) -> torch.Tensor:
+    """What ``CoreAttention`` ran before ``masked_softmax``: mask in place, fp32 softmax, cast."""
+    return torch.softmax(scores.masked_fill_(mask, fill), dim=-1, dtype=torch.float32).to(scores.dtype)
 
 
 def layer_variants():
     """Name -> context manager factory: the layer as built, then each fused op swapped for its expression."""
     from neuron_ckpt.models.llama import SwiGLU
     from neuron_ckpt.parallel import RMSNorm
+    from neuron_ckpt.parallel import attention
 
     def swiglu_forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return plain_swiglu(gate, up)
@@ -174,6 +183,7 @@ def layer_variants():
         "fused (as built)": contextlib.nullcontext,
         "plain swiglu": lambda: patched(SwiGLU, swiglu_forward),
         "plain rms_norm": lambda: patched(RMSNorm, rms_norm_forward),
+        "plain softmax": lambda: patched(attention, plain_masked_softmax, "masked_softmax"),
     }
 
 

@@ -32,7 +32,8 @@ and ``F.silu(gate) * up``; and the same maths in fp64 on fp64 copies of the inpu
   .to(scores.dtype)`` under autograd): forward equal bit for bit; fp32 backward equal bit for
   bit; 16-bit backward: (a) against the exact (fp64) softmax backward of the *kept* 16-bit
   output, relative error at most the unit roundoff u (2^-8 bf16, 2^-11 fp16): it is that
-  formula rounded once (measured 0.74-1.23x the plain reference's own one-rounding error);
+  formula rounded once (measured 0.74-1.23x the plain reference's own one-rounding error; rows
+  up to s = 1024, where a 16-bit accumulation would be off by far more);
   (b) against the true fp64 gradient, at most 2u: the kept output's rounding plus the final one
   (measured 3.8e-3 bf16, 5.4e-4 fp16; the plain reference 1.8e-3 / 2.6e-4). A wrong formula
   (the row sum dropped, the mask not zeroed) is off by order 1. It keeps only its output.
@@ -278,7 +279,8 @@ def test_under_cpu_autocast_everything_computes_as_without_it(act, weight_dtype)
 # masked_softmax
 
 
-SCORES = [(2, 3, 8, 8), (1, 2, 13, 13), (1, 4, 64, 64)]  # [b, a, s, s]
+SCORES = [(2, 3, 8, 8), (1, 2, 13, 13), (1, 4, 64, 64), (1, 2, 1024, 1024)]  # [b, a, s, s]; s = 1024:
+# a row sum accumulated in 16 bits would be ~sqrt(1024) roundings off and fail the 16-bit bounds
 UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 
 
