@@ -15,8 +15,8 @@ row on ``t`` local gloo processes (:func:`~neuron_ckpt.distributed.local.run_loc
 largest count over the ranks.
 
 Every rank of that world lives on this machine at once, and the explicit attention materialises
-its 16-bit scores, their fp32 copy and the fp32 softmax together (``a/t * s^2 * 10`` bytes per
-rank, under every preset: recompute runs the forward too). A row is measured only if the RAM
+its 16-bit scores, their masked copy and the probabilities together (``a/t * s^2 * 6`` bytes per
+rank in bf16, under every preset: recompute runs the forward too). A row is measured only if the RAM
 that needs (:func:`measuring_ram_bytes`, an estimate) is within ``--max-ram-gib``; the others are
 analytic only and the table says how much they would need.
 
@@ -88,8 +88,8 @@ def measuring_ram_bytes(model: ModelShape, setup: TrainingSetup, recompute: str,
     Per rank: the worker, its weight shards, then the larger of two moments. Building: each
     weight is drawn whole in fp32 and sliced (``parallel/init.py``), the widest is h x max(f,
     (a + 2g) d). Forward: the kept activations, plus what the explicit attention holds while it
-    runs (the masked softmax's peak: the scores, their fp32 copy and the fp32 softmax, w + 8 bytes
-    per score; no recompute keeps the w-byte probabilities anyway), the shared bool causal mask
+    runs (the masked softmax's peak on CPU: the scores, their masked copy and the probabilities,
+    3w bytes per score; no recompute keeps the probabilities anyway), the shared bool causal mask
     and the gathered input and MLP in flight.
     """
     s, b, t, w = setup.seq_len, setup.micro_batch, setup.tp, setup.width
@@ -99,7 +99,7 @@ def measuring_ram_bytes(model: ModelShape, setup: TrainingSetup, recompute: str,
     terms = layer_activation_terms(model, setup, recompute)
     kept = sum(term.nbytes for term in terms)
     kept_scores = sum(term.nbytes for term in terms if term.name in _CORE_TERMS)
-    attention = model.local_heads(t) * s * s * b * (w + 8) - kept_scores
+    attention = model.local_heads(t) * s * s * b * 3 * w - kept_scores
     forward = layers * kept + attention + s * s + w * s * b * (h + 2 * f // t)
     per_rank = _WORKER_BYTES + layers * per_layer_params * w + max(widest, forward)
     return _PARENT_BYTES + t * per_rank

@@ -46,8 +46,10 @@ is what lets ``gradcheck`` check the backward.
 Its backward is autograd's softmax backward kernel (``_softmax_backward_data``, which computes
 in fp32) fed the 16-bit output instead of the fp32 one: each probability carries one more
 16-bit rounding (relative 2^-9 in bf16) into a gradient that is then rounded to 16 bits anyway.
-On XLA both are widened to fp32 first (the lowering's 16-bit reduction precision is not ours to
-know; the compiler fuses the casts).
+Off XLA, 16-bit scores go through ATen's 16-bit softmax kernels, which compute in fp32 and round
+once (forward 4x, backward 6x faster on CPU than widening to fp32 first, at s = 1024); on XLA
+they are widened to fp32 first (a 16-bit lowering's precision is not ours to know; the compiler
+fuses the casts).
 ``tests/test_fused_ops.py`` bounds it against an fp64 reference. For fp32 scores it keeps the fp32
 output and its backward is autograd's, bit for bit.
 
@@ -136,15 +138,26 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return _SwiGLU.apply(gate, up)
 
 
+def _native_16bit(t: torch.Tensor) -> bool:
+    """A 16-bit tensor off XLA: ATen's softmax kernels (CPU, CUDA) read and write 16 bits and
+    compute in fp32. On XLA a 16-bit softmax's precision is the lowering's, not ours to know, and
+    the compiler fuses the casts of the widened form anyway."""
+    return t.dtype in (torch.bfloat16, torch.float16) and t.device.type != "xla"
+
+
 class _MaskedSoftmax(torch.autograd.Function):
     @staticmethod
     def forward(ctx, scores: torch.Tensor, mask: torch.Tensor, fill: float) -> torch.Tensor:
-        # A fresh copy in at least fp32 (fp64 stays fp64, for gradcheck) to mask in place; x is
-        # rebound so each temporary goes as soon as the next exists (peak: scores + two fp32
-        # [.., s, s] tensors, as for softmax(dtype=fp32) itself).
-        x = scores.to(_stats_dtype(scores), copy=True).masked_fill_(mask, fill)
-        x = torch.softmax(x, dim=-1)
-        out = x.to(scores.dtype)
+        if _native_16bit(scores):
+            # ATen's softmax of a 16-bit tensor computes in fp32 and rounds once: the fp32
+            # softmax's bits cast back (tested on CPU), without the two fp32 [.., s, s] tensors.
+            out = torch.softmax(scores.masked_fill(mask, fill), dim=-1)
+        else:
+            # A fresh copy in at least fp32 (fp64 stays fp64, for gradcheck) to mask in place; x
+            # is rebound so each temporary goes as soon as the next exists.
+            x = scores.to(_stats_dtype(scores), copy=True).masked_fill_(mask, fill)
+            x = torch.softmax(x, dim=-1)
+            out = x.to(scores.dtype)
         ctx.save_for_backward(out)
         return out
 
@@ -152,12 +165,11 @@ class _MaskedSoftmax(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad: torch.Tensor):
         (out,) = ctx.saved_tensors
-        if out.dtype in (torch.bfloat16, torch.float16) and out.device.type != "xla":
+        if _native_16bit(out):
             # ATen's kernel reads 16-bit grad and output and computes in fp32 (CPU: 6x faster than
             # widening both first, at s = 1024; same result to one rounding, tested at s = 1024).
             return torch.ops.aten._softmax_backward_data(grad, out, -1, out.dtype), None, None
-        # fp32 / fp64, and XLA, where the compiler fuses the casts and a 16-bit reduction's
-        # precision is the lowering's: widen first.
+        # fp32 / fp64, and XLA: widen first.
         compute = _stats_dtype(out)
         d = torch.ops.aten._softmax_backward_data(grad.to(compute), out.to(compute), -1, compute)
         return d.to(out.dtype), None, None
