@@ -270,7 +270,7 @@ def test_llama2_7b_on_trn1_plan():
     plan = plan_recompute(model, setup, "trn1")
     selective = evaluate(model, setup, "selective", plan.limit_bytes)
     assert plan.fits and selective.fits
-    assert plan.counts == {"none": 11, "selective": 21}
+    assert plan.counts == {"none": 7, "selective": 25}
     assert plan.overhead < selective.overhead  # less recompute, by using the memory selective leaves free
     assert plan.budget.total_bytes > selective.budget.total_bytes
     assert not evaluate(model, setup, "none", plan.limit_bytes).fits
@@ -412,7 +412,7 @@ def test_cli_prints_the_plan(capsys):
     assert "checkpoint on disk per step" in out
     assert _run([*SEVEN_B[:-1], "2", "--device-memory", "16", "--reserve", "0", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["fits"] and data["counts"] == {"none": 18, "selective": 14}
+    assert data["fits"] and data["counts"] == {"none": 14, "selective": 18}
     assert data["optimizer_step"]["largest_collective_bytes"] == 128 * 2**20
     assert data["host"]["instance"] == "trn1.32xlarge" and data["host"]["fits"]
     assert data["recompute_is_per_layer"]
@@ -437,6 +437,6 @@ def test_cli_bad_input_is_one_line_and_exit_2(capsys, argv, message):
 
 
 def test_cli_nothing_fits_exits_1_with_the_reason(capsys):
-    assert _run([*SEVEN_B[:-2], "--micro-batch", "64", "--tp", "2", "--device-memory", "trn1"]) == 1
+    assert _run([*SEVEN_B[:-2], "--micro-batch", "8", "--tp", "2", "--device-memory", "trn1"]) == 1
     err = capsys.readouterr().err
     assert "nothing fits" in err and "would fit" in err

@@ -16,8 +16,10 @@ One device (a NeuronCore, a GPU) holds one tensor-parallel rank of one data-para
   the micro-batches in flight (1 without pipeline parallelism: a micro-batch's backward ends
   before the next forward starts);
 * **peak workspace**: the largest transient on top, whichever is worst of (a) the loss: the
-  ``[s, b, v/t]`` logits plus the cross entropy's fp32 working copy (and its bf16 softmax), (b) a recomputed
-  layer's activations alive again during its backward, on top of the layers before it, (c) the
+  ``[s, b, v/t]`` logits plus the cross entropy's fp32 working copy (and its bf16 softmax), (b) the
+  explicit attention's forward in the last layer: its ``[b, a/t, s, s]`` 16-bit scores plus, at
+  worst (XLA widens them), an fp32 copy and the fp32 softmax, (c) a recomputed layer's
+  activations alive again during its backward, on top of the layers before it, (d) the
   optimizer step (after the activations are freed): the flattened gradients and fp32 slices.
 
 Not modelled: gradient temporaries inside one op's backward, collective buffers, the device
@@ -229,8 +231,12 @@ def memory_budget(
     # Recompute peak of the last micro-batch in flight; the others' activations stay alive.
     layer_saved = sum(o.saved_bytes for o in order)
     recompute = _recompute_peak(order) - layer_saved
+    # The explicit attention's forward at the last layer, on top of everything kept: the 16-bit
+    # scores, and at worst (XLA, which widens) an fp32 copy and the fp32 softmax.
+    scores = model.local_heads(setup.tp) * setup.seq_len ** 2 * setup.micro_batch
     candidates = [
         (loss_transient, "loss: logits + the cross entropy's fp32 working copy"),
+        (scores * (setup.width + 8), "attention: scores + fp32 copy + fp32 softmax, [b, a/t, s, s]"),
         (recompute, "a recomputed layer's activations during its backward"),
         (step - saved, "optimizer step: fp32 gradient slices + one bucket buffer (activations freed)"),
     ]
