@@ -183,6 +183,16 @@ def test_check_finite_names_what_is_not_finite():
 
 
 def test_stop_signals_record_restore_and_a_late_second_sigint_aborts(monkeypatch):
+    # A background job of a shell starts with SIGINT ignored, and StopSignals then leaves SIGINT
+    # alone (as the last block checks for SIGTERM): give the test a normal SIGINT to work with.
+    outer_int = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        _stop_signals_cases(monkeypatch)
+    finally:
+        signal.signal(signal.SIGINT, outer_int)
+
+
+def _stop_signals_cases(monkeypatch):
     before_term, before_int = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     with faults.StopSignals() as s:
         os.kill(os.getpid(), signal.SIGTERM)
