@@ -40,6 +40,7 @@ import argparse
 import contextlib
 import statistics
 import time
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -151,17 +152,6 @@ def bench_ops(a: argparse.Namespace, device: torch.device) -> None:
               f"ratio {best['fused'] / best['plain']:.3f}  (medians {med['fused'] / med['plain']:.3f})")
 
 
-@contextlib.contextmanager
-def patched(owner, forward, name: str = "forward"):
-    """``owner.<name> = forward`` (a class's forward, a module's function) for the block."""
-    original = getattr(owner, name)
-    setattr(owner, name, forward)
-    try:
-        yield
-    finally:
-        setattr(owner, name, original)
-
-
 def plain_masked_softmax(scores: torch.Tensor, mask: torch.Tensor, fill: float) -> torch.Tensor:
     """What ``CoreAttention`` ran before ``masked_softmax``: mask in place, fp32 softmax, cast."""
     return torch.softmax(scores.masked_fill_(mask, fill), dim=-1, dtype=torch.float32).to(scores.dtype)
@@ -181,9 +171,9 @@ def layer_variants():
 
     return {
         "fused (as built)": contextlib.nullcontext,
-        "plain swiglu": lambda: patched(SwiGLU, swiglu_forward),
-        "plain rms_norm": lambda: patched(RMSNorm, rms_norm_forward),
-        "plain softmax": lambda: patched(attention, plain_masked_softmax, "masked_softmax"),
+        "plain swiglu": lambda: mock.patch.object(SwiGLU, "forward", swiglu_forward),
+        "plain rms_norm": lambda: mock.patch.object(RMSNorm, "forward", rms_norm_forward),
+        "plain softmax": lambda: mock.patch.object(attention, "masked_softmax", plain_masked_softmax),
     }
 
 

@@ -67,7 +67,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         softmax, p_target, idx, mine, ignored = ctx.saved_tensors
-        grad = softmax.float() if softmax.dtype != torch.float32 else softmax.clone()
+        grad = softmax.to(torch.float32, copy=True)
         if p_target.numel():
             at_target = torch.where(mine, p_target - 1.0, torch.gather(grad, -1, idx).squeeze(-1))
             grad.scatter_(-1, idx, at_target.unsqueeze(-1))

@@ -42,16 +42,14 @@ Statistics run in ``x``'s dtype promoted to at least fp32: fp32 for 16-bit and f
 exactly as ``x.float()``; fp64 inputs keep fp64 (``x.float()`` would round them to fp32), which
 is what lets ``gradcheck`` check the backward.
 
-``masked_softmax``'s forward is the plain expression's ops on the same values (bit-identical).
-Its backward is autograd's softmax backward kernel (``_softmax_backward_data``, which computes
-in fp32) fed the 16-bit output instead of the fp32 one: each probability carries one more
-16-bit rounding (relative 2^-9 in bf16) into a gradient that is then rounded to 16 bits anyway.
-Off XLA, 16-bit scores go through ATen's 16-bit softmax kernels, which compute in fp32 and round
-once (forward 4x, backward 6x faster on CPU than widening to fp32 first, at s = 1024); on XLA
-they are widened to fp32 first (a 16-bit lowering's precision is not ours to know; the compiler
-fuses the casts).
-``tests/test_fused_ops.py`` bounds it against an fp64 reference. For fp32 scores it keeps the fp32
-output and its backward is autograd's, bit for bit.
+``masked_softmax``: off XLA, 16-bit scores go through ATen's 16-bit softmax kernels, forward and
+backward, which compute in fp32 and round once (forward 4x, backward 6x faster on CPU than
+widening to fp32 first, at s = 1024); on XLA they are widened to fp32 first (a 16-bit lowering's
+precision is not ours to know; the compiler fuses the casts). The forward equals the plain
+expression bit for bit (tested on CPU). The backward reads the 16-bit output instead of the fp32
+one: each probability carries one more 16-bit rounding (relative 2^-9 in bf16) into a gradient
+that is then rounded to 16 bits anyway; ``tests/test_fused_ops.py`` bounds it against fp64
+references. For fp32 scores it keeps the fp32 output and its backward is autograd's, bit for bit.
 
 All are differentiable once (a second derivative through them raises): training needs no more.
 """
