@@ -87,27 +87,56 @@ def _seed_all(seed: int) -> None:
 
 
 class RNGStatesTracker:
-    """Named RNG streams; ``fork(name)`` runs a block on that stream and then restores."""
+    """Named RNG streams; ``with tracker.fork(name):`` draws from stream ``name``.
+
+    Each stream is an independent sequence, and so is the default stream (the generators outside
+    every fork): forks nest in any order, the same stream included, and every stream continues
+    where it stopped, as if the forks had not been nested. ``fork`` parks the live generator state
+    in the stream it belongs to (the innermost open fork's, or the default stream's) before it
+    switches, and switches back to that stream's latest state when it ends. No two streams share a
+    name or a seed: the same seed in two streams draws the same dropout masks in both
+    (Megatron's tracker refuses it too).
+    """
 
     def __init__(self) -> None:
         self.states: dict[str, RNGState] = {}
+        self.seeds: dict[str, int] = {}
+        self._open: list[str] = []  # the forks in progress, innermost last
+        self._default: RNGState | None = None  # the default stream, parked while a fork is open
 
     def reset(self) -> None:
-        self.states = {}
+        if self._open:
+            raise RuntimeError(f"RNG tracker: cannot reset inside fork({self._open[-1]!r})")
+        self.states, self.seeds = {}, {}
 
     def add(self, name: str, seed: int) -> None:
         if name in self.states:
-            raise ValueError(f"RNG stream {name!r} already exists")
+            raise ValueError(f"RNG stream {name!r} already exists (seed {self.seeds.get(name)})")
+        taken = next((other for other, s in self.seeds.items() if s == seed), None)
+        if taken is not None:
+            raise ValueError(
+                f"RNG stream {name!r}: seed {seed} is already the seed of stream {taken!r}; two streams "
+                "with one seed draw the same numbers (the same dropout masks): choose another seed"
+            )
         outer = get_rng_state()
         _seed_all(seed)
         self.states[name] = get_rng_state()
+        self.seeds[name] = seed
         set_rng_state(outer)
 
     def get_states(self) -> dict[str, RNGState]:
+        """Each stream's state as of its last fork's end (Megatron's ``get_states``)."""
         return dict(self.states)
 
     def set_states(self, states: dict[str, RNGState]) -> None:
         self.states = dict(states)
+
+    def snapshot(self) -> "TrackerSnapshot":
+        """Everything :meth:`restore` needs to replay from here, inside open forks too."""
+        return TrackerSnapshot(dict(self.states), tuple(self._open), self._default)
+
+    def restore(self, snap: "TrackerSnapshot") -> None:
+        self.states, self._open, self._default = dict(snap.states), list(snap.open), snap.default
 
     @contextlib.contextmanager
     def fork(self, name: str = MODEL_PARALLEL_RNG):
@@ -115,13 +144,34 @@ class RNGStatesTracker:
             raise RuntimeError(
                 f"RNG stream {name!r} is not set: call neuron_ckpt.model_parallel_manual_seed(seed) first"
             )
-        outer = get_rng_state()
+        self._park(get_rng_state())
         set_rng_state(self.states[name])
+        self._open.append(name)
         try:
             yield
         finally:
             self.states[name] = get_rng_state()
-            set_rng_state(outer)
+            self._open.pop()
+            if self._open:
+                set_rng_state(self.states[self._open[-1]])
+            else:
+                set_rng_state(self._default)
+                self._default = None
+
+    def _park(self, live: RNGState) -> None:
+        if self._open:
+            self.states[self._open[-1]] = live
+        else:
+            self._default = live
+
+
+@dataclass(frozen=True)
+class TrackerSnapshot:
+    """The tracker's streams, open forks and parked default stream at one moment."""
+
+    states: dict
+    open: tuple
+    default: RNGState | None
 
 
 _TRACKER = RNGStatesTracker()
@@ -132,7 +182,21 @@ def get_rng_tracker() -> RNGStatesTracker:
 
 
 def model_parallel_manual_seed(seed: int) -> None:
-    """Seed the default stream with ``seed`` and the TP stream with ``seed + 2718 + tp_rank``."""
+    """Seed the default stream with ``seed`` and the TP stream with ``seed + 2718 + tp_rank``.
+
+    What it does to the default generators, and why: it calls ``torch.manual_seed(seed)`` (the CPU
+    generator and every accelerator's; on XLA also ``xm.set_rng_state(seed)``) with the same
+    ``seed`` on every rank. Whatever is drawn outside a fork is then the same on every rank: dropout
+    on activations that are replicated over the tensor-parallel group must be, or the replicas
+    drift apart. Data-parallel ranks draw the same masks too, on different data, as Megatron does
+    by default. Anything else that draws from torch's global generators afterwards (parameter
+    initialisation, a ``torch.randperm`` data order) starts from ``seed`` as well. Megatron's
+    ``model_parallel_cuda_manual_seed`` seeds only the CUDA generator; ours seeds the CPU one too,
+    because dropout on CPU tensors draws from it.
+
+    The tracker is reset first: every other stream is dropped, and the TP stream restarts from its
+    seed. Not allowed inside a fork.
+    """
     tp_rank = get_parallel_state().tp_rank
     _TRACKER.reset()
     _seed_all(seed)
