@@ -18,11 +18,15 @@ region
 Sequence-parallel activations are ``[s, b, h]``: the sequence is dim 0. All functions take the
 group explicitly (a :class:`~neuron_ckpt.distributed.parallel_state.Group`); ``None`` means the
 tensor-parallel group of the current parallel state.
+
+The backwards that communicate are once-differentiable: their collectives keep no autograd
+history, so a double backward through them would silently drop terms; it raises instead.
 """
 
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from . import collectives as C
 from .parallel_state import Group, get_parallel_state
@@ -39,6 +43,7 @@ class _CopyToRegion(torch.autograd.Function):
         return x
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, g):
         return C.all_reduce(g, ctx.group), None
 
@@ -60,6 +65,7 @@ class _Split(torch.autograd.Function):
         return C.split(x, dim, group)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, g):
         return C.all_gather(g, ctx.dim, ctx.group).contiguous(), None, None
 
@@ -73,6 +79,7 @@ class _GatherSplitBack(torch.autograd.Function):
         return C.all_gather(x, dim, group).contiguous()
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, g):
         return C.split(g, ctx.dim, ctx.group), None, None
 
@@ -86,6 +93,7 @@ class _GatherReduceScatterBack(torch.autograd.Function):
         return C.all_gather(x, dim, group).contiguous()
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, g):
         return C.reduce_scatter(g, ctx.dim, ctx.group), None, None
 
@@ -97,6 +105,7 @@ class _ReduceScatter(torch.autograd.Function):
         return C.reduce_scatter(x, dim, group)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, g):
         return C.all_gather(g, ctx.dim, ctx.group).contiguous(), None, None
 

@@ -24,6 +24,7 @@ in place on its fp32 copy of the logits (no second ``[..., v/t]`` fp32 temporary
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from ..distributed import collectives as C
 from ..distributed.parallel_state import Group, get_parallel_state
@@ -65,6 +66,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return loss
 
     @staticmethod
+    @once_differentiable  # the softmax is saved without its history: a second derivative would be wrong
     def backward(ctx, grad_loss):
         softmax, p_target, idx, mine, ignored = ctx.saved_tensors
         grad = softmax.to(torch.float32, copy=True)

@@ -20,6 +20,7 @@ would cost ``2sbh(1 - 1/t)`` more bytes per layer in 16-bit.
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 import torch.nn.functional as F
 
 from ..distributed import collectives as C
@@ -61,6 +62,7 @@ class _SequenceParallelLinear(torch.autograd.Function):
         return tuple(F.linear(total, w, b) for w, b in zip(weights, biases))
 
     @staticmethod
+    @once_differentiable  # the gathers here carry no history: a second derivative would be wrong
     def backward(ctx, *grad_outs):
         x_local, *weights = ctx.saved_tensors
         needs = ctx.needs_input_grad

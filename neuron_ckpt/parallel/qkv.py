@@ -14,6 +14,7 @@ Weights keep the ``transformers`` layout: ``q`` is ``(num_heads * head_dim, hidd
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from ..distributed import collectives as C
 from ..distributed.parallel_state import Group, ParallelState
@@ -38,6 +39,7 @@ class _SumOverReplicas(torch.autograd.Function):
         return w.view_as(w)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, g):
         slots = g.new_zeros((ctx.num_kv_heads,) + tuple(g.shape))
         slots[ctx.head] = g

@@ -28,8 +28,11 @@ What it adds to ``torch.utils.checkpoint``:
 
 Two variants: ``use_reentrant=True`` (a custom autograd Function, Megatron-style, any backend:
 the forward runs under no_grad, the backward reruns all of it and backpropagates through the
-rerun) and ``use_reentrant=False`` (``torch.utils.checkpoint`` non-reentrant with our RNG replay
-through ``context_fn``; works with ``torch.autograd.grad``). Both give identical gradients. The
+rerun; ``.backward()`` only, once-differentiable) and ``use_reentrant=False``
+(``torch.utils.checkpoint`` non-reentrant running the function through our RNG replay; works with
+``torch.autograd.grad``, double backward, repeated backward and nesting). Both give identical
+gradients. What each variant supports is tabled in docs/recompute.md and tested pattern by
+pattern in tests/test_checkpoint_patterns.py. The
 non-reentrant rerun stops as soon as the last tensor backward needs is rebuilt: autograd saves a
 matmul's input, not its output, so a layer that ends in a projection (a Llama layer's down
 projection, an attention output projection) never reruns that matmul, about a fifth of a Llama
@@ -37,9 +40,11 @@ layer's forward FLOPs. The default (``use_reentrant=None``) is therefore the non
 variant, and the reentrant one where only it works: on XLA and with
 ``distribute_saved_activations``.
 
-Arguments: positional and keyword arguments pass through unchanged; tensors among them (also
-keyword ones) receive gradients. Outputs may be a tensor or a tuple (non-tensor items pass
-through). With grad disabled (evaluation), ``function`` simply runs.
+Arguments: positional and keyword arguments pass through unchanged, in any structure torch's
+pytree knows (tuples, lists, dicts; ``None`` and Python scalars anywhere); tensors among them
+receive gradients. Outputs may be a tensor or any such structure (non-tensor items pass through).
+With grad disabled (evaluation), ``function`` simply runs. Under ``torch.compile`` the call is
+torch's non-reentrant checkpoint, which dynamo traces into the graph (see :func:`_torch_checkpoint`).
 """
 
 from __future__ import annotations
@@ -50,12 +55,12 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
+from torch.utils import _pytree as pytree
 
 from ..distributed import collectives as C
 from ..distributed import runtime
 from ..distributed.parallel_state import Group, get_parallel_state, model_parallel_is_initialized
-from ..distributed.random import get_rng_state, get_rng_tracker, set_rng_state
-from ..parallel.attention import CoreAttention
+from ..distributed.random import RNGState, TrackerSnapshot, get_rng_state, get_rng_tracker, set_rng_state
 
 
 def checkpoint(
@@ -78,22 +83,8 @@ def checkpoint(
     """
     if not torch.is_grad_enabled():
         return function(*args, **kwargs)
-    options = (fence, use_reentrant, distribute_saved_activations)
     if torch.compiler.is_compiling():
-        if _forks_rng_stream(_fenced_modules(function, fence)):
-            return _outside_graph(function, args, *options, kwargs)
-        return _compiled(function, args, kwargs)
-    return _eager_checkpoint(function, args, *options, kwargs)
-
-
-def _eager_checkpoint(
-    function: Callable[..., Any],
-    args: tuple,
-    fence: Sequence[torch.nn.Module] | torch.nn.Module,
-    use_reentrant: bool | None,
-    distribute_saved_activations: bool,
-    kwargs: dict,
-) -> Any:
+        return _torch_checkpoint(function, args, kwargs)
     if use_reentrant is None:
         use_reentrant = distribute_saved_activations or runtime.is_xla()
     if not use_reentrant:
@@ -104,16 +95,9 @@ def _eager_checkpoint(
             )
         if distribute_saved_activations:
             raise ValueError("distribute_saved_activations=True needs use_reentrant=True")
-        return _non_reentrant(function, args, kwargs)
-    modules = _fenced_modules(function, fence)
-    spec = _Spec.of(args, kwargs, _distributed_group() if distribute_saved_activations else None)
-    flat = list(args) + [kwargs[k] for k in spec.kwarg_names]
-    if not any(torch.is_tensor(a) and a.requires_grad for a in flat):
-        # A reentrant Function whose inputs need no grad produces outputs that need none, and the
-        # parameters inside would silently get no gradient: anchor it to a dummy leaf.
-        spec.anchor = True
-        flat.append(torch.empty(0, requires_grad=True))
-    return _CheckpointFunction.apply(function, modules, spec, *flat)
+        return _torch_checkpoint(function, args, kwargs)
+    group = _distributed_group() if distribute_saved_activations else None
+    return _reentrant(function, _fenced_modules(function, fence), group, args, kwargs)
 
 
 # --------------------------------------------------------------------------------------------
@@ -121,44 +105,20 @@ def _eager_checkpoint(
 
 
 @dataclass
-class _Spec:
-    """How the flat ``apply`` arguments map back to ``(args, kwargs)``."""
-
-    num_args: int
-    kwarg_names: tuple[str, ...]
-    group: Group | None  # set: distribute the first positional tensor over this group
-    anchor: bool = False
-
-    @staticmethod
-    def of(args: tuple, kwargs: dict, group: Group | None) -> "_Spec":
-        return _Spec(len(args), tuple(kwargs), group)
-
-    def unflatten(self, flat: list) -> tuple[list, dict]:
-        n = self.num_args
-        return flat[:n], dict(zip(self.kwarg_names, flat[n : n + len(self.kwarg_names)]))
-
-
-def _distributed_group() -> Group | None:
-    if not model_parallel_is_initialized():
-        return None
-    tp = get_parallel_state().tp
-    return tp if tp.size > 1 else None
-
-
-@dataclass
 class _RNGSnapshot:
-    """Every generator the function may draw from: CPU, device and the tracker's named streams."""
+    """Every generator the function may draw from: CPU, device and the tracker's named streams
+    (with the forks open at that moment)."""
 
-    generators: Any
-    streams: dict
+    generators: RNGState
+    streams: TrackerSnapshot
 
     @staticmethod
     def take() -> "_RNGSnapshot":
-        return _RNGSnapshot(get_rng_state(), get_rng_tracker().get_states())
+        return _RNGSnapshot(get_rng_state(), get_rng_tracker().snapshot())
 
     def restore(self) -> None:
         set_rng_state(self.generators)
-        get_rng_tracker().set_states(self.streams)
+        get_rng_tracker().restore(self.streams)
 
 
 @contextlib.contextmanager
@@ -186,6 +146,13 @@ def _autocast(state: list[tuple[str, bool, torch.dtype]], cache_enabled: bool) -
 
 # --------------------------------------------------------------------------------------------
 # Distributed saved input: keep a 1/t slice of the flattened tensor, all-gather it back.
+
+
+def _distributed_group() -> Group | None:
+    if not model_parallel_is_initialized():
+        return None
+    tp = get_parallel_state().tp
+    return tp if tp.size > 1 else None
 
 
 def _keep_slice(x: torch.Tensor, group: Group) -> torch.Tensor:
@@ -227,110 +194,152 @@ def _xla_barrier(tensors: list[Any], modules: list[torch.nn.Module]) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# The two variants.
+# The non-reentrant variant: torch's checkpoint, running the function through our RNG replay.
+
+
+class _Rerun:
+    """``function`` as torch's non-reentrant checkpoint calls it: the first call (the forward)
+    snapshots every generator and tracker stream, each later call (a recompute, once per backward
+    that needs it: ``retain_graph`` backwards, double backward, an enclosing checkpoint's rerun)
+    replays from that snapshot and restores the surrounding state after.
+
+    A callable object rather than torch's ``context_fn``: ``context_fn`` is called once per
+    checkpoint but its recompute context is entered once per recompute, and under
+    ``torch.compile`` it must be a dispatch mode. While dynamo traces the call this is plain
+    ``function`` (the compiled graph keeps random ops' outputs, so there is nothing to replay).
+    When the function cannot be traced (it forks a tracker stream: dynamo does not trace
+    generator states), dynamo runs torch's checkpoint eagerly instead, and the replay here keeps
+    the recomputed dropout masks those of the forward.
+    """
+
+    def __init__(self, function: Callable[..., Any]):
+        self.function = function
+        self.rng: _RNGSnapshot | None = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return self.function(*args, **kwargs)
+        if self.rng is None:
+            self.rng = _RNGSnapshot.take()
+            return self.function(*args, **kwargs)
+        with _replaying(self.rng):
+            return self.function(*args, **kwargs)
+
+
+def _torch_checkpoint(function: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    # torch's preserve_rng_state is off: the snapshot in _Rerun covers CPU, device and streams.
+    return torch.utils.checkpoint.checkpoint(
+        _Rerun(function), *args, use_reentrant=False, preserve_rng_state=False, **kwargs
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# The reentrant variant: a custom autograd Function (Megatron's and torch_xla's kind).
+
+_NO_GRAD_API = (
+    "the reentrant checkpoint supports .backward() only, not torch.autograd.grad or "
+    "backward(inputs=...); use use_reentrant=False (RecomputeConfig(use_reentrant=False)), which is "
+    "the default off XLA"
+)
+_NO_DOUBLE_BACKWARD = (
+    "the reentrant checkpoint is once-differentiable: backward(create_graph=True) through it would "
+    "give wrong second derivatives; use use_reentrant=False (the default off XLA; XLA has no "
+    "variant that supports double backward)"
+)
+
+
+@dataclass
+class _Call:
+    """One reentrant call: the function, how its flat tensors map back to ``(args, kwargs)`` and
+    its outputs, and the options."""
+
+    function: Callable[..., Any]
+    modules: list[torch.nn.Module]
+    leaves: list[Any]  # the flattened (args, kwargs) with each tensor replaced by None
+    is_tensor: list[bool]
+    spec: pytree.TreeSpec
+    distributed: tuple[int, Group] | None  # (index among the tensors, TP group)
+    anchor: bool
+    outputs: tuple[list[Any], list[bool], pytree.TreeSpec] | None = None
+
+    def inputs(self, tensors: Iterable[torch.Tensor]) -> tuple[tuple, dict]:
+        it = iter(tensors)
+        leaves = [next(it) if t else v for v, t in zip(self.leaves, self.is_tensor)]
+        return pytree.tree_unflatten(leaves, self.spec)
+
+    def split_outputs(self, outputs: Any) -> list[torch.Tensor]:
+        """The tensors of ``outputs``; the rest of it is kept for :meth:`rebuild`."""
+        leaves, spec = pytree.tree_flatten(outputs)
+        is_tensor = [torch.is_tensor(v) for v in leaves]
+        self.outputs = ([None if t else v for v, t in zip(leaves, is_tensor)], is_tensor, spec)
+        return [v for v, t in zip(leaves, is_tensor) if t]
+
+    def rebuild(self, tensors: Iterable[torch.Tensor]) -> Any:
+        leaves, is_tensor, spec = self.outputs
+        it = iter(tensors)
+        return pytree.tree_unflatten([next(it) if t else v for v, t in zip(leaves, is_tensor)], spec)
+
+
+def _reentrant(function, modules, group, args: tuple, kwargs: dict) -> Any:
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    is_tensor = [torch.is_tensor(v) for v in leaves]
+    tensors = [v for v, t in zip(leaves, is_tensor) if t]
+    positional = sum(torch.is_tensor(v) for v in pytree.tree_leaves(args))
+    # Distribute the first positional tensor (the layer input) over the TP group.
+    distributed = (0, group) if group is not None and positional else None
+    anchor = not any(t.requires_grad for t in tensors)
+    if anchor:
+        # A Function whose inputs need no grad produces outputs that need none, and the
+        # parameters inside would silently get no gradient: anchor it to a dummy leaf.
+        tensors.append(torch.empty(0, requires_grad=True))
+    call = _Call(function, modules, [None if t else v for v, t in zip(leaves, is_tensor)], is_tensor, spec, distributed, anchor)
+    outputs = _CheckpointFunction.apply(call, *tensors)
+    return call.rebuild(outputs)
 
 
 class _CheckpointFunction(torch.autograd.Function):
     """Reentrant checkpoint: forward under no_grad, recompute and backpropagate inside backward."""
 
     @staticmethod
-    def forward(ctx, function, modules: list[torch.nn.Module], spec: _Spec, *flat):
-        ctx.function, ctx.modules, ctx.spec = function, modules, spec
+    def forward(ctx, call: _Call, *tensors):
+        ctx.call = call
         ctx.rng = _RNGSnapshot.take()
-        ctx.autocast = _autocast_state(flat)
+        ctx.autocast = _autocast_state(tensors)
         ctx.autocast_cache = torch.is_autocast_cache_enabled()
-        values = list(flat[:-1] if spec.anchor else flat)
-        args, kwargs = spec.unflatten(values)
+        inputs = list(tensors[:-1] if call.anchor else tensors)
+        args, kwargs = call.inputs(inputs)
         with torch.no_grad():
-            outputs = function(*args, **kwargs)
-
-        # Save tensors through save_for_backward, keep the rest in ctx.
-        ctx.slots = [None if torch.is_tensor(v) else v for v in values]
-        tensors = [v for v in values if torch.is_tensor(v)]
-        ctx.input_needs_grad = [t.requires_grad for t in tensors]
-        ctx.distributed = None
-        if spec.group is not None:
-            first = next((i for i, v in enumerate(values[: spec.num_args]) if torch.is_tensor(v)), None)
-            if first is not None:
-                k = sum(torch.is_tensor(v) for v in values[:first])
-                ctx.distributed = (k, tensors[k].shape)
-                tensors[k] = _keep_slice(tensors[k], spec.group)
-        ctx.save_for_backward(*tensors)
-        return outputs
+            outputs = call.split_outputs(call.function(*args, **kwargs))
+        if not outputs:
+            raise TypeError("checkpoint: the function returned no tensor; there is nothing to backpropagate")
+        ctx.input_needs_grad = [t.requires_grad for t in inputs]
+        ctx.shape = None
+        if call.distributed is not None:
+            k, group = call.distributed
+            ctx.shape = inputs[k].shape
+            inputs[k] = _keep_slice(inputs[k], group)
+        ctx.save_for_backward(*inputs)
+        return tuple(outputs)
 
     @staticmethod
     def backward(ctx, *grads):
         if not torch.autograd._is_checkpoint_valid():
-            raise RuntimeError(
-                "reentrant checkpoint works with .backward() only (not torch.autograd.grad or "
-                "backward(inputs=...)); use RecomputeConfig(use_reentrant=False) for those"
-            )
-        tensors = list(ctx.saved_tensors)
-        if ctx.distributed is not None:
-            k, shape = ctx.distributed
-            tensors[k] = _gather_slices(tensors[k], shape, ctx.spec.group)
+            raise RuntimeError(_NO_GRAD_API)
+        if torch.is_grad_enabled():  # the engine enables grad in backward only for create_graph=True
+            raise RuntimeError(_NO_DOUBLE_BACKWARD)
+        call = ctx.call
+        inputs = list(ctx.saved_tensors)
+        if call.distributed is not None:
+            k, group = call.distributed
+            inputs[k] = _gather_slices(inputs[k], ctx.shape, group)
         if runtime.is_xla():
-            _xla_barrier(tensors + list(grads), ctx.modules)
-        it = iter(t.detach().requires_grad_(r) for t, r in zip(tensors, ctx.input_needs_grad))
-        values = [next(it) if slot is None else slot for slot in ctx.slots]
-        args, kwargs = ctx.spec.unflatten(values)
+            _xla_barrier(inputs + list(grads), call.modules)
+        inputs = [t.detach().requires_grad_(r) for t, r in zip(inputs, ctx.input_needs_grad)]
+        args, kwargs = call.inputs(inputs)
         with _replaying(ctx.rng), torch.enable_grad(), _autocast(ctx.autocast, ctx.autocast_cache):
-            outputs = ctx.function(*args, **kwargs)
-        outputs = (outputs,) if torch.is_tensor(outputs) else tuple(outputs)
-        pairs = [
-            (o, g)
-            for o, g in zip(outputs, grads)
-            if torch.is_tensor(o) and o.requires_grad and g is not None
-        ]
+            outputs = [v for v in pytree.tree_leaves(call.function(*args, **kwargs)) if torch.is_tensor(v)]
+        pairs = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad and g is not None]
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        input_grads = [v.grad if torch.is_tensor(v) and v.requires_grad else None for v in values]
-        if ctx.spec.anchor:
-            input_grads.append(None)
-        return (None, None, None, *input_grads)
-
-
-def _forks_rng_stream(modules: list[torch.nn.Module]) -> bool:
-    """Whether ``modules`` draw dropout from a tracker stream: a :class:`CoreAttention` with
-    ``attention_dropout > 0`` in training (the one layer of ours that forks the model-parallel
-    stream inside a recomputed region).
-
-    The tracker's fork reads and writes generator states, which dynamo cannot trace: such a
-    region is a graph break under ``torch.compile``, and torch's checkpoint would then run it
-    eagerly without replaying the tracker streams (a different mask in recompute). It runs
-    through our own checkpoint instead, outside the graph, with exact replay.
-    """
-    return any(
-        isinstance(m, CoreAttention) and m.training and m.attention_dropout > 0
-        for module in modules
-        for m in module.modules()
-    )
-
-
-@torch.compiler.disable
-def _outside_graph(*args: Any) -> Any:
-    """:func:`_eager_checkpoint` run eagerly from compiled code (one graph break)."""
-    return _eager_checkpoint(*args)
-
-
-def _compiled(function: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-    # Under torch.compile the RNG snapshot is a graph break (dynamo does not trace
-    # torch.get_rng_state) and a reentrant Function cannot run its forward's graph again in
-    # backward. torch's non-reentrant checkpoint is what dynamo traces instead: a higher-order op
-    # whose region AOT autograd's partitioner recomputes in the backward graph, so the whole
-    # function stays one graph. Random ops are never recomputed there (the partitioner keeps
-    # their outputs), so a recomputed dropout mask is the forward's by construction.
-    return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, **kwargs)
-
-
-def _non_reentrant(function: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-    snapshot = _RNGSnapshot.take()
-    # torch's own preserve_rng_state is off: our snapshot covers CPU, device and tracker streams.
-    return torch.utils.checkpoint.checkpoint(
-        function,
-        *args,
-        use_reentrant=False,
-        preserve_rng_state=False,
-        context_fn=lambda: (contextlib.nullcontext(), _replaying(snapshot)),
-        **kwargs,
-    )
+        input_grads = [t.grad if r else None for t, r in zip(inputs, ctx.input_needs_grad)]
+        return (None, *input_grads, *([None] if call.anchor else []))
