@@ -30,13 +30,7 @@ import socket
 from dataclasses import dataclass
 
 import torch
-import torch._dynamo  # noqa: F401  before any process group exists: see below
 import torch.distributed as dist
-
-# torch 2.13: when dynamo is first imported after the process groups are created (torch's
-# checkpoint and torch.compiler import it lazily, at the first recompute), the WORLD group
-# outlives destroy_process_group(), and gloo can abort the interpreter at exit
-# (tests/test_teardown.py). Imported here, ahead of init_process_group, it does not.
 
 
 @dataclass(frozen=True)

@@ -55,12 +55,18 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
+import torch._dynamo  # noqa: F401  see below
 from torch.utils import _pytree as pytree
 
 from ..distributed import collectives as C
 from ..distributed import runtime
 from ..distributed.parallel_state import Group, get_parallel_state, model_parallel_is_initialized
 from ..distributed.random import RNGState, TrackerSnapshot, get_rng_state, get_rng_tracker, set_rng_state
+
+# Dynamo is imported with this module, which users import before they create process groups.
+# torch's checkpoint imports it lazily, at the first recompute; with torch 2.13, when that first
+# import comes after the process groups exist, the WORLD group outlives destroy_process_group()
+# and gloo can abort the interpreter at exit (tests/test_teardown.py runs that script 20 times).
 
 
 def checkpoint(
