@@ -255,52 +255,51 @@ _NO_DOUBLE_BACKWARD = (
 
 
 @dataclass
+class _Tree:
+    """A pytree with its tensors taken out: ``fill`` puts tensors back in their places."""
+
+    leaves: list[Any]  # the leaves, None where a tensor was
+    is_tensor: list[bool]
+    spec: pytree.TreeSpec
+
+    @staticmethod
+    def split(tree: Any) -> tuple[list[torch.Tensor], "_Tree"]:
+        leaves, spec = pytree.tree_flatten(tree)
+        is_tensor = [torch.is_tensor(v) for v in leaves]
+        tensors = [v for v, t in zip(leaves, is_tensor) if t]
+        return tensors, _Tree([None if t else v for v, t in zip(leaves, is_tensor)], is_tensor, spec)
+
+    def fill(self, tensors: Iterable[torch.Tensor]) -> Any:
+        it = iter(tensors)
+        return pytree.tree_unflatten([next(it) if t else v for v, t in zip(self.leaves, self.is_tensor)], self.spec)
+
+
+@dataclass
 class _Call:
-    """One reentrant call: the function, how its flat tensors map back to ``(args, kwargs)`` and
-    its outputs, and the options."""
+    """One reentrant call: the function, its ``(args, kwargs)`` and outputs without their tensors,
+    and the options."""
 
     function: Callable[..., Any]
     modules: list[torch.nn.Module]
-    leaves: list[Any]  # the flattened (args, kwargs) with each tensor replaced by None
-    is_tensor: list[bool]
-    spec: pytree.TreeSpec
+    inputs: _Tree  # (args, kwargs)
     distributed: tuple[int, Group] | None  # (index among the tensors, TP group)
     anchor: bool
-    outputs: tuple[list[Any], list[bool], pytree.TreeSpec] | None = None
-
-    def inputs(self, tensors: Iterable[torch.Tensor]) -> tuple[tuple, dict]:
-        it = iter(tensors)
-        leaves = [next(it) if t else v for v, t in zip(self.leaves, self.is_tensor)]
-        return pytree.tree_unflatten(leaves, self.spec)
-
-    def split_outputs(self, outputs: Any) -> list[torch.Tensor]:
-        """The tensors of ``outputs``; the rest of it is kept for :meth:`rebuild`."""
-        leaves, spec = pytree.tree_flatten(outputs)
-        is_tensor = [torch.is_tensor(v) for v in leaves]
-        self.outputs = ([None if t else v for v, t in zip(leaves, is_tensor)], is_tensor, spec)
-        return [v for v, t in zip(leaves, is_tensor) if t]
-
-    def rebuild(self, tensors: Iterable[torch.Tensor]) -> Any:
-        leaves, is_tensor, spec = self.outputs
-        it = iter(tensors)
-        return pytree.tree_unflatten([next(it) if t else v for v, t in zip(leaves, is_tensor)], spec)
+    outputs: _Tree | None = None  # set by the forward
 
 
 def _reentrant(function, modules, group, args: tuple, kwargs: dict) -> Any:
-    leaves, spec = pytree.tree_flatten((args, kwargs))
-    is_tensor = [torch.is_tensor(v) for v in leaves]
-    tensors = [v for v, t in zip(leaves, is_tensor) if t]
-    positional = sum(torch.is_tensor(v) for v in pytree.tree_leaves(args))
+    tensors, inputs = _Tree.split((args, kwargs))
     # Distribute the first positional tensor (the layer input) over the TP group.
+    positional = any(torch.is_tensor(v) for v in pytree.tree_leaves(args))
     distributed = (0, group) if group is not None and positional else None
     anchor = not any(t.requires_grad for t in tensors)
     if anchor:
         # A Function whose inputs need no grad produces outputs that need none, and the
         # parameters inside would silently get no gradient: anchor it to a dummy leaf.
         tensors.append(torch.empty(0, requires_grad=True))
-    call = _Call(function, modules, [None if t else v for v, t in zip(leaves, is_tensor)], is_tensor, spec, distributed, anchor)
+    call = _Call(function, modules, inputs, distributed, anchor)
     outputs = _CheckpointFunction.apply(call, *tensors)
-    return call.rebuild(outputs)
+    return call.outputs.fill(outputs)
 
 
 class _CheckpointFunction(torch.autograd.Function):
@@ -313,9 +312,9 @@ class _CheckpointFunction(torch.autograd.Function):
         ctx.autocast = _autocast_state(tensors)
         ctx.autocast_cache = torch.is_autocast_cache_enabled()
         inputs = list(tensors[:-1] if call.anchor else tensors)
-        args, kwargs = call.inputs(inputs)
+        args, kwargs = call.inputs.fill(inputs)
         with torch.no_grad():
-            outputs = call.split_outputs(call.function(*args, **kwargs))
+            outputs, call.outputs = _Tree.split(call.function(*args, **kwargs))
         if not outputs:
             raise TypeError("checkpoint: the function returned no tensor; there is nothing to backpropagate")
         ctx.input_needs_grad = [t.requires_grad for t in inputs]
@@ -341,7 +340,7 @@ class _CheckpointFunction(torch.autograd.Function):
         if runtime.is_xla():
             _xla_barrier(inputs + list(grads), call.modules)
         inputs = [t.detach().requires_grad_(r) for t, r in zip(inputs, ctx.input_needs_grad)]
-        args, kwargs = call.inputs(inputs)
+        args, kwargs = call.inputs.fill(inputs)
         with _replaying(ctx.rng), torch.enable_grad(), _autocast(ctx.autocast, ctx.autocast_cache):
             outputs = [v for v in pytree.tree_leaves(call.function(*args, **kwargs)) if torch.is_tensor(v)]
         pairs = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad and g is not None]
