@@ -31,7 +31,7 @@ class OurBlock(nn.Module):
         super().__init__()
         self.norm1 = LayerNorm(h, sequence_parallel=True)
         self.qkv = QKVParallelLinear(h, heads, heads, bias=False, sequence_parallel=True)
-        self.core = CoreAttention(self.qkv.local_heads, self.qkv.local_kv_heads, h // heads, implementation="sdpa")
+        self.core = CoreAttention(self.qkv.local_heads, self.qkv.local_kv_heads, h // heads, implementation="flash")
         self.proj = RowParallelLinear(h, h, bias=False, sequence_parallel=True)
         self.norm2 = LayerNorm(h, sequence_parallel=True)
         self.fc1 = ColumnParallelLinear(h, 4 * h, bias=False, sequence_parallel=True)

@@ -1,14 +1,22 @@
 """Activation bytes per layer per rank of Llama-2 7B and Llama-3 8B, analytic and measured.
 
-The table in docs/memory.md ("Per-layer activations of Llama-2 7B and Llama-3 8B") is this
+The tables in docs/memory.md ("Per-layer activations of Llama-2 7B and Llama-3 8B") are this
 script's output::
 
     python scripts/memory_table.py                          # analytic only, prints the table (seconds)
-    python scripts/memory_table.py --measure --markdown docs/memory.md --plot docs/img/llama_activations.png
+    python scripts/memory_table.py --measure --markdown docs/memory.md --plot docs/img/llama_activations.png \
+        --seq-plot docs/img/llama_seq_fit.png
 
 Rows: Llama-2 7B (preset ``llama2-7b``, s = 4096, t = 8) and Llama-3 8B (``llama3-8b``: GQA with 8
-kv heads, ffn 14336, s = 8192, t = 8 and 32), each with and without sequence parallelism, under
-every recompute preset (:data:`neuron_ckpt.recompute.PRESETS`); bf16, micro-batch 1. The analytic
+kv heads, ffn 14336, s = 8192, t = 8 and 32), each with and without sequence parallelism, with
+explicit and with flash attention (:data:`neuron_ckpt.parallel.attention.ATTENTION`), under
+every recompute preset (:data:`neuron_ckpt.recompute.PRESETS`); bf16, micro-batch 1.
+
+A second table, :func:`fit_lengths`, gives the longest sequence whose whole training job fits a
+trn1 NeuronCore (:func:`neuron_ckpt.memory.memory_budget` within the planner's limit: 16 GiB less
+10%) for each attention and uniform recompute preset, at the reference's parallelism (TP 8,
+sequence parallel, ZeRO-1 over dp 16); ``--seq-plot`` draws per-layer bytes against the sequence
+length with those limits marked. The analytic
 figure is :func:`neuron_ckpt.memory.layer_activation_bytes`. ``--measure`` runs one real layer per
 row on ``t`` local gloo processes (:func:`~neuron_ckpt.distributed.local.run_local` of
 :func:`~neuron_ckpt.memory.layers.measure_on_ranks`, a fresh world per row) and reports the
@@ -16,7 +24,8 @@ largest count over the ranks.
 
 Every rank of that world lives on this machine at once, and the explicit attention materialises
 its 16-bit scores, their masked copy and the probabilities together (``a/t * s^2 * 6`` bytes per
-rank in bf16, under every preset: recompute runs the forward too). A row is measured only if the RAM
+rank in bf16, under every preset: recompute runs the forward too); torch's flash kernel works in
+blocks, so the flash rows need far less. A row is measured only if the RAM
 that needs (:func:`measuring_ram_bytes`, an estimate) is within ``--max-ram-gib``; the others are
 analytic only and the table says how much they would need.
 
@@ -36,8 +45,11 @@ from dataclasses import dataclass, replace
 from functools import cache
 from pathlib import Path
 
-from neuron_ckpt.memory import ModelShape, TrainingSetup, layer_activation_bytes, layer_activation_terms
+from neuron_ckpt.memory import ModelShape, TrainingSetup, layer_activation_bytes, layer_activation_terms, memory_budget
+from neuron_ckpt.memory.options import offered_presets
+from neuron_ckpt.memory.planner import DEFAULT_RESERVE_FRACTION, DEVICE_PRESETS
 from neuron_ckpt.models.config_file import load_llama_config
+from neuron_ckpt.parallel.attention import ATTENTION
 from neuron_ckpt.paths import file_problem
 from neuron_ckpt.recompute import PRESETS
 
@@ -71,6 +83,7 @@ class Row:
     seq_len: int
     tp: int
     sequence_parallel: bool
+    attention: str
     recompute: str
     analytic_bytes: int
     ram_bytes: int
@@ -80,6 +93,11 @@ class Row:
     @property
     def config(self) -> str:
         return f"{self.label} t={self.tp}{' SP' if self.sequence_parallel else ''}"
+
+    @property
+    def setup(self) -> TrainingSetup:
+        return TrainingSetup(self.seq_len, micro_batch=1, tp=self.tp, dtype="bf16",
+                             sequence_parallel=self.sequence_parallel, attention=self.attention)
 
 
 def measuring_ram_bytes(model: ModelShape, setup: TrainingSetup, recompute: str, layers: int = MEASURED_LAYERS) -> int:
@@ -98,9 +116,12 @@ def measuring_ram_bytes(model: ModelShape, setup: TrainingSetup, recompute: str,
     widest = 4 * h * max(f, (model.heads + 2 * model.kv_heads) * model.head_dim)
     terms = layer_activation_terms(model, setup, recompute)
     kept = sum(term.nbytes for term in terms)
-    kept_scores = sum(term.nbytes for term in terms if term.name in _CORE_TERMS)
-    attention = model.local_heads(t) * s * s * b * 3 * w - kept_scores
-    forward = layers * kept + attention + s * s + w * s * b * (h + 2 * f // t)
+    if setup.attention == "explicit":
+        kept_scores = sum(term.nbytes for term in terms if term.name in _CORE_TERMS)
+        attention = model.local_heads(t) * s * s * b * 3 * w - kept_scores + s * s  # and the bool mask
+    else:
+        attention = 0  # the kernel's blocks; what it keeps is in `kept`
+    forward = layers * kept + attention + w * s * b * (h + 2 * f // t)
     per_rank = _WORKER_BYTES + layers * per_layer_params * w + max(widest, forward)
     return _PARENT_BYTES + t * per_rank
 
@@ -116,18 +137,19 @@ def analytic_rows() -> list[Row]:
     for preset, label, seq_len, tps in MODELS:
         model = model_shape(preset)
         for tp in tps:
-            for sp in (False, True):
-                setup = TrainingSetup(seq_len, micro_batch=1, tp=tp, dtype="bf16", sequence_parallel=sp)
-                for recompute in PRESETS:
-                    rows.append(Row(label, preset, seq_len, tp, sp, recompute,
-                                    layer_activation_bytes(model, setup, recompute),
-                                    measuring_ram_bytes(model, setup, recompute)))
+            for attention in ATTENTION:
+                for sp in (False, True):
+                    setup = TrainingSetup(seq_len, micro_batch=1, tp=tp, dtype="bf16", sequence_parallel=sp,
+                                          attention=attention)
+                    for recompute in PRESETS:
+                        rows.append(Row(label, preset, seq_len, tp, sp, attention, recompute,
+                                        layer_activation_bytes(model, setup, recompute),
+                                        measuring_ram_bytes(model, setup, recompute)))
     return rows
 
 
 def _case(row: Row) -> tuple[ModelShape, TrainingSetup, str]:
-    setup = TrainingSetup(row.seq_len, micro_batch=1, tp=row.tp, dtype="bf16", sequence_parallel=row.sequence_parallel)
-    return model_shape(row.preset), setup, row.recompute
+    return model_shape(row.preset), row.setup, row.recompute
 
 
 def measure_rows(rows: list[Row], max_ram_bytes: int, log: Callable[[str], None] = print) -> list[Row]:
@@ -144,7 +166,7 @@ def measure_rows(rows: list[Row], max_ram_bytes: int, log: Callable[[str], None]
     for i, row in enumerate(rows):
         if row.ram_bytes > max_ram_bytes:
             continue
-        log(f"measuring {row.config} {row.recompute} on {row.tp} gloo processes ...")
+        log(f"measuring {row.config} {row.attention} {row.recompute} on {row.tp} gloo processes ...")
         start = time.perf_counter()
         per_rank = run_local(measure_on_ranks, row.tp, [_case(row)], MEASURED_LAYERS)
         counts = [int(rank[0].bytes_per_layer) for rank in per_rank]
@@ -175,17 +197,19 @@ def format_table(rows: list[Row], max_ram_gib: float = DEFAULT_MAX_RAM_GIB) -> s
     """The Markdown table (what the script prints and what ``--markdown`` writes) and a caption."""
     max_ram_bytes = int(max_ram_gib * GIB)
     lines = [
-        "| model | s | t | SP | recompute | analytic bytes | analytic MiB | measured MiB | measured / analytic |",
-        "| --- | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: |",
+        "| model | s | t | SP | attention | recompute | analytic bytes | analytic MiB | measured MiB "
+        "| measured / analytic |",
+        "| --- | ---: | ---: | --- | --- | --- | ---: | ---: | ---: | ---: |",
     ]
     for row in rows:
         measured, ratio = _measured_cells(row, max_ram_bytes)
-        cells = (row.label, row.seq_len, row.tp, "yes" if row.sequence_parallel else "no", row.recompute,
-                 f"{row.analytic_bytes:,}", f"{row.analytic_bytes / MIB:.3f}", measured, ratio)
+        cells = (row.label, row.seq_len, row.tp, "yes" if row.sequence_parallel else "no", row.attention,
+                 row.recompute, f"{row.analytic_bytes:,}", f"{row.analytic_bytes / MIB:.3f}", measured, ratio)
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     ran = any(row.measured_bytes is not None for row in rows)
     caption = (
-        "Per layer and per rank, bf16, micro-batch 1; MiB = 2^20 bytes. "
+        "Per layer and per rank, bf16, micro-batch 1; MiB = 2^20 bytes. Flash: torch's SDPA flash kernel (an "
+        "fp32 logsumexp per query row, no s x s tensor), which selective recompute can only drop that from. "
         + ("Measured: the distinct storages that one real `LlamaDecoderLayer` keeps for backward on t gloo "
            "processes, the largest over the ranks. " if ran else "Nothing measured (no `--measure`). ")
         + "Analytic only: measuring would take about the RAM shown (all t ranks on one machine, "
@@ -242,11 +266,11 @@ def plot_table(rows: list[Row], path: str) -> str:
 
     from neuron_ckpt.memory.plot import COLORS
 
-    configs = list(dict.fromkeys(row.config for row in rows))
+    configs = list(dict.fromkeys((row.config, row.attention) for row in rows))
     width = 0.8 / len(PRESETS)
-    fig, ax = plt.subplots(figsize=(8, 3.8))
+    fig, ax = plt.subplots(figsize=(13, 4.2))
     for k, preset in enumerate(PRESETS):
-        mine = [next(r for r in rows if r.config == c and r.recompute == preset) for c in configs]
+        mine = [next(r for r in rows if (r.config, r.attention) == c and r.recompute == preset) for c in configs]
         xs = [i + (k - (len(PRESETS) - 1) / 2) * width for i in range(len(configs))]
         bars = ax.bar(xs, [r.analytic_bytes / MIB for r in mine], width, color=COLORS[preset], label=preset)
         ax.bar_label(bars, [_mib_label(r.analytic_bytes) for r in mine], fontsize=6, padding=3)
@@ -255,13 +279,117 @@ def plot_table(rows: list[Row], path: str) -> str:
             ax.plot(*zip(*measured), "o", color="black", markersize=3)
     if any(r.measured_bytes is not None for r in rows):
         ax.plot([], [], "o", color="black", markersize=3, label="measured")
-    ax.set_xticks(range(len(configs)), [c.replace(" t=", "\nt=") for c in configs], fontsize=8)
+    ax.set_xticks(range(len(configs)), [f"{c.replace(' t=', chr(10) + 't=')}{chr(10)}{a}" for c, a in configs],
+                  fontsize=7)
     ax.set_yscale("log")
     ax.set_ylim(1, 1e4)  # room for the labels and the legend above the tallest bar
     ax.set_ylabel("activation MiB per layer per rank")
     ax.set_title("Activations per layer per rank, bf16, micro-batch 1 (7B: s=4096; 8B: s=8192)", fontsize=9)
     ax.grid(True, axis="y", which="both", alpha=0.3)
     ax.legend(fontsize=7, ncol=5, loc="upper center")
+    fig.tight_layout()
+    fig.savefig(path, format="png", dpi=80)
+    plt.close(fig)
+    return path
+
+
+# --------------------------------------------------------------------------------------------
+# The longest sequence whose whole job fits a trn1 NeuronCore.
+
+FIT_MODELS = (("llama2-7b", "Llama-2 7B"), ("llama3-8b", "Llama-3 8B"))
+FIT_TP, FIT_DP, SEQ_STEP, SEQ_MAX = 8, 16, 1024, 256 * 1024
+
+
+@dataclass(frozen=True)
+class FitRow:
+    """The longest multiple of :data:`SEQ_STEP` whose budget fits ``limit_bytes`` (None: not even one)."""
+
+    label: str
+    preset: str
+    attention: str
+    recompute: str
+    longest_seq: int | None
+    limit_bytes: int
+
+
+def fit_setup(seq_len: int, attention: str) -> TrainingSetup:
+    return TrainingSetup(seq_len, micro_batch=1, tp=FIT_TP, dp=FIT_DP, dtype="bf16", sequence_parallel=True,
+                         attention=attention)
+
+
+def fit_limit_bytes() -> int:
+    """What the planner plans a trn1 NeuronCore for: 16 GiB less the default 10% reserve."""
+    total = DEVICE_PRESETS["trn1"]
+    return total - int(DEFAULT_RESERVE_FRACTION * total)
+
+
+def longest_fitting(model: ModelShape, attention: str, recompute: str, limit: int) -> int | None:
+    """Bisect the longest multiple of SEQ_STEP (up to SEQ_MAX) whose whole-job budget fits; the
+    budget grows with the sequence length."""
+
+    def fits(k: int) -> bool:
+        return memory_budget(model, fit_setup(k * SEQ_STEP, attention), recompute).total_bytes <= limit
+
+    lo, hi = 0, SEQ_MAX // SEQ_STEP
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo * SEQ_STEP or None
+
+
+def fit_lengths() -> list[FitRow]:
+    """Per model, attention and uniform recompute preset the planner offers for it."""
+    limit, rows = fit_limit_bytes(), []
+    for preset, label in FIT_MODELS:
+        model = model_shape(preset)
+        for attention in ATTENTION:
+            for recompute in offered_presets(model, fit_setup(SEQ_STEP, attention)):
+                rows.append(FitRow(label, preset, attention, recompute,
+                                   longest_fitting(model, attention, recompute, limit), limit))
+    return rows
+
+
+def format_fit_table(rows: list[FitRow]) -> str:
+    lines = ["| model | attention | recompute | longest s that fits |", "| --- | --- | --- | ---: |"]
+    for row in rows:
+        longest = f"{row.longest_seq:,}" if row.longest_seq else "none"
+        lines.append(f"| {row.label} | {row.attention} | {row.recompute} | {longest} |")
+    caption = (f"The whole job per NeuronCore (`memory_budget`: parameters, fp32 gradients, ZeRO-1 state over dp "
+               f"{FIT_DP}, activations, peak workspace) within {rows[0].limit_bytes / GIB:.1f} GiB (trn1's 16 GiB "
+               f"less the planner's 10% reserve); TP {FIT_TP}, sequence parallel, bf16, micro-batch 1; s in steps "
+               f"of {SEQ_STEP}. With flash the planner offers no selective recompute.")
+    return "\n".join(lines + ["", textwrap.fill(caption, width=100, break_on_hyphens=False)])
+
+
+def plot_seq_fit(fit_rows: list[FitRow], path: str, preset: str = "llama3-8b") -> str:
+    """Per-layer activation bytes against s (log-log) for each attention and preset of one model,
+    a marker where the whole job stops fitting a trn1 NeuronCore."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from neuron_ckpt.memory.plot import COLORS
+
+    model = model_shape(preset)
+    seqs = [2**k for k in range(10, 18)]
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    for row in (r for r in fit_rows if r.preset == preset):
+        flash = row.attention == "flash"
+        ys = [layer_activation_bytes(model, fit_setup(s, row.attention), row.recompute) / MIB for s in seqs]
+        ax.plot(seqs, ys, "-" if flash else "--", color=COLORS[row.recompute], label=f"{row.attention}, {row.recompute}",
+                linewidth=4 if flash else 1.5, alpha=0.5 if flash else 1.0, zorder=1 if flash else 2)
+        if row.longest_seq:
+            at = layer_activation_bytes(model, fit_setup(row.longest_seq, row.attention), row.recompute) / MIB
+            ax.plot([row.longest_seq], [at], "o" if row.attention == "flash" else "s", color=COLORS[row.recompute])
+    ax.plot([], [], "ko", label="longest s that fits a trn1 core")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("sequence length s")
+    ax.set_ylabel("activation MiB per layer per rank")
+    ax.set_title(f"{model_shape(preset).name}: TP {FIT_TP}, SP, bf16, b=1 (dashed: explicit, solid: flash)", fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, format="png", dpi=80)
     plt.close(fig)
@@ -283,26 +411,31 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--measure", action="store_true", help="run the rows that fit --max-ram-gib on local gloo processes")
     p.add_argument("--markdown", metavar="PATH", help="rewrite the table block between the markers in PATH")
     p.add_argument("--plot", metavar="PATH", help="write a PNG of the table")
+    p.add_argument("--seq-plot", metavar="PATH", help="write a PNG of bytes per layer against s, trn1 fit marked")
     p.add_argument("--max-ram-gib", type=positive_float, default=DEFAULT_MAX_RAM_GIB,
                    help=f"measure only rows whose run needs at most this much RAM (default {DEFAULT_MAX_RAM_GIB:g})")
     args = p.parse_args(argv)
     try:  # before anything is measured
         if args.markdown:
             check_markdown(args.markdown)
-        if args.plot:
-            from neuron_ckpt.memory.report import check_plot_path
+        from neuron_ckpt.memory.report import check_plot_path
 
-            check_plot_path(args.plot)
+        for path in (args.plot, args.seq_plot):
+            if path:
+                check_plot_path(path)
     except ValueError as exc:
         p.error(str(exc))
     rows = build_table(args.measure, args.max_ram_gib, log=lambda line: print(line, file=sys.stderr, flush=True))
-    table = format_table(rows, args.max_ram_gib)
+    fits = fit_lengths()
+    table = format_table(rows, args.max_ram_gib) + "\n\n" + format_fit_table(fits)
     print(table)
     if args.markdown:
         write_markdown(args.markdown, table)
         print(f"table written to {args.markdown}", file=sys.stderr)
     if args.plot:
         print(f"plot written to {plot_table(rows, args.plot)}", file=sys.stderr)
+    if args.seq_plot:
+        print(f"plot written to {plot_seq_fit(fits, args.seq_plot)}", file=sys.stderr)
     return 0
 
 

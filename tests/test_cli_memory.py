@@ -54,7 +54,22 @@ def test_table_output_for_llama(capsys):
     assert "selective+mlp_act" in out  # every preset is compared; for Llama all four
 
 
+def test_flash_attention_is_named_and_measured(capsys):
+    """--attention flash: the spec names it, the probabilities become an fp32 logsumexp, and two
+    real layers on 2 ranks keep exactly that."""
+    args = ("--model", "llama", *SMALL, "--kv-heads", "2", "--tp", "2", "--sequence-parallel")
+    report = _run_json(capsys, *args, "--attention", "flash", "--measure")
+    assert report["spec"]["attention"] == "flash"
+    terms = {term["name"]: term["nbytes"] for term in report["breakdown"]}
+    assert "probs" not in terms and terms["softmax_lse_fp32"] == 4 * 8 // 2 * 64 * 2  # fp32 [b, a/t, s]
+    assert report["measured_over_analytic"] == 1.0
+    explicit = _run_json(capsys, *args)
+    assert explicit["spec"]["attention"] == "explicit" and "probs" in {t["name"] for t in explicit["breakdown"]}
+
+
 @pytest.mark.parametrize("args,needle", [
+    (["--hidden", "128", "--heads", "8", "--seq", "64", "--attention", "flash"], "llama only"),
+    (["--model", "llama", "--hidden", "128", "--heads", "8", "--seq", "64", "--attention", "sdpa"], "--attention"),
     (["--hidden", "100", "--heads", "8", "--seq", "64"], "heads"),  # does not divide
     (["--hidden", "128", "--heads", "8", "--seq", "64", "--tp", "3"], "tp"),
     (["--hidden", "128", "--heads", "8", "--seq", "-64"], "--seq"),

@@ -113,7 +113,7 @@ def test_invalid_tensor_parallel_size_type():
     [
         (dict(num_heads=4, num_kv_heads=3, head_dim=8), "num_kv_heads=3"),
         (dict(num_heads=4, num_kv_heads=4, head_dim=8, attention_dropout=1.0), "attention_dropout"),
-        (dict(num_heads=4, num_kv_heads=4, head_dim=8, implementation="flash"), "implementation"),
+        (dict(num_heads=4, num_kv_heads=4, head_dim=8, implementation="sdpa"), "implementation"),
         (dict(num_heads=0, num_kv_heads=4, head_dim=8), "num_heads"),
     ],
 )

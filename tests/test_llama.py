@@ -232,7 +232,7 @@ def test_the_model_reads_a_transformers_config_into_llama_args_and_options():
     with pytest.raises(dataclasses.FrozenInstanceError):
         from_hf.options.sequence_parallel = True
     with pytest.raises(ValueError, match="attention_implementation must be one of"):
-        LlamaForCausalLM(tiny_config(2), attention_implementation="flash", parallel_state=state)
+        LlamaForCausalLM(tiny_config(2), attention_implementation="sdpa", parallel_state=state)
     assert LlamaArgs.from_hf(from_hf.args.to_hf()) == from_hf.args  # exports write what was read
 
 

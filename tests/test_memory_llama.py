@@ -1,7 +1,9 @@
-"""The Llama layer keeps what ``layer_activation_terms`` says: every recompute preset.
+"""The Llama layer keeps what ``layer_activation_terms`` says: every recompute preset, both
+attentions.
 
-Real ``LlamaDecoderLayer`` stacks (bf16, explicit attention with fp32 softmax, RMSNorm, SwiGLU,
-GQA, rotary) on the shared 4-rank world, one worker call per TP degree. Parameters, the causal
+Real ``LlamaDecoderLayer`` stacks (bf16 and fp32; explicit attention with fp32 softmax, or
+torch's SDPA flash kernel; RMSNorm, SwiGLU, GQA, rotary) on the shared 4-rank world, one worker
+call per TP degree. Parameters, the causal
 mask and the rotary tables (shared by all layers; a per-model term) are left out. The analytic
 model counts RMSNorm's fp32 statistics too, so the match is exact, not just within 2%.
 """
@@ -29,7 +31,8 @@ ROWS = {
     "full": (False, "full"),
     "full + distribute_saved_activations": (False, RecomputeConfig.preset("full", distribute_saved_activations=True)),
 }
-_CASES = [(shape, row, dtype) for shape in SHAPES for row in ROWS for dtype in ("bf16", "fp32")]
+_CASES = [(shape, row, dtype, attention) for shape in SHAPES for row in ROWS for dtype in ("bf16", "fp32")
+          for attention in ("explicit", "flash")]
 _MEASURED: dict[int, dict] = {}
 
 
@@ -37,11 +40,12 @@ def _llama(h: int, a: int, g: int, f: int, layers: int = 2) -> ModelShape:
     return ModelShape("llama", h, a, g, f, layers, vocab=32000)
 
 
-def _case(shape, t: int, row: str, dtype: str) -> tuple:
+def _case(shape, t: int, row: str, dtype: str, attention: str) -> tuple:
     """(model, setup, recompute) of two such layers."""
     s, b, h, a, g, f = shape
     sp, recompute = ROWS[row]
-    return _llama(h, a, g, f), TrainingSetup(s, b, tp=t, dtype=dtype, sequence_parallel=sp), recompute
+    setup = TrainingSetup(s, b, tp=t, dtype=dtype, sequence_parallel=sp, attention=attention)
+    return _llama(h, a, g, f), setup, recompute
 
 
 @pytest.fixture(scope="module")
@@ -56,19 +60,20 @@ def measured(world):
 
 
 @pytest.mark.parametrize("t", (1, 2, 4))
-@pytest.mark.parametrize("shape,row,dtype", _CASES)
-def test_measured_matches_analytic(measured, t, shape, row, dtype):
-    analytic = layer_activation_bytes(*_case(shape, t, row, dtype))
-    for m in measured(t)[(shape, row, dtype)]:
+@pytest.mark.parametrize("shape,row,dtype,attention", _CASES)
+def test_measured_matches_analytic(measured, t, shape, row, dtype, attention):
+    analytic = layer_activation_bytes(*_case(shape, t, row, dtype, attention))
+    for m in measured(t)[(shape, row, dtype, attention)]:
         assert m.unscoped_bytes == 0
         assert m.per_layer_bytes[0] == m.per_layer_bytes[1]
         ratio = m.bytes_per_layer / analytic
-        assert abs(ratio - 1) <= TOLERANCE, f"{row} {dtype}, t={t}, shape={shape}, rank {m.rank}: {ratio:.4f}"
+        assert abs(ratio - 1) <= TOLERANCE, f"{row} {dtype} {attention}, t={t}, shape={shape}, rank {m.rank}: {ratio:.4f}"
         assert m.bytes_per_layer == analytic  # nothing is left out of the Llama model
 
 
-def _by_name(model: ModelShape, recompute: str = "none", s: int = 64, b: int = 2, t: int = 1) -> dict[str, int]:
-    setup = TrainingSetup(s, b, tp=t, sequence_parallel=False)
+def _by_name(model: ModelShape, recompute: str = "none", s: int = 64, b: int = 2, t: int = 1,
+             attention: str = "explicit") -> dict[str, int]:
+    setup = TrainingSetup(s, b, tp=t, sequence_parallel=False, attention=attention)
     return {term.name: term.nbytes for term in layer_activation_terms(model, setup, recompute)}
 
 
@@ -88,6 +93,24 @@ def test_terms_follow_the_derivation():
     assert set(terms) - set(selective) == {"probs"}
     mlp_act = _by_name(_llama(h, a, g, f), "selective+mlp_act", s=s, b=b)
     assert mlp_act == selective  # the fused SwiGLU keeps only gate and up, as its checkpoint would
+
+
+def test_flash_keeps_a_logsumexp_instead_of_the_probabilities():
+    s, b, h, a, g, f = 64, 2, 128, 8, 2, 344
+    model = _llama(h, a, g, f)
+    explicit, flash = _by_name(model, s=s, b=b), _by_name(model, s=s, b=b, attention="flash")
+    assert set(explicit) - set(flash) == {"probs"} and set(flash) - set(explicit) == {"softmax_lse_fp32"}
+    assert flash["softmax_lse_fp32"] == 4 * a * s * b  # fp32, one per query row and head
+    assert flash["k"] == explicit["k"] == 2 * s * b * g * (h // a)  # enable_gqa: not expanded
+    for recompute in ("selective", "selective+mlp_act", "full"):  # the recompute presets keep what explicit's do
+        assert _by_name(model, recompute, s=s, b=b, attention="flash") == _by_name(model, recompute, s=s, b=b)
+
+
+def test_flash_is_refused_for_the_papers_gpt_layer():
+    with pytest.raises(ValueError, match="llama only.*dropout"):
+        layer_activation_bytes(ModelShape.gpt(64, 4, 2), TrainingSetup(32, attention="flash"), "none")
+    with pytest.raises(ValueError, match="attention must be one of"):
+        TrainingSetup(32, attention="sdpa")
 
 
 def test_gqa_kv_heads_are_replicated_when_fewer_than_tp():

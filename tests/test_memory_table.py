@@ -33,16 +33,39 @@ def rows(table):
     return table.build_table(measure=False)
 
 
-def test_every_preset_row_for_both_models(rows):
-    expected = {("llama2-7b", 4096, 8, sp, p) for sp in (False, True) for p in PRESETS}
-    expected |= {("llama3-8b", 8192, t, sp, p) for t in (8, 32) for sp in (False, True) for p in PRESETS}
-    got = [(r.preset, r.seq_len, r.tp, r.sequence_parallel, r.recompute) for r in rows]
+def test_every_preset_row_for_both_models_and_attentions(rows):
+    both = [(sp, a, p) for sp in (False, True) for a in ("explicit", "flash") for p in PRESETS]
+    expected = {("llama2-7b", 4096, 8, *rest) for rest in both}
+    expected |= {("llama3-8b", 8192, t, *rest) for t in (8, 32) for rest in both}
+    got = [(r.preset, r.seq_len, r.tp, r.sequence_parallel, r.attention, r.recompute) for r in rows]
     assert sorted(got) == sorted(expected)
     assert all(r.measured_bytes is None for r in rows)
+    for row in rows:  # flash keeps less than explicit without recompute, the same under the recompute presets
+        twin = next(r for r in rows if r.config == row.config and r.recompute == row.recompute and r is not row)
+        if row.attention == "flash" and row.recompute == "none":
+            assert row.analytic_bytes < twin.analytic_bytes
+        elif row.attention == "flash" and row.recompute != "selective":
+            assert row.analytic_bytes == twin.analytic_bytes
+
+
+def test_longest_sequence_that_fits_a_trn1_core(table):
+    """The reference recipe (Llama-3 8B, s = 8192, TP 8) fits without recompute only with flash."""
+    fits = {(r.preset, r.attention, r.recompute): r.longest_seq for r in table.fit_lengths()}
+    assert ("llama3-8b", "flash", "selective") not in fits  # not offered
+    assert fits[("llama3-8b", "flash", "none")] >= 8192 > fits[("llama3-8b", "explicit", "none")]
+    model = table.model_shape("llama3-8b")
+    longest = fits[("llama3-8b", "flash", "none")]
+    budget = table.memory_budget(model, table.fit_setup(longest, "flash"), "none").total_bytes
+    beyond = table.memory_budget(model, table.fit_setup(longest + table.SEQ_STEP, "flash"), "none").total_bytes
+    assert budget <= table.fit_limit_bytes() < beyond
+    for key, longest in fits.items():
+        if key[2] == "full":
+            assert longest >= fits[(*key[:2], "none")]
 
 
 def test_llama2_anchor_equals_the_api_and_the_cli(table, rows, capsys):
-    (row,) = [r for r in rows if r.preset == "llama2-7b" and r.sequence_parallel and r.recompute == "selective"]
+    (row,) = [r for r in rows if r.preset == "llama2-7b" and r.sequence_parallel and r.recompute == "selective"
+              and r.attention == "explicit"]
     setup = TrainingSetup(4096, micro_batch=1, tp=8, dtype="bf16", sequence_parallel=True)
     assert row.analytic_bytes == layer_activation_bytes(table.model_shape("llama2-7b"), setup, "selective") == ANCHOR
     assert "| 67,375,104 | 64.254 |" in table.format_table(rows)

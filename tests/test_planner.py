@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -73,15 +74,22 @@ ASSIGNMENTS = {
     "full": ("full", "full"),
     "full, selective": ("full", "selective"),
     "selective+mlp_act, none": ("selective+mlp_act", "none"),
+    "full, none": ("full", "none"),
 }
 
 
-def _measure_whole_model(t: int, sp: bool) -> dict[str, int]:
+def _assignments(attention: str) -> dict[str, tuple[str, str]]:
+    """With flash attention the budget offers no selective option."""
+    return {k: v for k, v in ASSIGNMENTS.items() if attention == "explicit" or "selective" not in k}
+
+
+def _measure_whole_model(t: int, sp: bool, attention: str) -> dict[str, int]:
     nc.initialize_model_parallel(t)
     out = {}
-    for label, names in ASSIGNMENTS.items():
+    for label, names in _assignments(attention).items():
         torch.manual_seed(0)
-        model = LlamaForCausalLM(tiny_config(), sequence_parallel=sp, dtype=torch.bfloat16).train()
+        model = LlamaForCausalLM(tiny_config(), sequence_parallel=sp, attention_implementation=attention,
+                                 dtype=torch.bfloat16).train()
         apply_recompute(model, _configs(names), sequence_parallel=sp)
         masks = [m.causal_mask(S, torch.device("cpu")) for m in model.modules() if isinstance(m, CoreAttention)]
         ids, labels = _batch()
@@ -92,13 +100,14 @@ def _measure_whole_model(t: int, sp: bool) -> dict[str, int]:
     return out
 
 
-@pytest.mark.parametrize("t,sp", [(1, False), (2, True), (2, False)])
-def test_budget_activations_match_a_measured_llama(world, t, sp):
-    measured = world(2).run(_measure_whole_model, t, sp)
+@pytest.mark.parametrize("t,sp,attention", [(1, False, "explicit"), (2, True, "explicit"), (2, False, "explicit"),
+                                            (1, False, "flash"), (2, True, "flash")])
+def test_budget_activations_match_a_measured_llama(world, t, sp, attention):
+    measured = world(2).run(_measure_whole_model, t, sp, attention)
     model = ModelShape.from_llama(tiny_config())
-    setup = TrainingSetup(S, B, tp=t, dp=2 // t, sequence_parallel=sp)
+    setup = TrainingSetup(S, B, tp=t, dp=2 // t, sequence_parallel=sp, attention=attention)
     for rank, per_rank in enumerate(measured):
-        for label, names in ASSIGNMENTS.items():
+        for label, names in _assignments(attention).items():
             analytic = memory_budget(model, setup, names).activation_bytes
             ratio = per_rank[label] / analytic
             assert abs(ratio - 1) <= TOLERANCE, f"{label}, t={t}, sp={sp}, rank {rank}: measured/analytic {ratio:.4f}"
@@ -410,13 +419,50 @@ def test_cli_prints_the_plan(capsys):
     assert "plan: 32 x none" in out and "optimizer moments" in out
     assert "optimizer step: largest collective 128 MiB" in out and "host memory (trn1.32xlarge" in out
     assert "checkpoint on disk per step" in out
-    assert _run([*SEVEN_B[:-1], "2", "--device-memory", "16", "--reserve", "0", "--json"]) == 0
+    assert _run([*SEVEN_B[:-1], "2", "--device-memory", "16", "--reserve", "0", "--attention", "explicit",
+                 "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
+    assert data["attention"] == "explicit" and data["attention_notes"] == []
     assert data["fits"] and data["counts"] == {"none": 14, "selective": 18}
     assert data["optimizer_step"]["largest_collective_bytes"] == 128 * 2**20
     assert data["host"]["instance"] == "trn1.32xlarge" and data["host"]["fits"]
     assert data["recompute_is_per_layer"]
     assert data["alternatives"]["selective"]["fits"] and not data["alternatives"]["none"]["fits"]
+
+
+def test_cli_with_flash_attention_offers_no_selective_recompute(capsys):
+    """The reference recipe (Llama-3 8B, TP 8, s 8192, flash, trn1): none fits, no mask, no
+    selective option (its saving would be the fp32 logsumexp), and the NKI kernel's repeated
+    k/v named with their bytes."""
+    argv = ["--config", "llama3-8b", "--tp", "8", "--dp", "16", "--seq", "8192", "--device-memory", "trn1"]
+    assert _run([*argv, "--json"]) == 0  # flash is the default
+    data = json.loads(capsys.readouterr().out)
+    assert data["attention"] == "flash" and data["counts"] == {"none": 32}
+    assert set(data["alternatives"]) == {"none", "full"}
+    assert "attention mask" not in [item["name"] for item in data["budget"]["items"]]
+    lse = 4 * 4 * 8192  # fp32, 32/8 heads, s = 8192
+    assert f"drop {lse / 1024:,.1f} KiB per layer" in data["attention_notes"][0]
+    assert "12.0 MiB per layer more" in data["attention_notes"][1]  # 2 * 2 bytes * 8192 * (4 - 1) * 128
+    assert _run([*argv, "--attention", "explicit", "--json"]) == 0
+    explicit = json.loads(capsys.readouterr().out)
+    assert explicit["counts"].get("selective", 0) > 0 and explicit["overhead"] > 0
+    assert explicit["budget"]["total_bytes"] > data["budget"]["total_bytes"]
+
+
+def test_budget_follows_the_attention():
+    model = ModelShape.from_llama(load_llama_config("llama3-8b"))
+    explicit = TrainingSetup(8192, tp=8, dp=16)
+    flash = replace(explicit, attention="flash")
+    assert set(layer_options(model, flash)) == {"none", "full"}
+    with pytest.raises(ValueError, match="'selective' is not offered.*flash"):
+        memory_budget(model, flash, "selective")
+    kept = memory_budget(model, explicit, "full").activation_bytes, memory_budget(model, flash, "full").activation_bytes
+    assert kept[0] == kept[1]  # full recompute keeps the layer input either way
+    items = {i.name: i for i in memory_budget(model, explicit, "full").items}
+    flash_items = {i.name: i for i in memory_budget(model, flash, "full").items}
+    assert items["attention mask"].nbytes == 8192**2 and "attention mask" not in flash_items
+    assert items["peak workspace"].note.startswith("attention")  # [b, 4, s, s] scores at s = 8192
+    assert not flash_items["peak workspace"].note.startswith("attention")
 
 
 @pytest.mark.parametrize(

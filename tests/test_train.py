@@ -69,6 +69,18 @@ def test_resume_at_other_tp_is_refused(world, run_files):
     assert "tp_size: checkpoint 2, this run 4" in message and "--init-hf" in message
 
 
+def test_attention_defaults_to_flash_where_a_kernel_runs(world, run_files):
+    """On CPU the default is flash (torch's SDPA kernel); --attention explicit runs the written-out
+    softmax. Same weights and data: the first loss agrees to fp32 rounding (summation order),
+    and both learn."""
+    root, common = run_files
+    flash = world(4).run(_train, common + ["--dtype", "fp32"])[0]
+    explicit = world(4).run(_train, common + ["--dtype", "fp32", "--attention", "explicit"])[0]
+    assert (flash["attention"], explicit["attention"]) == ("flash", "explicit")
+    assert flash["losses"][0] == pytest.approx(explicit["losses"][0], rel=1e-5)
+    assert flash["losses"][-1] < flash["losses"][0] and explicit["losses"][-1] < explicit["losses"][0]
+
+
 def test_lr_schedule():
     s = LRSchedule(peak_lr=1.0, warmup_steps=4, total_steps=14, decay="cosine", min_lr_ratio=0.1)
     assert [s.lr(i) for i in range(4)] == [0.25, 0.5, 0.75, 1.0]
@@ -172,7 +184,7 @@ def test_metrics_go_to_jsonl_and_tensorboard(tmp_path):
 def test_recompute_auto_plans_per_layer_and_trains(world, run_files):
     """--recompute auto takes the planner's per-layer choice for the memory given, and trains
     exactly as the same choice given by hand would (here: a limit between all-selective and
-    all-none, so the plan mixes options)."""
+    all-none, so the plan mixes options; explicit attention, where selective saves memory)."""
     from neuron_ckpt.memory import ModelShape, TrainingSetup
     from neuron_ckpt.memory.budget import GIB
     from neuron_ckpt.memory.planner import evaluate
@@ -184,7 +196,7 @@ def test_recompute_auto_plans_per_layer_and_trains(world, run_files):
     selective = evaluate(shape, setup, "selective", 1 << 40).budget.total_bytes
     limit_gib = (none + selective) / 2 / GIB / 0.9  # the planner keeps 10% free
     auto = common + ["--recompute", "auto", "--device-memory", repr(limit_gib), "--dtype", "fp32",
-                     "--micro-batch-size", "4"]  # fmt: skip
+                     "--micro-batch-size", "4", "--attention", "explicit"]  # fmt: skip
     out = world(4).run(_train, auto)[0]
     assert out["recompute_plan"] == {"none": 1, "selective": 1}
     assert out["losses"][0] > out["losses"][-1]

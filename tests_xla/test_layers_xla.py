@@ -121,7 +121,7 @@ class _Attention(torch.nn.Module):
         return self.core(q * self.scale, k, v)
 
 
-@pytest.mark.parametrize("implementation", ["explicit", "sdpa"])
+@pytest.mark.parametrize("implementation", ["explicit", "flash"])
 @pytest.mark.parametrize("kv_heads", [4, 2])
 def test_core_attention(xla, implementation, kv_heads):
     q, k, v = randn(S, B, 32, seed=1), randn(S, B, kv_heads * 8, seed=2), randn(S, B, kv_heads * 8, seed=3)

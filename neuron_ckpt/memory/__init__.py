@@ -6,7 +6,8 @@
     from neuron_ckpt.models.config_file import load_llama_config
 
     model = ModelShape.from_llama(load_llama_config("llama2-7b"))   # or ModelShape.gpt(h, a, L)
-    setup = TrainingSetup(seq_len=4096, micro_batch=1, tp=8, dp=4)  # bf16, SP, ZeRO-1
+    setup = TrainingSetup(seq_len=4096, micro_batch=1, tp=8, dp=4)  # bf16, SP, ZeRO-1, explicit attention
+    # TrainingSetup(..., attention="flash"): a fused kernel, no s x s tensor (what the reference runs)
     layer_activation_bytes(model, setup, "selective")               # one layer, one rank
     plan = plan_recompute(model, setup, "trn1")                      # per-layer presets that fit
 

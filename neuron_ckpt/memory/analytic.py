@@ -9,7 +9,9 @@ where the bytes go and a measurement can be compared term by term:
   dropout masks 1 byte (what ``torch.native_dropout`` saves). Presets none, selective, full:
   exactly the rows of Table 2.
 * the Llama layer (:mod:`neuron_ckpt.models.llama`): RMSNorm, GQA, rotary, fp32 softmax kept in 16 bits, SwiGLU,
-  no dropout; derived in docs/memory.md ("The Llama layer"). Every preset.
+  no dropout; derived in docs/memory.md ("The Llama layer"). Every preset, with either core
+  attention (``setup.attention``): explicit (the ``s^2`` probabilities) or flash (torch's SDPA
+  flash kernel: an fp32 logsumexp per query row instead).
 
 Every function takes ``(model, setup, recompute)``: a :class:`~.shape.ModelShape`, a
 :class:`~.shape.TrainingSetup` (its seq_len, micro_batch, tp, dtype and sequence_parallel) and a
@@ -56,6 +58,10 @@ def resolve(model: ModelShape, setup: TrainingSetup, recompute: Recompute) -> tu
     if name not in supported_presets(model):
         raise ValueError(f"recompute {name!r} is not modelled for {model.kind}; choose from "
                          f"{list(supported_presets(model))}")
+    if setup.attention == "flash" and model.kind == "gpt":
+        raise ValueError("attention 'flash' is modelled for llama only: the paper's GPT layer has attention dropout, "
+                         "with which torch's CPU flash kernel falls back to its math path (fp32 [b, a, s, s] tensors "
+                         "kept, not modelled); use attention='explicit' for gpt")
     distribute = config.distribute_saved_activations
     # Megatron refuses distributing with sequence parallel and with anything but full recompute.
     if distribute and setup.sequence_parallel:
@@ -164,10 +170,12 @@ def _rmsnorm_terms(prefix: str, sb: int, h: int, width: int) -> list[tuple[str, 
 
 
 def _llama_terms(model: ModelShape, setup: TrainingSetup, name: str, distribute: bool) -> list[ActivationTerm]:
-    """The Llama layer's terms. Selective recompute drops the attention core (the softmax output
-    in the activation dtype, the ``s^2`` term); ``mlp_act`` drops nothing more (the fused SwiGLU
-    keeps only gate and up, which its checkpoint would keep too); full recompute keeps only the
-    layer input."""
+    """The Llama layer's terms. Selective recompute drops the attention core: with explicit
+    attention the softmax output in the activation dtype (the ``s^2`` term), with flash the
+    kernel's fp32 logsumexp (its output is the projection's input, kept either way; its q, k
+    and v are the checkpoint's inputs). ``mlp_act`` drops nothing more (the fused SwiGLU keeps
+    only gate and up, which its checkpoint would keep too); full recompute keeps only the layer
+    input."""
     s, b, h, t, w = setup.seq_len, setup.micro_batch, model.hidden, setup.tp, setup.width
     sp = setup.sequence_parallel
     if name == "full":
@@ -192,10 +200,15 @@ def _llama_terms(model: ModelShape, setup: TrainingSetup, name: str, distribute:
         ("up", w * s * b * f_loc),
         ("down_input", w * s * b * f_loc),
     ]
-    if name == "none":
+    if name == "none" and setup.attention == "explicit":
         # The fused masked softmax keeps only its output, in the activation dtype: the tensor
         # the matmul with V keeps too (one storage).
         inside.append(("probs", w * a_loc * s * s * b))
+    elif name == "none":
+        # torch's flash kernel: q, k, v (k and v at kv heads, as above; it keeps contiguous
+        # [b, heads, s, d] copies of them instead of the rotary outputs), its output (the
+        # projection's input) and one fp32 logsumexp per query row.
+        inside.append(("softmax_lse_fp32", _FP32 * a_loc * s * b))
     return [ActivationTerm(n, v, sp) for n, v in outside] + [ActivationTerm(n, v, True) for n, v in inside]
 
 

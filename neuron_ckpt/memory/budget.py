@@ -7,7 +7,7 @@ One device (a NeuronCore, a GPU) holds one tensor-parallel rank of one data-para
 * **optimizer state**: fp32 master weights and AdamW's two fp32 moments, divided by dp under
   ZeRO-1 (:class:`~neuron_ckpt.optim.Zero1Optimizer`, which always keeps an fp32 master slice);
 * **the attention mask**: explicit ``CoreAttention`` keeps one ``[s, s]`` bool mask per process,
-  shared by every layer (it lives as long as the process);
+  shared by every layer (it lives as long as the process); flash attention has none;
 * **activations kept for backward**: per layer from the analytic model
   (:mod:`.analytic`) under the layer's recompute option (:mod:`.options`), plus what sits outside the layers:
   rotary tables, embedding indices, the final norm, the LM head input and what the
@@ -18,7 +18,8 @@ One device (a NeuronCore, a GPU) holds one tensor-parallel rank of one data-para
 * **peak workspace**: the largest transient on top, whichever is worst of (a) the loss: the
   ``[s, b, v/t]`` logits plus the cross entropy's fp32 working copy (and its bf16 softmax), (b) the
   explicit attention's forward in the last layer: its ``[b, a/t, s, s]`` 16-bit scores plus, at
-  worst (XLA widens them), an fp32 copy and the fp32 softmax, (c) a recomputed layer's
+  worst (XLA widens them), an fp32 copy and the fp32 softmax (flash attention works in blocks:
+  nothing of that size), (c) a recomputed layer's
   activations alive again during its backward, on top of the layers before it, (d) the
   optimizer step (after the activations are freed): the flattened gradients and fp32 slices.
 
@@ -152,8 +153,9 @@ def _static_items(model: ModelShape, setup: TrainingSetup) -> tuple[list[LineIte
     items.append(LineItem("optimizer moments", 2 * per_shard * _FP32, "static",
                           f"AdamW exp_avg + exp_avg_sq, fp32 {where}"))
     s = setup.seq_len
-    items.append(LineItem("attention mask", s * s * _BOOL, "static",
-                          "explicit CoreAttention: one [s, s] bool mask shared by every layer"))
+    if setup.attention == "explicit":
+        items.append(LineItem("attention mask", s * s * _BOOL, "static",
+                              "explicit CoreAttention: one [s, s] bool mask shared by every layer"))
     return items, optimizer_step_bytes(model, setup)
 
 
@@ -214,7 +216,9 @@ def memory_budget(
         raise ValueError(f"layers: need one option per layer ({model.layers}), got {len(names)}")
     for name in set(names):
         if name not in options:
-            raise ValueError(f"layers: unknown option {name!r} for {model.kind}; choose from {list(options)}")
+            why = " (with flash attention selective recompute has no s^2 tensor to drop)" if (
+                setup.attention == "flash" and name in PRESETS) else ""
+            raise ValueError(f"layers: option {name!r} is not offered for {model.kind}{why}; choose from {list(options)}")
     static, step = _static_items(model, setup)
     outside, loss_transient = _outside_items(model, setup)
     m = setup.microbatches_in_flight
@@ -233,13 +237,14 @@ def memory_budget(
     recompute = _recompute_peak(order) - layer_saved
     # The explicit attention's forward at the last layer, on top of everything kept: the 16-bit
     # scores, and at worst (XLA, which widens) an fp32 copy and the fp32 softmax.
-    scores = model.local_heads(setup.tp) * setup.seq_len ** 2 * setup.micro_batch
     candidates = [
         (loss_transient, "loss: logits + the cross entropy's fp32 working copy"),
-        (scores * (setup.width + 8), "attention: scores + fp32 copy + fp32 softmax, [b, a/t, s, s]"),
         (recompute, "a recomputed layer's activations during its backward"),
         (step - saved, "optimizer step: fp32 gradient slices + one bucket buffer (activations freed)"),
     ]
+    if setup.attention == "explicit":
+        scores = model.local_heads(setup.tp) * setup.seq_len ** 2 * setup.micro_batch
+        candidates.append((scores * (setup.width + 8), "attention: scores + fp32 copy + fp32 softmax, [b, a/t, s, s]"))
     extra, why = max(candidates, key=lambda c: c[0])
     items.append(LineItem("peak workspace", max(extra, 0), "workspace", why))
     notes = [f"micro-batches in flight: {m} (1 without pipeline parallelism)"]

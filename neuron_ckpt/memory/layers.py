@@ -4,7 +4,7 @@
 ``LocalWorld`` / ``run_local`` worker, or a torchrun process): it sets up tensor parallelism of
 ``setup.tp``, builds ``num_layers`` GPT or Llama layers with the recompute preset applied, runs
 one forward under :class:`~.measure.SavedTensorRecorder` (one scope per layer) and returns this
-rank's bytes. Left out: parameters, the attention modules' shared causal masks and (Llama) the
+rank's bytes. Left out: parameters, the explicit attention's shared causal masks and (Llama) the
 rotary tables, which all layers share (:func:`~.analytic.rotary_terms` accounts for them).
 """
 
@@ -74,7 +74,7 @@ def build_layers(
             head_dim=model.head_dim, max_position_embeddings=setup.seq_len, attention_bias=model.attention_bias,
             mlp_bias=model.mlp_bias,
         )  # fmt: skip
-        options = LlamaOptions(setup.sequence_parallel, "explicit", dtype, state)
+        options = LlamaOptions(setup.sequence_parallel, setup.attention, dtype, state)
         layers = torch.nn.ModuleList(LlamaDecoderLayer(args, options) for _ in range(num_layers))
         extra = RotaryEmbedding(args)(setup.seq_len, dtype, torch.device("cpu"))
     config = RecomputeConfig.preset(name, distribute)
@@ -105,7 +105,8 @@ def measure_layers(
     model_parallel_manual_seed(seed)
     state = initialize_model_parallel(setup.tp)
     x = layer_input(model, setup, state.tp_rank, seed)
-    shared = [m.causal_mask(setup.seq_len, x.device) for m in layers.modules() if isinstance(m, CoreAttention)]
+    shared = [m.causal_mask(setup.seq_len, x.device) for m in layers.modules()
+              if isinstance(m, CoreAttention) and m.implementation == "explicit"]
     with SavedTensorRecorder(exclude_modules=[layers], exclude_tensors=[*shared, *extra]) as rec:
         handles = rec.attach({LAYER_SCOPE.format(i): layer for i, layer in enumerate(layers)})
         try:

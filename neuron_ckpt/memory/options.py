@@ -1,14 +1,15 @@
 """One layer's recompute options, priced: bytes kept, bytes alive again in backward, FLOPs rerun.
 
 Each option is a recompute preset (:data:`~neuron_ckpt.recompute.PRESETS`) the model supports
-(:func:`~.analytic.supported_presets`). Its bytes come from the analytic model; its FLOPs count
+(:func:`~.analytic.supported_presets`) and the attention makes worth running
+(:func:`offered_presets`: with flash attention, not the selective ones). Its bytes come from the analytic model; its FLOPs count
 the forward work that backward reruns, against the step's model FLOPs (:func:`step_flops`, the
 MFU convention of :meth:`~.shape.ModelShape.flops_per_token`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..recompute import PRESETS, RecomputeConfig
 from .analytic import layer_activation_bytes, supported_presets
@@ -55,14 +56,32 @@ def _flops(model: ModelShape, setup: TrainingSetup) -> dict[str, float]:
     return {"core": core, "act": act, "layer": matmuls + core + act}
 
 
+def offered_presets(model: ModelShape, setup: TrainingSetup) -> tuple[str, ...]:
+    """The presets worth planning with: with flash attention, none that recomputes the core
+    attention. The kernel keeps no ``s^2`` tensor, so recomputing it would rerun the attention
+    forward to drop only its fp32 logsumexp (:func:`selective_saving_with_flash`); NeMo
+    hard-enables it for the same reason, and NxD's selective checkpoint skips the flash path."""
+    names = supported_presets(model)
+    if setup.attention == "flash":
+        names = tuple(n for n in names if RecomputeConfig.preset(n).granularity != "selective")
+    return names
+
+
+def selective_saving_with_flash(model: ModelShape, setup: TrainingSetup) -> int:
+    """Bytes per layer that selective recompute would save with flash attention (the logsumexp)."""
+    flash = replace(setup, attention="flash")
+    return layer_activation_bytes(model, flash, "none") - layer_activation_bytes(model, flash, "selective")
+
+
 def layer_options(model: ModelShape, setup: TrainingSetup) -> dict[str, LayerOption]:
-    """The recompute options for one layer of ``model`` run as ``setup`` says, by preset name."""
+    """The recompute options for one layer of ``model`` run as ``setup`` says, by preset name
+    (those :func:`offered_presets` lists)."""
     if (why := model.valid_tp(setup.tp, setup.seq_len if setup.sequence_parallel else None)) is not None:
         raise ValueError(why)
     flops = _flops(model, setup)
     costs = {"none": 0.0, "selective": flops["core"], "selective+mlp_act": flops["core"] + flops["act"],
              "full": flops["layer"]}
-    names = supported_presets(model)
+    names = offered_presets(model, setup)
     kept = {name: layer_activation_bytes(model, setup, name) for name in names}
     options = {}
     for name in names:
@@ -85,4 +104,5 @@ def step_flops(model: ModelShape, setup: TrainingSetup) -> float:
     return model.flops_per_token(s) * s * setup.micro_batch / setup.tp
 
 
-__all__ = ["LayerOption", "canonical_order", "layer_options", "step_flops"]
+__all__ = ["LayerOption", "canonical_order", "layer_options", "offered_presets", "selective_saving_with_flash",
+           "step_flops"]

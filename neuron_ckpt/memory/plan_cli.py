@@ -3,7 +3,7 @@
 ::
 
     neuron-ckpt plan --model llama --config llama2-7b --tp 8 --dp 4 --seq 4096 --micro-batch 1 \\
-        --device-memory trn1 [--reserve 1] [--dtype bf16] [--zero1 | --no-zero1] [--json]
+        --device-memory trn1 [--attention flash|explicit] [--reserve 1] [--dtype bf16] [--zero1 | --no-zero1] [--json]
 
 Prints the per-device budget of the chosen plan (GiB per line item), the plan (layers per
 option, the ``RecomputeConfig`` or per-layer list to pass to the model) and its recompute
@@ -12,6 +12,10 @@ largest collective and transient bytes, host memory per rank at its peaks agains
 (:mod:`.host`) and the checkpoint size on disk. Bad input: one line on stderr, exit status 2
 (from the dispatcher, :mod:`neuron_ckpt.cli`). Nothing fits: the reason and what would fit on
 stderr, exit status 1.
+
+``--attention`` defaults to flash, what the reference recipe (NxD's trn1 Llama-3 tutorial) and
+``train.py`` run where a kernel exists; with flash the planner does not offer selective recompute
+(no ``s^2`` tensor to drop) and says so.
 
 Every option given is used or refused: ``--hidden/--heads/--layers/--vocab`` describe a
 ``--model gpt`` (a Llama's shape comes from ``--config``, which a GPT does not take);
@@ -25,10 +29,13 @@ import argparse
 import json
 import math
 import sys
+from dataclasses import replace
 
+from ..parallel.attention import ATTENTION
 from ..recompute import PRESETS
 from .budget import GIB, largest_collective_bytes, optimizer_step_bytes
 from .host import INSTANCES, host_budget
+from .options import offered_presets, selective_saving_with_flash
 from .planner import DEVICE_PRESETS, NothingFits, Plan, device_memory_bytes, evaluate, plan_recompute
 from .shape import DEFAULT_VOCAB, DTYPE_BYTES, KINDS, ModelShape, TrainingSetup
 
@@ -78,6 +85,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--zero1", action=argparse.BooleanOptionalAction, default=True,
                         help="shard fp32 master weights and AdamW moments over dp (default on)")
     parser.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--attention", choices=ATTENTION, default="flash",
+                        help="core attention: flash (a fused kernel, no s x s tensor: torch SDPA's flash on CPU/CUDA, "
+                             "NxD's NKI kernel on trn1; default, as the reference trains) or explicit")
     parser.add_argument("--bucket-cap-mb", type=_finite(0.0, False), default=None,
                         help=f"ZeRO-1 bucket cap in MiB: the optimizer step's largest collective "
                              f"(default {DEFAULT_BUCKET_CAP_MB:g})")
@@ -139,7 +149,7 @@ def build(args: argparse.Namespace) -> tuple[ModelShape, TrainingSetup]:
     bucket_cap_mb = DEFAULT_BUCKET_CAP_MB if args.bucket_cap_mb is None else args.bucket_cap_mb
     setup = TrainingSetup(seq_len=args.seq, micro_batch=args.micro_batch, tp=args.tp, dp=args.dp,
                           dtype=args.dtype, sequence_parallel=args.sequence_parallel, zero1=args.zero1,
-                          bucket_cap_mb=bucket_cap_mb)
+                          bucket_cap_mb=bucket_cap_mb, attention=args.attention)
     return model, setup
 
 
@@ -165,13 +175,35 @@ def _recompute_text(plan: Plan) -> str:
     return "a per-layer list for apply_recompute(model, [...]):\n" + "\n".join(runs)
 
 
-def _print_plan(model: ModelShape, setup: TrainingSetup, plan: Plan) -> None:
+def attention_notes(model: ModelShape, setup: TrainingSetup, device_memory: str | None) -> list[str]:
+    """What the plan says about its attention: the presets it leaves out with flash, and where
+    trn1's kernel keeps more than the model counts."""
+    if setup.attention != "flash":
+        return []
+    left_out = [name for name in PRESETS if name not in offered_presets(model, setup) and
+                name in offered_presets(model, replace(setup, attention="explicit"))]
+    notes = [f"flash attention: {' and '.join(left_out)} not offered: they would rerun the attention forward to drop "
+             f"{selective_saving_with_flash(model, setup) / 2**10:,.1f} KiB per layer (the kernel's fp32 logsumexp)"]
+    if setup.dtype == "fp32" and str(device_memory).lower() != "trn1":
+        notes.append("fp32: on CUDA torch's flash kernel takes only fp16/bf16 and SDPA runs its memory-efficient or "
+                     "math kernel, which keep other tensors than counted here (on CPU the flash kernel takes fp32: "
+                     "those figures are measured)")
+    a, g = model.local_heads(setup.tp), model.local_kv_heads(setup.tp)
+    if str(device_memory).lower() == "trn1" and g < a:
+        extra = 2 * setup.width * setup.seq_len * setup.micro_batch * (a - g) * model.head_dim
+        notes.append(f"trn1: NxD's NKI kernel is called with k and v repeated to the {a} query heads of a rank "
+                     f"(its wrapper launches over query heads) and keeps them so: {extra / 2**20:,.1f} MiB per layer "
+                     f"more than counted here (torch's kernel keeps them at the {g} kv heads)")
+    return notes
+
+
+def _print_plan(model: ModelShape, setup: TrainingSetup, plan: Plan, notes: list[str]) -> None:
     print(f"{model.name or model.kind}: L={model.layers} h={model.hidden} a={model.heads} g={model.kv_heads} "
           f"f={model.ffn} v={model.vocab} | tp={setup.tp} dp={setup.dp} s={setup.seq_len} b={setup.micro_batch} "
-          f"{setup.dtype} sequence_parallel={setup.sequence_parallel} zero1={setup.zero1}")
+          f"{setup.dtype} sequence_parallel={setup.sequence_parallel} zero1={setup.zero1} attention={setup.attention}")
     print(f"memory to plan for: {plan.limit_bytes / GIB:.2f} GiB (device memory less the reserve)\n")
     print(plan.budget.table())
-    for note in plan.budget.notes:
+    for note in (*plan.budget.notes, *notes):
         print(f"note: {note}")
     print(f"\nplan: {plan.describe()} ({plan.budget.total_gib:.2f} GiB, "
           f"recompute {plan.overhead:.2%} of a step's FLOPs)")
@@ -196,17 +228,20 @@ def run(args: argparse.Namespace) -> int:
     """Run ``neuron-ckpt plan``: exit status 0 when it fits, 1 when nothing fits. Bad input raises
     (``ValueError`` naming the field; the dispatcher prints one line and exits 2)."""
     model, setup = build(args)
+    notes = attention_notes(model, setup, args.device_memory)
     try:
         plan = plan_recompute(model, setup, device_gib(args), reserve_gib=args.reserve)
     except NothingFits as exc:
         if args.json:
-            print(json.dumps({"fits": False, "message": str(exc), "smallest_tp": exc.smallest_tp,
-                              "largest_micro_batch": exc.largest_micro_batch,
+            print(json.dumps({"fits": False, "attention": setup.attention, "message": str(exc),
+                              "smallest_tp": exc.smallest_tp, "largest_micro_batch": exc.largest_micro_batch,
                               "least_memory": exc.least.to_dict()}, indent=2))
         print(f"neuron-ckpt plan: {exc}", file=sys.stderr)
         return 1
     if args.json:
         out = plan.to_dict()
+        out["attention"] = setup.attention
+        out["attention_notes"] = notes
         out["alternatives"] = {alt.layers[0]: {"total_gib": round(alt.budget.total_gib, 4), "fits": alt.fits,
                                                "overhead": alt.overhead}
                                for alt in _alternatives(model, setup, plan)}
@@ -215,6 +250,6 @@ def run(args: argparse.Namespace) -> int:
         out["host"] = _host(model, setup, args).to_dict()
         print(json.dumps(out, indent=2))
     else:
-        _print_plan(model, setup, plan)
+        _print_plan(model, setup, plan, notes)
         _print_step_and_host(model, setup, args)
     return 0

@@ -54,7 +54,8 @@ def plot_memory_vs_seq(
     ax.set_yscale("log")
     ax.set_xlabel("sequence length s")
     ax.set_ylabel("activation MiB per layer per rank")
-    ax.set_title(f"{model.kind}: h={model.hidden} a={model.heads} b={setup.micro_batch} t={setup.tp} {setup.dtype}")
+    ax.set_title(f"{model.kind}: h={model.hidden} a={model.heads} b={setup.micro_batch} t={setup.tp} {setup.dtype}, "
+                 f"{setup.attention} attention")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -16,6 +16,7 @@ import os
 from dataclasses import asdict, replace
 from pathlib import Path
 
+from ..parallel.attention import ATTENTION
 from ..recompute import PRESETS, RecomputeConfig
 from .analytic import (
     Recompute, layer_activation_bytes, layer_activation_terms, model_activation_bytes, outside_layer_terms, resolve,
@@ -61,6 +62,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--distribute-saved-activations", action="store_true", help="full recompute: keep 1/t of the layer input")
     add("--layers", type=positive_int, default=1, help="layers in the model (totals are layers x per layer)")
     add("--dtype", choices=tuple(DTYPE_BYTES), default="bf16", help="activation dtype")
+    add("--attention", choices=ATTENTION, default="explicit",
+        help="core attention: explicit (keeps the s x s probabilities, the paper's layer; default) or flash "
+             "(a fused kernel: torch SDPA's flash on CPU/CUDA, NxD's NKI kernel on trn1; llama only)")
     add("--measure", action="store_true", help=f"run {MEASURED_LAYERS} real layers on --tp local gloo processes")
     add("--json", action="store_true", help="print one JSON object instead of a table")
     add("--plot", metavar="PATH", help="write a PNG: bytes per layer against sequence length")
@@ -73,7 +77,7 @@ def case_from_args(args: argparse.Namespace) -> Case:
     ffn = default_ffn(args.model, args.hidden) if args.ffn is None else args.ffn
     model = ModelShape(args.model, args.hidden, args.heads, kv_heads, ffn, args.layers, DEFAULT_VOCAB)
     setup = TrainingSetup(args.seq, args.micro_batch, args.tp, dtype=args.dtype,
-                          sequence_parallel=args.sequence_parallel)
+                          sequence_parallel=args.sequence_parallel, attention=args.attention)
     recompute = RecomputeConfig.preset(args.recompute)
     if args.distribute_saved_activations:
         recompute = replace(recompute, distribute_saved_activations=True)
@@ -112,6 +116,7 @@ def _spec(model: ModelShape, setup: TrainingSetup, recompute: Recompute) -> dict
         "heads": model.heads, "kv_heads": model.kv_heads if model.kind == "llama" else None, "ffn": model.ffn,
         "tp": setup.tp, "sequence_parallel": setup.sequence_parallel, "recompute": name,
         "distribute_saved_activations": distribute, "layers": model.layers, "dtype": setup.dtype,
+        "attention": setup.attention,
     }  # fmt: skip
 
 
@@ -147,7 +152,7 @@ def format_report(report: dict) -> str:
     kv = f" kv={s['kv_heads']}" if s["kv_heads"] else ""
     lines = [
         f"{s['model']} layer: s={s['seq_len']} b={s['micro_batch']} h={s['hidden']} a={s['heads']}{kv} "
-        f"{s['dtype']}, {', '.join(flags)}, recompute={s['recompute']}",
+        f"{s['dtype']}, {', '.join(flags)}, {s['attention']} attention, recompute={s['recompute']}",
         f"activations per layer per rank (analytic): {report['analytic_bytes_per_layer'] / MIB:.3f} MiB"
         + (f"   [paper: {report['paper_formula']}]" if "paper_formula" in report else ""),
         f"x {s['layers']} layers (+ shared terms): {report['analytic_bytes_total'] / MIB:.3f} MiB",

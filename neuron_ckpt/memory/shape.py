@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ..parallel.attention import ATTENTION
+
 if TYPE_CHECKING:
     from ..models.llama_args import LlamaArgs
 
@@ -184,6 +186,9 @@ class TrainingSetup:
         collective of the optimizer step; None: one bucket for everything (no cap).
     accumulate_fp32: ZeRO-1 accumulates 16-bit gradients in fp32 buffers (4 bytes per
         parameter) and reduces them in fp32; None: on for bf16/fp16 with ZeRO-1, as the optimizer.
+    attention: the core attention (:data:`~neuron_ckpt.parallel.attention.ATTENTION`):
+        "explicit" keeps the ``[b, a/t, s, s]`` probabilities (the paper's layer), "flash" a fused
+        kernel that keeps none (:mod:`neuron_ckpt.parallel.flash`).
     """
 
     seq_len: int
@@ -197,8 +202,11 @@ class TrainingSetup:
     microbatches_in_flight: int = 1
     bucket_cap_mb: float | None = 128.0
     accumulate_fp32: bool | None = None
+    attention: str = "explicit"
 
     def __post_init__(self) -> None:
+        if self.attention not in ATTENTION:
+            raise ValueError(f"attention must be one of {ATTENTION}, got {self.attention!r}")
         for name in ("seq_len", "micro_batch", "tp", "dp", "microbatches_in_flight"):
             _require_positive_int(name, getattr(self, name))
         if self.dtype not in DTYPE_BYTES:

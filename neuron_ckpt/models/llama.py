@@ -41,7 +41,7 @@ from ..parallel import (
     VocabParallelEmbedding,
     vocab_parallel_cross_entropy,
 )
-from ..parallel.attention import IMPLEMENTATIONS
+from ..parallel.attention import ATTENTION
 from ..parallel.fused_ops import swiglu
 from ..parallel.init import normal_init
 from ..parallel.linear import parallel_linear
@@ -62,7 +62,7 @@ class LlamaOptions:
     sequence_parallel: bool = False
     """Keep the activations outside attention/MLP split along the sequence (``[s/t, b, h]``)."""
     attention_implementation: str = "explicit"
-    """``"explicit"`` or ``"sdpa"`` (see ``CoreAttention``)."""
+    """``"explicit"`` or ``"flash"`` (:data:`~neuron_ckpt.parallel.attention.ATTENTION`, see ``CoreAttention``)."""
     dtype: torch.dtype = torch.float32
     """Parameter dtype (fp32, or bf16 for pure-bf16 training)."""
     parallel_state: ParallelState | None = None
@@ -71,9 +71,9 @@ class LlamaOptions:
     def __post_init__(self) -> None:
         if not isinstance(self.sequence_parallel, bool):
             raise ValueError(f"sequence_parallel must be a bool, got {self.sequence_parallel!r}")
-        if self.attention_implementation not in IMPLEMENTATIONS:
+        if self.attention_implementation not in ATTENTION:
             raise ValueError(
-                f"attention_implementation must be one of {list(IMPLEMENTATIONS)}, "
+                f"attention_implementation must be one of {list(ATTENTION)}, "
                 f"got {self.attention_implementation!r}"
             )
         if not isinstance(self.dtype, torch.dtype):

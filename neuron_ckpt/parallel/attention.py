@@ -11,11 +11,15 @@ attention output ``[s, b, heads*d]``. Two implementations, same numerics up to r
   :func:`~.fused_ops.masked_softmax`, which keeps only its output in the scores' dtype (2 bytes
   per element in bf16, as the paper and Megatron's fused softmax count), not the fp32 softmax
   that the plain expression would keep beside it.
-* ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention``. A fused kernel keeps no
-  ``s^2`` tensor (flash / memory-efficient backends) or keeps it internally, so recomputing it
-  buys little memory; selective recompute is then pointless and full recompute is the lever.
-  Use it when memory is tight and the fused kernel exists on the device; use ``explicit`` to
-  get the paper's behaviour and exact memory accounting.
+* ``flash``: a fused kernel that keeps no ``s^2`` tensor (:mod:`.flash`: torch's SDPA flash
+  kernel on CPU/CUDA, neuronx-distributed's NKI kernel on trn1). It keeps q, k, v, its output and
+  an fp32 logsumexp per query row, so selective recompute of core attention has almost nothing
+  left to save (the logsumexp) and full recompute is the lever. What the reference (NxD's trn1
+  Llama-3 recipe) trains with. Where no kernel can run (XLA without the NKI module, or a shape
+  it refuses) it runs ``explicit`` and says so once.
+
+:data:`ATTENTION` is the one list of these names: the model, the memory model, the planner,
+``neuron-ckpt memory`` / ``plan`` and the tutorial's ``--attention`` all take them.
 
 Grouped-query attention: the query heads that share a key/value head are folded into the
 sequence dim of one matmul, so key and value are never repeated in memory.
@@ -30,13 +34,13 @@ import functools
 import math
 
 import torch
-import torch.nn.functional as F
 
 from ..distributed.random import get_rng_tracker
 from .dropout import dropout
+from .flash import flash_attention, unavailable, warn_fallback
 from .fused_ops import masked_softmax
 
-IMPLEMENTATIONS = ("explicit", "sdpa")
+ATTENTION = ("explicit", "flash")
 
 
 @functools.lru_cache(maxsize=16)
@@ -64,6 +68,13 @@ def masked_score(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).min
 
 
+def _flash_runs_on(device_type: str, s: int, d: int) -> bool:
+    why = unavailable(device_type, s, d)
+    if why is not None:
+        warn_fallback(why)
+    return why is None
+
+
 class CoreAttention(torch.nn.Module):
     """Causal multi-head (or grouped-query) attention over local heads, sequence-first."""
 
@@ -84,8 +95,8 @@ class CoreAttention(torch.nn.Module):
             raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
         if not 0.0 <= attention_dropout < 1.0:
             raise ValueError(f"attention_dropout must be in [0, 1), got {attention_dropout!r}")
-        if implementation not in IMPLEMENTATIONS:
-            raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+        if implementation not in ATTENTION:
+            raise ValueError(f"implementation must be one of {ATTENTION}, got {implementation!r}")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.attention_dropout, self.softmax_in_fp32 = attention_dropout, softmax_in_fp32
         self.implementation = implementation
@@ -104,8 +115,8 @@ class CoreAttention(torch.nn.Module):
         v = v.view(s, b, g, d).permute(1, 2, 0, 3)
         p = self.attention_dropout if self.training else 0.0
         with get_rng_tracker().fork() if p > 0 else contextlib.nullcontext():
-            if self.implementation == "sdpa":
-                out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, enable_gqa=a != g)
+            if self.implementation == "flash" and _flash_runs_on(q.device.type, s, d):
+                out = flash_attention(q, k, v, p)
             else:
                 out = self._explicit(q, k, v, p)
         return out.permute(2, 0, 1, 3).reshape(s, b, a * d)

@@ -35,7 +35,11 @@ from neuron_ckpt.models import (
     load_llama_config,
     save_hf_checkpoint,
 )
+from neuron_ckpt.models.llama_args import LlamaArgs
 from neuron_ckpt.optim import Zero1Optimizer
+from neuron_ckpt.parallel.attention import ATTENTION
+from neuron_ckpt.parallel.flash import kernel_name as flash_kernel_name
+from neuron_ckpt.parallel.flash import unavailable as flash_unavailable
 from neuron_ckpt.recompute import PRESETS, RecomputeConfig, apply_recompute
 from neuron_ckpt.train import (
     CheckpointManager,
@@ -80,7 +84,11 @@ class TrainConfig:
     recompute_method: Optional[str] = opt(None, "full recompute: uniform (groups) or block (first N)", ["uniform", "block"])
     recompute_num_layers: Optional[int] = opt(None, "full recompute: group size (uniform) / layers recomputed (block)")
     recompute_modules: str = opt("core_attn", "selective recompute: comma-separated modules (core_attn,mlp,mlp_act,norm)")
-    attention: str = opt("explicit", "core attention implementation", ["explicit", "sdpa"])
+    attention: Optional[str] = opt(
+        None, "core attention: flash (a fused kernel, no s x s tensor: torch SDPA's flash on CPU/CUDA, NxD's NKI kernel "
+        "on trn1) or explicit (softmax(QK^T) written out); default: flash where the device has a kernel for the "
+        "shape, explicit otherwise (printed at start)", list(ATTENTION)
+    )
     compile: bool = opt(
         False, "torch.compile the model (inductor on CPU/CUDA, the neuron backend on TorchNeuron; not on XLA, which compiles already)"
     )
@@ -221,7 +229,21 @@ def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def _auto_recompute(cfg: TrainConfig, config, state, seq_len: int, dtype: torch.dtype, device_type: str):
+def _attention(cfg: TrainConfig, config, seq_len: int, device_type: str) -> tuple[str, str]:
+    """The core attention this run uses and how to say it: flash where a kernel runs for this
+    device and shape (asked for, or by default), explicit otherwise, with the reason."""
+    head_dim = LlamaArgs.from_hf(config).head_dim
+    why = flash_unavailable(device_type, seq_len, head_dim)
+    if cfg.attention == "explicit":
+        return "explicit", "explicit (asked for)"
+    if why is None:
+        return "flash", f"flash: {flash_kernel_name(device_type)}"
+    asked = "--attention flash asked for, but" if cfg.attention == "flash" else "flash unavailable:"
+    return "explicit", f"explicit ({asked} {why})"
+
+
+def _auto_recompute(cfg: TrainConfig, config, state, seq_len: int, dtype: torch.dtype, device_type: str,
+                    attention: str):
     """``--recompute auto``: the per-layer recompute with the least recompute FLOPs that fits
     (neuron_ckpt.memory.planner, the same plan ``neuron-ckpt plan`` prints)."""
     from neuron_ckpt.memory import TrainingSetup, plan_recompute
@@ -229,8 +251,6 @@ def _auto_recompute(cfg: TrainConfig, config, state, seq_len: int, dtype: torch.
     memory = cfg.device_memory or {"xla": "trn1"}.get(device_type)
     if memory is None and device_type == "cpu":
         raise ValueError("--recompute auto on CPU needs --device-memory (GiB one rank may use)")
-    if cfg.attention != "explicit":
-        raise ValueError("--recompute auto plans the explicit attention's memory; use --attention explicit")
     setup = TrainingSetup(
         seq_len=seq_len,
         micro_batch=cfg.micro_batch_size,
@@ -239,6 +259,7 @@ def _auto_recompute(cfg: TrainConfig, config, state, seq_len: int, dtype: torch.
         dtype={torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype],
         sequence_parallel=cfg.sequence_parallel,
         zero1=True,
+        attention=attention,
     )
     return plan_recompute(ModelShape.from_llama(config), setup, memory)
 
@@ -358,9 +379,12 @@ def main(argv: list[str] | None = None) -> dict:
         )
     grad_accum = cfg.global_batch_size // per_step
 
+    attention, attention_text = _attention(cfg, config, seq_len, rt.device.type)
+    if is_main:
+        print(f"attention: {attention_text}", flush=True)
     recompute, plan = cfg.recompute_config(), None
     if cfg.recompute == "auto":
-        plan = _auto_recompute(cfg, config, state, seq_len, dtype, rt.device.type)
+        plan = _auto_recompute(cfg, config, state, seq_len, dtype, rt.device.type, attention)
         recompute = plan.recompute
         if is_main:
             print(
@@ -369,7 +393,7 @@ def main(argv: list[str] | None = None) -> dict:
                 flush=True,
             )
     nc.model_parallel_manual_seed(cfg.seed)
-    model = LlamaForCausalLM(config, cfg.sequence_parallel, cfg.attention, dtype, parallel_state=state)
+    model = LlamaForCausalLM(config, cfg.sequence_parallel, attention, dtype, parallel_state=state)
     apply_recompute(model, recompute)  # checked against the model first (e.g. --recompute-num-layers)
     model.to(rt.device)
     if cfg.init_hf:
@@ -428,6 +452,7 @@ def main(argv: list[str] | None = None) -> dict:
     if cfg.export_hf:
         save_hf_checkpoint(model, cfg.export_hf, config)  # collective: a layer at a time, rank 0 writes
     summary = _summary(records, time.perf_counter() - t_start, start_step)
+    summary["attention"] = attention
     if plan is not None:
         summary["recompute_plan"] = plan.counts
     if is_main and records:
