@@ -95,6 +95,11 @@ class Row:
         return f"{self.label} t={self.tp}{' SP' if self.sequence_parallel else ''}"
 
     @property
+    def key(self) -> str:
+        """What ``--rows`` matches: e.g. ``Llama-3 8B t=8 SP flash none``."""
+        return f"{self.config} {self.attention} {self.recompute}"
+
+    @property
     def setup(self) -> TrainingSetup:
         return TrainingSetup(self.seq_len, micro_batch=1, tp=self.tp, dtype="bf16",
                              sequence_parallel=self.sequence_parallel, attention=self.attention)
@@ -152,8 +157,10 @@ def _case(row: Row) -> tuple[ModelShape, TrainingSetup, str]:
     return model_shape(row.preset), row.setup, row.recompute
 
 
-def measure_rows(rows: list[Row], max_ram_bytes: int, log: Callable[[str], None] = print) -> list[Row]:
-    """``rows`` with the measured bytes filled in where ``ram_bytes <= max_ram_bytes``.
+def measure_rows(rows: list[Row], max_ram_bytes: int, log: Callable[[str], None] = print,
+                 only: tuple[str, ...] = ()) -> list[Row]:
+    """``rows`` with the measured bytes filled in where ``ram_bytes <= max_ram_bytes`` (and, when
+    ``only`` is given, the row's :attr:`Row.key` contains one of its strings).
 
     One ``run_local`` world of ``tp`` processes per row: a world reused for the next row keeps
     what the last one freed in its allocator (the eight Llama-2 7B rows in one world peaked at
@@ -164,7 +171,7 @@ def measure_rows(rows: list[Row], max_ram_bytes: int, log: Callable[[str], None]
 
     out = list(rows)
     for i, row in enumerate(rows):
-        if row.ram_bytes > max_ram_bytes:
+        if row.ram_bytes > max_ram_bytes or (only and not any(text in row.key for text in only)):
             continue
         log(f"measuring {row.config} {row.attention} {row.recompute} on {row.tp} gloo processes ...")
         start = time.perf_counter()
@@ -177,11 +184,11 @@ def measure_rows(rows: list[Row], max_ram_bytes: int, log: Callable[[str], None]
 
 
 def build_table(measure: bool = False, max_ram_gib: float = DEFAULT_MAX_RAM_GIB,
-                log: Callable[[str], None] = print) -> list[Row]:
-    """The table's rows; measured where asked and within ``max_ram_gib``."""
+                log: Callable[[str], None] = print, only: tuple[str, ...] = ()) -> list[Row]:
+    """The table's rows; measured where asked, within ``max_ram_gib`` and matching ``only``."""
     max_ram_bytes = int(max_ram_gib * GIB)
     rows = analytic_rows()
-    return measure_rows(rows, max_ram_bytes, log) if measure else rows
+    return measure_rows(rows, max_ram_bytes, log, only) if measure else rows
 
 
 def _measured_cells(row: Row, max_ram_bytes: int) -> tuple[str, str]:
@@ -208,7 +215,8 @@ def format_table(rows: list[Row], max_ram_gib: float = DEFAULT_MAX_RAM_GIB) -> s
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     ran = any(row.measured_bytes is not None for row in rows)
     caption = (
-        "Per layer and per rank, bf16, micro-batch 1; MiB = 2^20 bytes. Flash: torch's SDPA flash kernel (an "
+        "Per layer and per rank, bf16, micro-batch 1; MiB = 2^20 bytes. Not run (time): within the RAM "
+        "limit but left out of this run (`--rows`). Flash: torch's SDPA flash kernel (an "
         "fp32 logsumexp per query row, no s x s tensor), which selective recompute can only drop that from. "
         + ("Measured: the distinct storages that one real `LlamaDecoderLayer` keeps for backward on t gloo "
            "processes, the largest over the ranks. " if ran else "Nothing measured (no `--measure`). ")
@@ -412,6 +420,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--markdown", metavar="PATH", help="rewrite the table block between the markers in PATH")
     p.add_argument("--plot", metavar="PATH", help="write a PNG of the table")
     p.add_argument("--seq-plot", metavar="PATH", help="write a PNG of bytes per layer against s, trn1 fit marked")
+    p.add_argument("--rows", action="append", default=[], metavar="TEXT",
+                   help="--measure only rows whose key (e.g. 'Llama-3 8B t=8 SP flash none') contains TEXT; repeatable")
     p.add_argument("--max-ram-gib", type=positive_float, default=DEFAULT_MAX_RAM_GIB,
                    help=f"measure only rows whose run needs at most this much RAM (default {DEFAULT_MAX_RAM_GIB:g})")
     args = p.parse_args(argv)
@@ -425,7 +435,8 @@ def main(argv: list[str] | None = None) -> int:
                 check_plot_path(path)
     except ValueError as exc:
         p.error(str(exc))
-    rows = build_table(args.measure, args.max_ram_gib, log=lambda line: print(line, file=sys.stderr, flush=True))
+    rows = build_table(args.measure, args.max_ram_gib, log=lambda line: print(line, file=sys.stderr, flush=True),
+                       only=tuple(args.rows))
     fits = fit_lengths()
     table = format_table(rows, args.max_ram_gib) + "\n\n" + format_fit_table(fits)
     print(table)

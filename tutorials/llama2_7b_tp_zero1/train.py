@@ -380,9 +380,13 @@ def main(argv: list[str] | None = None) -> dict:
     grad_accum = cfg.global_batch_size // per_step
 
     attention, attention_text = _attention(cfg, config, seq_len, rt.device.type)
+    recompute, plan = cfg.recompute_config(), None
     if is_main:
         print(f"attention: {attention_text}", flush=True)
-    recompute, plan = cfg.recompute_config(), None
+        if attention == "flash" and recompute is not None and "core_attn" in (recompute.modules or ()) \
+                and recompute.granularity == "selective":
+            print("note: selective recompute of flash attention reruns the kernel to drop only its fp32 log-sum-exp "
+                  "(no s x s tensor to save); --recompute none keeps nearly the same memory", flush=True)
     if cfg.recompute == "auto":
         plan = _auto_recompute(cfg, config, state, seq_len, dtype, rt.device.type, attention)
         recompute = plan.recompute
