@@ -386,3 +386,26 @@ def test_initialisation_does_not_depend_on_tp_degree(world):
         for rank, weights in enumerate(got):
             for name, w in weights.items():
                 assert torch.equal(w, ref[name]), f"{name} differs at t={t} on rank {rank}"
+
+
+def test_flash_attention_equals_explicit_and_says_when_cpu_dropout_is_not_flash():
+    """fp32: torch's flash kernel and the written-out softmax agree to rounding (GQA, causal);
+    with dropout CPU SDPA runs its math path, which the memory model does not count: said once."""
+    import warnings
+
+    from neuron_ckpt.parallel import flash
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(16, 2, n * 8, generator=g) for n in (4, 2, 2))
+    explicit = CoreAttention(4, 2, 8)(q, k, v)
+    fused = CoreAttention(4, 2, 8, implementation="flash")(q, k, v)
+    assert (fused - explicit).abs().max() < 1e-5
+    flash._warn_once.cache_clear()
+    heads = [x.view(16, 2, -1, 8).permute(1, 2, 0, 3) for x in (q, k, v)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        flash.flash_attention(*heads, dropout_p=0.1)
+        flash.flash_attention(*heads, dropout_p=0.1)
+        flash.flash_attention(*heads, dropout_p=0.0)
+    said = [str(w.message) for w in caught if "math path" in str(w.message)]
+    assert len(said) == 1, said

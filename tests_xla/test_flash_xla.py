@@ -94,10 +94,10 @@ def kernel(monkeypatch):
 def no_kernel(monkeypatch):
     monkeypatch.setitem(sys.modules, flash.NKI_MODULE, None)  # import raises ImportError
     flash.nki_flash_attn_func.cache_clear()
-    flash.warn_fallback.cache_clear()
+    flash._warn_once.cache_clear()
     yield
     flash.nki_flash_attn_func.cache_clear()
-    flash.warn_fallback.cache_clear()
+    flash._warn_once.cache_clear()
 
 
 def _inputs(kv_heads: int, seq: int = S) -> list[torch.Tensor]:

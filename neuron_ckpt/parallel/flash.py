@@ -67,15 +67,22 @@ def kernel_name(device_type: str) -> str:
 
 
 @functools.cache
+def _warn_once(message: str) -> None:
+    warnings.warn(message, stacklevel=4)
+
+
 def warn_fallback(why: str) -> None:
     """Say once per reason that flash attention fell back to the explicit one."""
-    warnings.warn(f"attention 'flash' runs the explicit attention instead: {why}", stacklevel=3)
+    _warn_once(f"attention 'flash' runs the explicit attention instead: {why}")
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
     """Causal attention of ``q [b, a, s, d]`` over ``k, v [b, g, s, d]`` (g divides a; views with
     any strides are fine); returns ``[b, a, s, d]``. Check :func:`unavailable` first on XLA."""
     a, g = q.shape[1], k.shape[1]
+    if dropout_p > 0 and q.device.type == "cpu" and not torch.compiler.is_compiling():
+        _warn_once("attention 'flash' with dropout on CPU: torch's SDPA runs its math path, which keeps fp32 "
+                   "[b, a, s, s] tensors (the memory model counts the flash kernel, without dropout)")
     if q.device.type != "xla":
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=a != g)
     if a != g:  # query head i reads kv head i // (a/g), as repeat_kv and the explicit path
