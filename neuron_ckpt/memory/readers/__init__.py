@@ -1,0 +1,56 @@
+"""Readers of what device-memory tools report, each into the same small record.
+
+One module per format (issue #23; the formats and their sources: docs/memory.md, "Checking the
+model against a device"): :mod:`.neuron_monitor` (neuron-monitor's JSON lines), :mod:`.prometheus` (the
+same metrics from its Prometheus exporter), :mod:`.sysfs` (the Neuron driver's ``device_mem``
+counters). Every reader is strict: a file of the wrong kind,
+a truncated line, a missing category or a NeuronCore that is not there raises :class:`ReadError`,
+one line naming the file and what is wrong; never a silent zero.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# The per-NeuronCore categories neuron-monitor reports (sysfs has these and more).
+NEURON_CATEGORIES = ("constants", "model_code", "model_shared_scratchpad", "runtime_memory", "tensors")
+SCRATCHPAD_PAGE_BYTES = 512 << 20  # the scratchpad's page on Neuron Runtime 2.30 (SDK 2.28, the trn1 pin)
+
+
+class ReadError(ValueError):
+    """A report that cannot be read as the format it claims; the message is one line."""
+
+
+@dataclass(frozen=True)
+class MemoryReading:
+    """Device memory as one report gives it.
+
+    source: the format ("neuron-monitor", "prometheus", "sysfs"). path: the file or directory read.
+    kind: "peak" (the largest value seen: over samples, or a peak counter) or "current".
+    cores: bytes per NeuronCore (instance-wide index) and category.
+    samples: reports combined (1 for a snapshot).
+    quantum: the page size the scratchpad figure is rounded to, where there is one.
+    """
+
+    source: str
+    path: str
+    kind: str
+    cores: dict[int, dict[str, int]]
+    samples: int = 1
+    quantum: int | None = None
+    notes: tuple[str, ...] = field(default=())
+
+    def bytes_of(self, category: str, core: int | None = None) -> int:
+        """One category's bytes on ``core``, or the largest over the cores when None."""
+        if core is not None:
+            return self.core(core)[category]
+        return max(c[category] for c in self.cores.values())
+
+    def core(self, index: int) -> dict[str, int]:
+        if index not in self.cores:
+            raise ReadError(f"{self.path}: NeuronCore {index} is not in the report "
+                            f"(cores: {', '.join(map(str, sorted(self.cores))) or 'none'})")
+        return self.cores[index]
+
+
+__all__ = ["MemoryReading", "NEURON_CATEGORIES", "ReadError", "SCRATCHPAD_PAGE_BYTES"]
