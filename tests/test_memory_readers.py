@@ -36,6 +36,14 @@ def _report(per_core: dict[int, dict[str, int]], tag: str = "llama_rank0", error
     }
 
 
+def _one_line_error(read, path, message: str) -> None:
+    """``read(path)`` raises one line that names ``path`` and contains ``message``."""
+    with pytest.raises(ReadError) as exc:
+        read(path)
+    text = str(exc.value)
+    assert message in text and str(path) in text and "\n" not in text, text
+
+
 def _write_lines(path, reports) -> str:
     path.write_text("".join(json.dumps(r) + "\n" for r in reports), encoding="utf-8")
     return str(path)
@@ -74,10 +82,7 @@ def test_neuron_monitor_picks_runtimes_by_tag(tmp_path):
 def test_neuron_monitor_errors_are_one_line_naming_the_file(tmp_path, content, message):
     path = tmp_path / "bad.ndjson"
     path.write_text(content, encoding="utf-8")
-    with pytest.raises(ReadError) as exc:
-        neuron_monitor.read(path)
-    text = str(exc.value)
-    assert message in text and str(path) in text and "\n" not in text, text
+    _one_line_error(neuron_monitor.read, path, message)
 
 
 def test_a_core_that_is_not_there_is_named(tmp_path):
@@ -127,11 +132,7 @@ def test_sysfs_tree_and_its_json_snapshot_read_the_same(tmp_path):
     (lambda p: p / "missing", "no such file"),
 ])
 def test_sysfs_errors_are_one_line_naming_the_path(tmp_path, make, message):
-    path = make(tmp_path)
-    with pytest.raises(ReadError) as exc:
-        sysfs.read(path)
-    text = str(exc.value)
-    assert message in text and str(path) in text and "\n" not in text, text
+    _one_line_error(sysfs.read, make(tmp_path), message)
 
 
 def test_sysfs_counter_that_is_not_a_number(tmp_path):
@@ -187,7 +188,4 @@ def test_prometheus_errors_are_one_line_naming_the_file(tmp_path, content, messa
 
     path = tmp_path / "bad.txt"
     path.write_text(content, encoding="utf-8")
-    with pytest.raises(ReadError) as exc:
-        prometheus.read(path)
-    text = str(exc.value)
-    assert message in text and str(path) in text and "\n" not in text, text
+    _one_line_error(prometheus.read, path, message)
