@@ -189,3 +189,40 @@ def test_prometheus_errors_are_one_line_naming_the_file(tmp_path, content, messa
     path = tmp_path / "bad.txt"
     path.write_text(content, encoding="utf-8")
     _one_line_error(prometheus.read, path, message)
+
+
+def _memory_stats(**overrides) -> dict:
+    """Hand-made ``torch.cuda.memory_stats()`` (flat "<stat>.<pool>.<which>" keys, a few of them)."""
+    stats = {}
+    for k, stat in enumerate(("allocated_bytes", "active_bytes", "reserved_bytes", "requested_bytes")):
+        for pool in ("all", "large_pool", "small_pool"):
+            stats.update({f"{stat}.{pool}.current": (k + 1) * GIB, f"{stat}.{pool}.peak": (k + 2) * GIB,
+                          f"{stat}.{pool}.allocated": 9 * GIB, f"{stat}.{pool}.freed": 8 * GIB})
+    stats["num_alloc_retries"] = 0
+    stats.update(overrides)
+    return stats
+
+
+def test_cuda_memory_stats(tmp_path):
+    from neuron_ckpt.memory.readers import cuda_stats
+
+    path = tmp_path / "stats.json"
+    path.write_text(json.dumps(_memory_stats()), encoding="utf-8")
+    peak, now = cuda_stats.read(path), cuda_stats.read(path, kind="current", device=3)
+    assert peak.cores == {0: {"allocated_bytes": 2 * GIB, "active_bytes": 3 * GIB, "reserved_bytes": 4 * GIB}}
+    assert now.core(3)["reserved_bytes"] == 3 * GIB and now.kind == "current"
+
+
+@pytest.mark.parametrize("content, message", [
+    (json.dumps({k: v for k, v in _memory_stats().items() if k != "reserved_bytes.all.peak"}),
+     "'reserved_bytes.all.peak' missing"),
+    (json.dumps(_memory_stats(**{"active_bytes.all.peak": -5})), "not a byte count: -5"),
+    (json.dumps({"segments": [], "device_traces": []}), "not torch.cuda.memory_stats() output"),
+    (json.dumps(_memory_stats())[:100], "not a JSON file"),
+])
+def test_cuda_memory_stats_errors(tmp_path, content, message):
+    from neuron_ckpt.memory.readers import cuda_stats
+
+    path = tmp_path / "bad.json"
+    path.write_text(content, encoding="utf-8")
+    _one_line_error(cuda_stats.read, path, message)

@@ -1,11 +1,12 @@
 """Readers of what device-memory tools report, each into the same small record.
 
-One module per format (issue #23; the formats and their sources: docs/memory.md, "Checking the
-model against a device"): :mod:`.neuron_monitor` (neuron-monitor's JSON lines), :mod:`.prometheus` (the
-same metrics from its Prometheus exporter), :mod:`.sysfs` (the Neuron driver's ``device_mem``
-counters). Every reader is strict: a file of the wrong kind,
-a truncated line, a missing category or a NeuronCore that is not there raises :class:`ReadError`,
-one line naming the file and what is wrong; never a silent zero.
+One module per format (issue #23; the formats and their sources are summarised in docs/memory.md,
+"Profiling, and what has run where"): :mod:`.neuron_monitor` (neuron-monitor's JSON lines),
+:mod:`.prometheus` (the same metrics from its Prometheus exporter), :mod:`.sysfs` (the Neuron
+driver's ``device_mem`` counters), :mod:`.cuda_stats` (``torch.cuda.memory_stats()`` saved as
+JSON). Every reader is strict: a file of the wrong kind, a truncated line, a missing category or a
+NeuronCore that is not there raises :class:`ReadError`, one line naming the file and what is
+wrong; never a silent zero.
 """
 
 from __future__ import annotations
@@ -25,9 +26,9 @@ class ReadError(ValueError):
 class MemoryReading:
     """Device memory as one report gives it.
 
-    source: the format ("neuron-monitor", "prometheus", "sysfs"). path: the file or directory read.
+    source: the format ("neuron-monitor", "prometheus", "sysfs", "cuda-memory-stats"). path: the file or directory read.
     kind: "peak" (the largest value seen: over samples, or a peak counter) or "current".
-    cores: bytes per NeuronCore (instance-wide index) and category.
+    cores: bytes per NeuronCore (instance-wide index) or CUDA device, and category.
     samples: reports combined (1 for a snapshot).
     quantum: the page size the scratchpad figure is rounded to, where there is one.
     """
