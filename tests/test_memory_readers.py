@@ -217,7 +217,7 @@ def test_cuda_memory_stats(tmp_path):
     (json.dumps({k: v for k, v in _memory_stats().items() if k != "reserved_bytes.all.peak"}),
      "'reserved_bytes.all.peak' missing"),
     (json.dumps(_memory_stats(**{"active_bytes.all.peak": -5})), "not a byte count: -5"),
-    (json.dumps({"segments": [], "device_traces": []}), "not torch.cuda.memory_stats() output"),
+    (json.dumps({"segments": [], "device_traces": []}), "not torch.accelerator.memory_stats() output"),
     (json.dumps(_memory_stats())[:100], "not a JSON file"),
 ])
 def test_cuda_memory_stats_errors(tmp_path, content, message):

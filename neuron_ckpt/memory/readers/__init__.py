@@ -3,7 +3,7 @@
 One module per format (issue #23; the formats and their sources are summarised in docs/memory.md,
 "Profiling, and what has run where"): :mod:`.neuron_monitor` (neuron-monitor's JSON lines),
 :mod:`.prometheus` (the same metrics from its Prometheus exporter), :mod:`.sysfs` (the Neuron
-driver's ``device_mem`` counters), :mod:`.cuda_stats` (``torch.cuda.memory_stats()`` saved as
+driver's ``device_mem`` counters), :mod:`.cuda_stats` (``torch.accelerator.memory_stats()`` saved as
 JSON). Every reader is strict: a file of the wrong kind, a truncated line, a missing category or a
 NeuronCore that is not there raises :class:`ReadError`, one line naming the file and what is
 wrong; never a silent zero.

@@ -1,10 +1,11 @@
-"""CUDA's caching-allocator counters: ``torch.cuda.memory_stats()`` saved as JSON.
+"""CUDA's caching-allocator counters: ``torch.accelerator.memory_stats()`` saved as JSON.
 
-``json.dump(torch.cuda.memory_stats(device), f)`` after a step writes flat keys
-``"<stat>.<pool>.<which>"`` (torch/cuda/memory.py): the reader takes, for the ``all`` pool,
-``allocated_bytes`` (what tensors hold; ``max_memory_allocated`` is its peak), ``active_bytes``
-and ``reserved_bytes`` (what the allocator holds from the driver), as categories of one device.
-Exact bytes, no page; the peak is since the last ``reset_peak_memory_stats``.
+``json.dump(torch.accelerator.memory_stats(device), f)`` after a step writes flat keys
+``"<stat>.<pool>.<which>"`` (the CUDA caching allocator's, as torch documents them): the reader
+takes, for the ``all`` pool, ``allocated_bytes`` (what tensors hold; ``max_memory_allocated`` is
+its peak), ``active_bytes`` and ``reserved_bytes`` (what the allocator holds from the driver), as
+categories of one device. Exact bytes, no page; the peak is since the last
+``reset_peak_memory_stats``.
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ def read(path: str | Path, kind: str = "peak", device: int = 0) -> MemoryReading
     try:
         stats = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ReadError(f"{path}: not a JSON file of torch.cuda.memory_stats() ({exc})") from None
+        raise ReadError(f"{path}: not a JSON file of torch.accelerator.memory_stats() ({exc})") from None
     if not isinstance(stats, dict) or not any(str(k).startswith("allocated_bytes.") for k in stats):
-        raise ReadError(f"{path}: not torch.cuda.memory_stats() output (no 'allocated_bytes.*' keys)")
+        raise ReadError(f"{path}: not torch.accelerator.memory_stats() output (no 'allocated_bytes.*' keys)")
     values = {}
     for category in CATEGORIES:
         key = f"{category}.all.{kind}"
