@@ -1,4 +1,4 @@
-"""The ``neuron-ckpt`` command: ``neuron-ckpt memory ...`` and ``neuron-ckpt plan ...``.
+"""The ``neuron-ckpt`` command: ``neuron-ckpt memory ...``, ``plan ...`` and ``compare ...``.
 
 Each subcommand is a module exposing ``add_arguments(parser)`` and ``run(args) -> int``; this
 file only dispatches. Bad input of any kind ends in one line on stderr and exit status 2: an
@@ -44,11 +44,12 @@ def error_message(exc: BaseException) -> str:
 
 
 def _subcommands():
-    from .memory import plan_cli, report
+    from .memory import compare_cli, plan_cli, report
 
     return {
         "memory": (report, "activation memory of one layer: analytic, measured, plotted"),
         "plan": (plan_cli, plan_cli.HELP),
+        "compare": (compare_cli, compare_cli.HELP),
     }
 
 

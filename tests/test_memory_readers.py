@@ -8,11 +8,17 @@ the wrong kind of file, a truncated line, a missing category and a NeuronCore th
 
 from __future__ import annotations
 
+import collections
+import io
 import json
+import pickle
+import tarfile
+from pathlib import Path
 
 import pytest
 
-from neuron_ckpt.memory.readers import NEURON_CATEGORIES, ReadError, neuron_monitor, sysfs
+from neuron_ckpt.memory.readers import (NEURON_CATEGORIES, ReadError, cuda_snapshot, neff, neuron_monitor, recorder,
+                                        sysfs)
 
 GIB = 1 << 30
 
@@ -226,3 +232,278 @@ def test_cuda_memory_stats_errors(tmp_path, content, message):
     path = tmp_path / "bad.json"
     path.write_text(content, encoding="utf-8")
     _one_line_error(cuda_stats.read, path, message)
+
+
+# --- NEFF def.json: the scratchpad the compiler fixed --------------------------------------------
+
+FIXTURES = Path(__file__).parent / "fixtures" / "memory"
+MIB = 1 << 20
+
+
+def _def_json(virtual: dict[str, tuple[int, int]], inputs=(), outputs=()) -> dict:
+    """A hand-made def.json: ``virtual`` maps a var name to (backing_variable_off, size)."""
+    var = {"SB": {"type": "state-buffer", "var_id": 0}}
+    for n, (name, (offset, size)) in enumerate(virtual.items(), 1):
+        var[name] = {"backing_variable_off": offset, "ops": [], "size": size, "type": "virtual", "var_id": n}
+    for n, size in enumerate(inputs):
+        var[f"input{n}"] = {"type": "input", "var_id": 100 + n, "size": size}
+    for n, size in enumerate(outputs):
+        var[f"output{n}"] = {"type": "output", "var_id": 200 + n, "size": size}
+    return {"var": var}
+
+
+def _neff(path, members: dict[str, dict | bytes], gzipped: bool = False):
+    """A .neff as AWS describes it: a 1024-byte header, then a tar archive (gzip'd or not)."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz" if gzipped else "w") as archive:
+        for name, content in members.items():
+            data = content if isinstance(content, bytes) else json.dumps(content).encode()
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            archive.addfile(info, io.BytesIO(data))
+    path.write_bytes(b"NEFF" + bytes(neff.HEADER_BYTES - 4) + buffer.getvalue())
+    return path
+
+
+def test_neff_def_json_takes_the_extent_of_overlapping_vars_not_their_sum():
+    reading = neff.read(FIXTURES / "def.json")
+    assert (reading.source, reading.kind, reading.quantum, reading.samples) == ("neff", "peak", None, 1)
+    assert reading.cores == {0: {"model_shared_scratchpad": 48 * MIB, "inputs": 8 * MIB, "outputs": 4}}
+    assert 48 * MIB != (16 + 32 + 24 + 4) * MIB  # the sum of the virtual vars' sizes
+    assert reading.notes == ()
+
+
+def test_neff_unpacked_directory_gives_each_subgraph(tmp_path):
+    for index, end in ((0, 300), (1, 500)):
+        (tmp_path / f"sg0{index}").mkdir()
+        definition = _def_json({"a": (0, 200), "b": (100, end - 100)}, inputs=[64, 32], outputs=[16])
+        (tmp_path / f"sg0{index}" / "def.json").write_text(json.dumps(definition))
+    (tmp_path / "kelf-0.json").write_text("{}")
+    reading = neff.read(tmp_path)
+    assert reading.cores == {0: {"model_shared_scratchpad": 300, "inputs": 96, "outputs": 16},
+                             1: {"model_shared_scratchpad": 500, "inputs": 96, "outputs": 16}}
+    assert neff.read(tmp_path / "sg01" / "def.json").cores == {1: reading.core(1)}  # the index from its folder
+
+
+@pytest.mark.parametrize("gzipped", [False, True])
+def test_neff_file_is_a_header_and_a_tar(tmp_path, gzipped):
+    path = _neff(tmp_path / "graph.neff", {"sg00/def.json": _def_json({"a": (0, 4096), "b": (1024, 1024)}),
+                                            "sg00/Activation0.bin": b"\x00" * 64}, gzipped)
+    assert neff.read(path).cores == {0: {"model_shared_scratchpad": 4096, "inputs": 0, "outputs": 0}}
+
+
+def test_neff_other_backing_areas_are_their_own_category(tmp_path):
+    definition = _def_json({"a": (0, 1000)})
+    definition["var"]["s"] = {"type": "virtual", "var_id": 7, "size": 300, "backing_variable_off": 100,
+                              "backing_buf": "sharded"}
+    definition["var"]["m"] = {"type": "virtual", "var_id": 8, "size": 50, "backing_variable_off": 2000,
+                              "fabric_path": "main", "backing_buf": "sharded"}  # fabric_path wins
+    (tmp_path / "def.json").write_text(json.dumps(definition))
+    reading = neff.read(tmp_path / "def.json")
+    assert reading.core(0) == {"model_shared_scratchpad": 2050, "scratchpad_sharded": 400, "inputs": 0, "outputs": 0}
+    assert "'sharded'" in reading.notes[0] and "unconfirmed" in reading.notes[0]
+
+
+def test_neff_without_virtual_vars_has_no_scratchpad_and_says_so(tmp_path):
+    (tmp_path / "def.json").write_text(json.dumps(_def_json({}, inputs=[128])))
+    reading = neff.read(tmp_path / "def.json")
+    assert reading.core(0) == {"model_shared_scratchpad": 0, "inputs": 128, "outputs": 0}
+    assert "no virtual var" in reading.notes[0]
+
+
+def _bad_var(**entry) -> str:
+    definition = _def_json({"a": (0, 10)})
+    definition["var"]["t7"] = {"type": "virtual", "var_id": 9, **entry}
+    return json.dumps(definition)
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda p: (p / "def.json").write_text('{"var": {"a": ') and p / "def.json", "not JSON"),
+    (lambda p: (p / "def.json").write_text('{"summary": []}') and p / "def.json", "not a NEFF def.json (no 'var'"),
+    (lambda p: (p / "def.json").write_text(_bad_var(backing_variable_off=0)) and p / "def.json",
+     "virtual var 't7': 'size' is missing"),
+    (lambda p: (p / "def.json").write_text(_bad_var(backing_variable_off="12", size=4)) and p / "def.json",
+     "virtual var 't7': 'backing_variable_off' is '12'"),
+    (lambda p: (p / "def.json").write_text('{"var": {"a": 5}}') and p / "def.json", "var 'a' is 5, not an object"),
+    (lambda p: (p / "x.neff").write_bytes(bytes(1024) + b"not a tar archive" * 40) and p / "x.neff", "not a NEFF"),
+    (lambda p: (p / "x.neff").write_bytes(b"short") and p / "x.neff", "not a NEFF"),
+    (lambda p: _neff(p / "x.neff", {"sg01/def.json": _def_json({})}), "no sg00/def.json"),
+    (lambda p: (p / "sg01").mkdir() or p, "no sg00/def.json"),
+    (lambda p: p / "missing.neff", "no such file"),
+])
+def test_neff_errors_are_one_line_naming_the_path(tmp_path, make, message):
+    _one_line_error(neff.read, make(tmp_path), message)
+
+
+# --- CUDA allocator snapshot (the pickle of segments and history) --------------------------------
+
+def _block(size: int, state: str, requested: int | None = None) -> dict:
+    return {"address": 0, "size": size, "requested_size": size if requested is None else requested,
+            "state": state, "frames": [{"filename": "llama.py", "line": 212, "name": "forward"}]}
+
+
+def _segment(device: int, total: int, blocks: list[dict], kind: str = "large") -> dict:
+    return {"device": device, "address": 139872, "total_size": total, "allocated_size": 0, "active_size": 0,
+            "requested_size": 0, "stream": 0, "segment_type": kind, "segment_pool_id": (0, 0),
+            "is_expandable": False, "frames": [], "blocks": blocks}
+
+
+def _entry(action: str, size: int, addr: int = 139872) -> dict:
+    return {"action": action, "addr": addr, "size": size, "stream": 0, "time_us": 1, "frames": []}
+
+
+def _snapshot() -> dict:
+    """Hand-made, in the layout torch 2.13's C++ writes. Device 0 now holds a (8 MiB - 100 B
+    requested) tensor, one awaiting free and a 400 B one in a small segment; its trace, from an
+    empty allocator, passes through 17 MiB - 100 B requested and 24 MiB reserved. Device 1 has no
+    history."""
+    segments = [
+        _segment(0, 20 * MIB, [_block(8 * MIB, "active_allocated", 8 * MIB - 100),
+                               _block(2 * MIB, "active_pending_free"), _block(10 * MIB, "inactive")]),
+        _segment(0, 2 * MIB, [_block(512, "active_allocated", 400), _block(2 * MIB - 512, "inactive")], "small"),
+        _segment(1, 4 * MIB, [_block(4 * MIB, "active_allocated", 3 * MIB)]),
+    ]
+    trace = [_entry("segment_alloc", 20 * MIB), _entry("alloc", 8 * MIB - 100), _entry("alloc", 6 * MIB),
+             _entry("segment_alloc", 4 * MIB), _entry("alloc", 3 * MIB), _entry("free_requested", 3 * MIB),
+             _entry("free_completed", 3 * MIB), _entry("segment_free", 4 * MIB), _entry("free_requested", 6 * MIB),
+             _entry("free_completed", 6 * MIB), _entry("segment_alloc", 2 * MIB), _entry("alloc", 400),
+             _entry("alloc", 2 * MIB), _entry("free_requested", 2 * MIB),
+             {"action": "oom", "device_free": 0, "size": 80 * (1 << 30), "stream": 0, "time_us": 2},
+             _entry("snapshot", 0)]
+    return {"segments": segments, "device_traces": [trace, []], "external_annotations": [],
+            "allocator_settings": {"PYTORCH_CUDA_ALLOC_CONF": "", "expandable_segments": False}}
+
+
+def _pickled(path, snapshot) -> str:
+    path.write_bytes(pickle.dumps(snapshot))
+    return str(path)
+
+
+def test_cuda_snapshot_current_is_read_from_the_segments(tmp_path):
+    reading = cuda_snapshot.read(_pickled(tmp_path / "snap.pickle", _snapshot()), kind="current")
+    assert (reading.source, reading.kind, reading.quantum) == ("cuda-snapshot", "current", None)
+    assert reading.core(0) == {"allocated": 8 * MIB + 512, "active": 10 * MIB + 512,
+                               "requested": 8 * MIB + 300, "reserved": 22 * MIB}
+    assert reading.core(1) == {"allocated": 4 * MIB, "active": 4 * MIB, "requested": 3 * MIB, "reserved": 4 * MIB}
+
+
+def test_cuda_snapshot_peak_replays_the_trace_back_from_now(tmp_path):
+    reading = cuda_snapshot.read(_pickled(tmp_path / "snap.pickle", _snapshot()))
+    assert reading.kind == "peak"
+    assert reading.core(0) == {"requested": 17 * MIB - 100, "reserved": 24 * MIB}  # above now: 8 MiB + 300, 22 MiB
+    assert reading.core(1) == {"requested": 3 * MIB, "reserved": 4 * MIB}  # no history: peak = current
+    assert "16 trace entries" in reading.notes[0] and "no history recorded" in reading.notes[1]
+
+
+def test_cuda_snapshot_in_the_documented_layout_without_device(tmp_path):
+    """The reference's fragment (torch's docstring layout: no segment "device", the documented
+    "active_awaiting_free"), read as device 0 with a note."""
+    snapshot = {"segments": [{"address": 139872, "total_size": 20971520, "stream": 0, "segment_type": "large",
+                              "segment_pool_id": (0, 0), "allocated_size": 16777216, "active_size": 16777216,
+                              "blocks": [_block(16777216, "active_allocated"), _block(MIB, "active_awaiting_free"),
+                                         _block(3 * MIB, "inactive")]}],
+                "device_traces": [[{"action": "alloc", "addr": 139872, "size": 16777216, "stream": 0}]]}
+    reading = cuda_snapshot.read(_pickled(tmp_path / "snap.pickle", snapshot), kind="current")
+    assert reading.cores == {0: {"allocated": 16 * MIB, "active": 17 * MIB, "requested": 16 * MIB,
+                                 "reserved": 20 * MIB}}
+    assert "no 'device' key" in reading.notes[0]
+
+
+class _Opens:
+    """Unpickling this would call open(); the reader must refuse before anything runs."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (str(self.path), "w"))
+
+
+def test_cuda_snapshot_refuses_a_pickle_that_needs_a_class(tmp_path):
+    marker = tmp_path / "was-run"
+    path = _pickled(tmp_path / "evil.pickle", {"segments": [], "device_traces": [], "x": _Opens(marker)})
+    _one_line_error(cuda_snapshot.read, path, "refused: the pickle needs io.open")
+    assert not marker.exists()
+    path = _pickled(tmp_path / "od.pickle", collections.OrderedDict(segments=[]))
+    _one_line_error(cuda_snapshot.read, path, "needs collections.OrderedDict")
+
+
+def _changed(change) -> dict:
+    snapshot = _snapshot()
+    change(snapshot)
+    return snapshot
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"not a pickle at all", "not a pickle"),
+    (pickle.dumps(_snapshot())[:200], "not a pickle"),
+    (pickle.dumps({"device_traces": [[]]}), "not a memory snapshot (no 'segments' list)"),
+    (pickle.dumps(_changed(lambda s: s["segments"][0]["blocks"][0].update(state="allocated"))),
+     "segment 0 block 0: malformed block (state 'allocated'"),
+    (pickle.dumps(_changed(lambda s: s["segments"][1]["blocks"][0].pop("size"))),
+     "segment 1 block 0: 'size' is missing"),
+    (pickle.dumps(_changed(lambda s: s["segments"][0]["blocks"].pop())), "segment 0: malformed segment"),
+    (pickle.dumps(_changed(lambda s: s["device_traces"][0].append(_entry("alloc", MIB)))),
+     "device_traces[0]: the trace does not match the segments (requested replays below 0 before it starts)"),
+    (pickle.dumps(_changed(lambda s: s["device_traces"][0].__setitem__(  # frees 30 MiB it never had
+        slice(0, 0), [_entry("segment_free", 30 * MIB), _entry("segment_alloc", 30 * MIB)]))),
+     "device_traces[0]: the trace does not match the segments (reserved replays below 0 at entry 0)"),
+    (pickle.dumps(_changed(lambda s: s["device_traces"][0].append(_entry("realloc", 1)))),
+     "device_traces[0] entry 16: malformed trace entry (action 'realloc')"),
+    (pickle.dumps({"segments": [], "device_traces": [[], []]}), "no segments and no trace"),
+])
+def test_cuda_snapshot_errors_are_one_line_naming_the_file(tmp_path, content, message):
+    path = tmp_path / "bad.pickle"
+    path.write_bytes(content)
+    _one_line_error(cuda_snapshot.read, path, message)
+
+
+# --- our recorder's saved-tensor bytes -----------------------------------------------------------
+
+def test_recorder_round_trip_of_a_real_measurement(tmp_path):
+    import torch
+
+    from neuron_ckpt.memory.measure import SavedTensorRecorder
+
+    x, w = torch.randn(4, 8, requires_grad=True), torch.randn(8, 16, requires_grad=True)
+    with SavedTensorRecorder() as rec:
+        with rec.scope("matmul"):
+            y = x @ w  # saves x (128 B) and w (512 B)
+        with rec.scope("relu"):
+            loss = y.relu().sum()  # relu saves its output (256 B); sum saves no tensor
+    assert rec.total_bytes == 896
+    path = tmp_path / "saved.json"
+    recorder.write(path, [rec, 1000])
+    data = json.loads(path.read_text())
+    assert data["ranks"][0] == {"rank": 0, "saved_bytes": 896, "by_scope": {"matmul": 640, "relu": 256}}
+    reading = recorder.read(path)
+    assert (reading.source, reading.kind, reading.quantum) == ("recorder", "peak", None)
+    assert reading.cores == {0: {"saved": 896}, 1: {"saved": 1000}}
+    loss.backward()
+    with pytest.raises(ValueError, match="rank 1: expected a SavedTensorRecorder or a byte count, got -1"):
+        recorder.write(tmp_path / "bad.json", [rec, -1])
+    assert not (tmp_path / "bad.json").exists()
+
+
+def _recorder_file(**changes) -> str:
+    data = {"format": "neuron_ckpt.saved-tensors", "version": 1,
+            "ranks": [{"rank": 0, "saved_bytes": 896, "by_scope": {}}, {"rank": 1, "saved_bytes": 900, "by_scope": {}}]}
+    data.update(changes)
+    return json.dumps(data)
+
+
+@pytest.mark.parametrize("content, message", [
+    (_recorder_file(format="neuron_ckpt.memory-capture"),
+     "not a saved-tensors file (format 'neuron_ckpt.memory-capture'"),
+    (json.dumps(_memory_stats()), "not a saved-tensors file (format None"),
+    (_recorder_file(version=2), "version 2 of neuron_ckpt.saved-tensors"),
+    (_recorder_file(ranks=[{"rank": 0, "by_scope": {}}]), "rank 0: no 'saved_bytes'"),
+    (_recorder_file(ranks=[{"rank": 0, "saved_bytes": -8}]), "rank 0: 'saved_bytes' is -8"),
+    (_recorder_file(ranks=[{"rank": 1, "saved_bytes": 8}, {"rank": 1, "saved_bytes": 9}]), "rank 1 is recorded twice"),
+    (_recorder_file(ranks=[]), "no 'ranks' records"),
+    (_recorder_file()[:50], "not a JSON recorder file"),
+])
+def test_recorder_errors_are_one_line_naming_the_file(tmp_path, content, message):
+    path = tmp_path / "bad.json"
+    path.write_text(content, encoding="utf-8")
+    _one_line_error(recorder.read, path, message)

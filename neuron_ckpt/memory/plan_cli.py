@@ -98,7 +98,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="one JSON object instead of tables")
 
 
-def _model(args: argparse.Namespace) -> ModelShape:
+def model_from_args(args: argparse.Namespace) -> ModelShape:
+    """The model ``--model``/``--config`` (Llama) or ``--hidden/--heads/--layers/--vocab`` (GPT) describe."""
     if args.model == "llama":
         given = [f"--{n}" for n in GPT_ONLY if getattr(args, n, None) is not None]
         if given:
@@ -140,7 +141,7 @@ def device_gib(args: argparse.Namespace) -> float:
 
 def build(args: argparse.Namespace) -> tuple[ModelShape, TrainingSetup]:
     """The model and setup the arguments describe (ValueError naming the field when invalid)."""
-    model = _model(args)
+    model = model_from_args(args)
     if args.checkpoint_writers < 0:
         raise ValueError(f"--checkpoint-writers must be >= 0 (0: all), got {args.checkpoint_writers}")
     if args.bucket_cap_mb is not None and not args.zero1:

@@ -1,12 +1,15 @@
 """Readers of what device-memory tools report, each into the same small record.
 
-One module per format (issue #23; the formats and their sources are summarised in docs/memory.md,
-"Profiling, and what has run where"): :mod:`.neuron_monitor` (neuron-monitor's JSON lines),
-:mod:`.prometheus` (the same metrics from its Prometheus exporter), :mod:`.sysfs` (the Neuron
-driver's ``device_mem`` counters), :mod:`.cuda_stats` (``torch.accelerator.memory_stats()`` saved as
-JSON). Every reader is strict: a file of the wrong kind, a truncated line, a missing category or a
-NeuronCore that is not there raises :class:`ReadError`, one line naming the file and what is
-wrong; never a silent zero.
+One module per format (issue #23; formats and sources in docs/memory.md, "Checking the model
+against a device"): :mod:`.neuron_monitor` (neuron-monitor's JSON lines), :mod:`.prometheus`
+(the same metrics from its Prometheus exporter), :mod:`.sysfs` (the Neuron driver's
+``device_mem`` counters), :mod:`.neff` (the scratchpad a compiled NEFF's ``def.json`` fixes),
+:mod:`.xla_buffers` (XLA's buffer assignment of a compiled graph), :mod:`.cuda_stats`
+(``torch.accelerator.memory_stats()`` saved as JSON), :mod:`.cuda_snapshot` (the allocator's
+snapshot pickle), :mod:`.recorder` (what our :class:`~neuron_ckpt.memory.SavedTensorRecorder`
+counted). :func:`.detect.read_any` picks the reader from the file. Every reader is strict: a
+file of the wrong kind, a truncated line, a missing category or a NeuronCore that is not there
+raises :class:`ReadError`, one line naming the file and what is wrong; never a silent zero.
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ class ReadError(ValueError):
 class MemoryReading:
     """Device memory as one report gives it.
 
-    source: the format ("neuron-monitor", "prometheus", "sysfs", "cuda-memory-stats"). path: the file or directory read.
+    source: the format ("neuron-monitor", "prometheus", "sysfs", "neff", "xla-buffer-assignment",
+        "cuda-memory-stats", "cuda-snapshot", "recorder"). path: the file or directory read.
     kind: "peak" (the largest value seen: over samples, or a peak counter) or "current".
     cores: bytes per NeuronCore (instance-wide index) or CUDA device, and category.
     samples: reports combined (1 for a snapshot).

@@ -1,0 +1,190 @@
+"""``neuron-ckpt compare``: the per-layer slope, its uncertainty, the control and the verdict.
+
+The end-to-end check is real: a whole tiny ``LlamaForCausalLM`` run at 1, 2 and 3 layers, what
+autograd keeps counted by our recorder, compared with the analytic model (exact bytes, so the
+slope must equal the prediction to the byte). The trn1 capture under tests/fixtures/memory is
+hand-made (its manifest says so): it exercises pages, cores, the control and the savings.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import neuron_ckpt as nc
+from neuron_ckpt.cli import main
+from neuron_ckpt.memory import ModelShape, SavedTensorRecorder, TrainingSetup, layer_activation_bytes
+from neuron_ckpt.memory.compare import fit_slope, layer_state_bytes, predicted_saving
+from neuron_ckpt.memory.readers import recorder
+from neuron_ckpt.models import LlamaForCausalLM, load_llama_config
+from neuron_ckpt.parallel import CoreAttention
+from neuron_ckpt.recompute import RecomputeConfig, apply_recompute
+
+FIXTURE = Path(__file__).parent / "fixtures" / "memory" / "trn1_7b_handmade"
+TINY = Path(__file__).parents[1] / "tutorials" / "llama2_7b_tp_zero1" / "configs" / "tiny.json"
+MIB, PAGE = 1 << 20, 512 << 20
+S, B = 64, 2
+
+
+def _compare(capsys, *argv: str) -> tuple[int, str, str]:
+    try:
+        code = main(["compare", *argv])
+    except SystemExit as exc:
+        code = exc.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+# ---------------------------------------------------------------------------------------------
+# The arithmetic.
+
+
+def test_two_runs_k_layers_apart_are_uncertain_by_a_page_over_k():
+    slope = fit_slope([(8, 3 * PAGE), (16, 5 * PAGE)], PAGE)
+    assert slope.bytes_per_layer == 2 * PAGE / 8
+    assert slope.uncertainty == pytest.approx(PAGE / 8) and slope.page_part == pytest.approx(PAGE / 8)
+
+
+def test_three_layer_counts_add_the_fit_scatter():
+    on_a_line = fit_slope([(1, 100), (2, 200), (3, 300)], None)
+    assert (on_a_line.bytes_per_layer, on_a_line.uncertainty) == (100, 0)
+    scattered = fit_slope([(1, 100), (2, 230), (3, 300)], None)
+    assert scattered.bytes_per_layer == 100 and scattered.uncertainty > 0
+    with pytest.raises(ValueError, match="two or more different layer counts"):
+        fit_slope([(4, 1), (4, 2)], None)
+
+
+def test_saving_is_kept_bytes_less_what_recompute_brings_back_at_the_peak():
+    model = ModelShape.from_llama(load_llama_config(TINY))
+    setup = TrainingSetup(S, B, attention="explicit", sequence_parallel=False, zero1=False)
+    none, full, sel = (layer_activation_bytes(model, setup, p) for p in ("none", "full", "selective"))
+    assert predicted_saving(model, setup, "none", "full", 4) == 4 * (none - full) - none
+    assert predicted_saving(model, setup, "none", "full", 4, peak=False) == 4 * (none - full)
+    assert predicted_saving(model, setup, "none", "selective", 4) == 4 * (none - sel) - (none - sel)
+
+
+def test_layer_state_is_weights_gradients_master_and_moments_sharded_by_zero1():
+    model = ModelShape.from_llama(load_llama_config("llama2-7b"))
+    n = (4 * 4096 * 4096 + 3 * 4096 * 11008) // 8 + 2 * 4096  # one layer on one of 8 TP ranks
+    setup = TrainingSetup(4096, 1, tp=8, dp=16)  # bf16, fp32 accumulation, fp32 master, ZeRO-1
+    assert layer_state_bytes(model, setup, "weights") == 2 * n
+    assert layer_state_bytes(model, setup) == round(n * (2 + 4) + 3 * 4 * n / 16)
+
+
+# ---------------------------------------------------------------------------------------------
+# End to end on what autograd really keeps.
+
+
+def _recorded(layers: int, preset: str) -> int:
+    config = load_llama_config(TINY)
+    config.num_hidden_layers = layers
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config, attention_implementation="explicit", dtype=torch.bfloat16).train()
+    if preset != "none":
+        apply_recompute(model, RecomputeConfig.preset(preset))
+    masks = [m.causal_mask(S, torch.device("cpu")) for m in model.modules() if isinstance(m, CoreAttention)]
+    ids = torch.randint(0, config.vocab_size, (B, S), generator=torch.Generator().manual_seed(0))
+    with SavedTensorRecorder(exclude_modules=[model], exclude_tensors=masks) as rec:
+        loss = model(ids, labels=ids).loss
+    loss.backward()
+    return rec.total_bytes
+
+
+def _record_all(root: str) -> dict:
+    nc.initialize_model_parallel(1)
+    runs = {}
+    for layers, preset in [(1, "none"), (2, "none"), (3, "none"), (3, "full"), (3, "selective")]:
+        path = Path(root) / f"{preset}_L{layers}.json"
+        recorder.write(path, [_recorded(layers, preset)])
+        runs[(layers, preset)] = str(path)
+    return runs
+
+
+@pytest.fixture(scope="module")
+def recorded_runs(world, tmp_path_factory):
+    return world(1).run(_record_all, str(tmp_path_factory.mktemp("recorded")))[0]
+
+
+def test_recorded_llama_agrees_with_the_model_to_the_byte(capsys, recorded_runs):
+    r = recorded_runs
+    code, out, err = _compare(
+        capsys, "--config", str(TINY), "--seq", str(S), "--micro-batch", str(B), "--no-sequence-parallel",
+        "--no-zero1", "--attention", "explicit", "--run", f"1={r[1, 'none']}", "--run", f"2={r[2, 'none']}",
+        "--run", f"3={r[3, 'none']}", "--recompute-run", f"full={r[3, 'full']}",
+        "--recompute-run", f"selective={r[3, 'selective']}", "--json")
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["source"] == "recorder" and result["agrees"] and result["resolved"]
+    assert result["measured_bytes_per_layer"] == result["predicted_bytes_per_layer"]  # exact: no page, no scatter
+    assert result["uncertainty_bytes_per_layer"] == 0 and result["verdict"].startswith("agrees")
+    assert {s["preset"]: s["measured"] == s["predicted"] for s in result["savings"]} == {"full": True, "selective": True}
+
+
+def test_a_wrong_model_is_called_a_disagreement_with_its_size(capsys, recorded_runs):
+    r = recorded_runs  # the same reports described as a longer sequence: the model predicts more
+    code, out, _ = _compare(capsys, "--config", str(TINY), "--seq", str(2 * S), "--micro-batch", str(B),
+                            "--no-sequence-parallel", "--attention", "explicit",
+                            "--run", f"1={r[1, 'none']}", "--run", f"3={r[3, 'none']}")
+    assert code == 1
+    verdict = [line for line in out.splitlines() if "verdict:" in line][0]
+    assert "disagrees by -" in verdict and "%" in verdict
+
+
+# ---------------------------------------------------------------------------------------------
+# A hand-made trn1 capture: two NeuronCores, 512 MiB pages, a control, a saving.
+
+
+def test_handmade_capture_reads_as_it_is(capsys):
+    code, out, err = _compare(capsys, "--capture", str(FIXTURE))
+    assert code == 0, err
+    assert "page 512 MiB" in out and "core 0" in out and "core 1" in out
+    assert "control: tensors per layer" in out and ": ok" in out
+    assert "unresolved" in out and "layers apart would resolve it" in out  # 64 MiB a layer against a 512 MiB page
+    code, out, _ = _compare(capsys, "--capture", str(FIXTURE), "--json")
+    result = json.loads(out)
+    for key in ("predicted_bytes_per_layer", "measured_bytes_per_layer", "uncertainty_bytes_per_layer", "control",
+                "agrees", "verdict"):
+        assert key in result, key
+    assert result["control"]["ok"] and result["resolved"] is False and result["savings"][0]["preset"] == "full"
+
+
+def test_a_failing_control_says_the_method_is_broken(capsys, tmp_path):
+    capture = tmp_path / "capture"
+    shutil.copytree(FIXTURE, capture)
+    bumped = capture / "none_L32" / "sysfs.json"  # one run holds 1 GiB more tensors than its layers explain
+    data = json.loads(bumped.read_text())
+    for core in data.values():
+        core["tensors"] = {k: v + (1 << 30) for k, v in core["tensors"].items()}
+    bumped.write_text(json.dumps(data))
+    _, out, _ = _compare(capsys, "--capture", str(capture))
+    assert "FAILS" in out and "the control fails" in out and "says nothing about the model" in out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--seq", "64", "--run", "1=a.json"], "no such file"),
+    (["--seq", "64", "--run", "x=a.json", "--run", "2=b.json"], "LAYERS must be a positive integer"),
+    (["--seq", "64"], "give --run LAYERS=PATH two or more times"),
+    (["--run", "1=a", "--run", "2=b"], "--seq is required"),
+    (["--capture", "."], "not a capture directory"),
+    (["--capture", str(FIXTURE), "--tp", "4"], "--tp 4 differs from the capture's 8"),
+    (["--capture", str(FIXTURE), "--source", "neff"], "the capture has sysfs"),
+    (["--seq", "64", "--run", "1"], "expected LAYERS=PATH"),
+])
+def test_bad_input_is_one_line(capsys, tmp_path, monkeypatch, argv, message):
+    monkeypatch.chdir(tmp_path)
+    code, out, err = _compare(capsys, *argv)
+    assert code == 2 and message in err and err.count("\n") == 1, err
+
+
+def test_one_layer_count_or_mixed_formats_are_refused(capsys, recorded_runs, tmp_path):
+    r = recorded_runs
+    sysfs = FIXTURE / "none_L8" / "sysfs.json"
+    base = ["--config", str(TINY), "--seq", str(S), "--no-sequence-parallel", "--attention", "explicit"]
+    code, _, err = _compare(capsys, *base, "--run", f"3={r[3, 'none']}", "--run", f"3={r[3, 'full']}")
+    assert code == 2 and "two or more different layer counts" in err
+    code, _, err = _compare(capsys, *base, "--run", f"1={r[1, 'none']}", "--run", f"2={sysfs}")
+    assert code == 2 and "compare one format at a time" in err
