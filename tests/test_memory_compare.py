@@ -140,16 +140,21 @@ def test_a_wrong_model_is_called_a_disagreement_with_its_size(capsys, recorded_r
 
 def test_handmade_capture_reads_as_it_is(capsys):
     code, out, err = _compare(capsys, "--capture", str(FIXTURE))
-    assert code == 0, err
-    assert "page 512 MiB" in out and "core 0" in out and "core 1" in out
-    assert "control: tensors per layer" in out and ": ok" in out
-    assert "unresolved" in out and "layers apart would resolve it" in out  # 64 MiB a layer against a 512 MiB page
+    assert code == 1, err  # the hand-made NEFF keeps 70 MiB a layer against 64.3 predicted
+    neff, sysfs = out.split("\nneff:")[1].split("\nsysfs:")
+    assert "exact bytes, no page" in neff and "disagrees by +8.8%" in neff
+    assert "page 512 MiB" in sysfs and "core 0" in sysfs and "core 1" in sysfs
+    assert "control: tensors per layer" in sysfs and ": ok" in sysfs
+    assert "unresolved" in sysfs and "layers apart would resolve it" in sysfs  # 64 MiB a layer, 512 MiB pages
     code, out, _ = _compare(capsys, "--capture", str(FIXTURE), "--json")
     result = json.loads(out)
     for key in ("predicted_bytes_per_layer", "measured_bytes_per_layer", "uncertainty_bytes_per_layer", "control",
                 "agrees", "verdict"):
         assert key in result, key
-    assert result["control"]["ok"] and result["resolved"] is False and result["savings"][0]["preset"] == "full"
+    assert result["source"] == "neff" and result["agrees"] is False and result["resolved"] is True
+    by_source = {c["source"]: c for c in result["comparisons"]}
+    assert by_source["sysfs"]["control"]["ok"] and by_source["sysfs"]["resolved"] is False
+    assert by_source["sysfs"]["agrees"] and by_source["sysfs"]["savings"][0]["preset"] == "full"
 
 
 def test_a_failing_control_says_the_method_is_broken(capsys, tmp_path):
@@ -160,7 +165,7 @@ def test_a_failing_control_says_the_method_is_broken(capsys, tmp_path):
     for core in data.values():
         core["tensors"] = {k: v + (1 << 30) for k, v in core["tensors"].items()}
     bumped.write_text(json.dumps(data))
-    _, out, _ = _compare(capsys, "--capture", str(capture))
+    _, out, _ = _compare(capsys, "--capture", str(capture), "--source", "sysfs")
     assert "FAILS" in out and "the control fails" in out and "says nothing about the model" in out
 
 
@@ -171,7 +176,7 @@ def test_a_failing_control_says_the_method_is_broken(capsys, tmp_path):
     (["--run", "1=a", "--run", "2=b"], "--seq is required"),
     (["--capture", "."], "not a capture directory"),
     (["--capture", str(FIXTURE), "--tp", "4"], "--tp 4 differs from the capture's 8"),
-    (["--capture", str(FIXTURE), "--source", "neff"], "the capture has sysfs"),
+    (["--capture", str(FIXTURE), "--source", "recorder"], "the capture has neff, sysfs"),
     (["--seq", "64", "--run", "1"], "expected LAYERS=PATH"),
 ])
 def test_bad_input_is_one_line(capsys, tmp_path, monkeypatch, argv, message):
@@ -188,3 +193,27 @@ def test_one_layer_count_or_mixed_formats_are_refused(capsys, recorded_runs, tmp
     assert code == 2 and "two or more different layer counts" in err
     code, _, err = _compare(capsys, *base, "--run", f"1={r[1, 'none']}", "--run", f"2={sysfs}")
     assert code == 2 and "compare one format at a time" in err
+
+
+# ---------------------------------------------------------------------------------------------
+# Which reader a file needs.
+
+
+def test_the_reader_is_picked_from_what_the_file_holds(tmp_path, recorded_runs):
+    from neuron_ckpt.memory.readers.detect import read_any, source_of
+
+    fixtures = FIXTURE.parent
+    assert source_of(fixtures / "def.json") == "neff" and read_any(fixtures / "def.json").source == "neff"
+    assert source_of(FIXTURE / "none_L8" / "sysfs.json") == "sysfs"
+    assert source_of(recorded_runs[1, "none"]) == "recorder"
+    (tmp_path / "nm.ndjson").write_text('{"neuron_runtime_data": []}\n{"neuron_runtime_data": []}\n')
+    assert source_of(tmp_path / "nm.ndjson") == "neuron_monitor"
+    (tmp_path / "stats.json").write_text('{"allocated_bytes.all.peak": 1}')
+    assert source_of(tmp_path / "stats.json") == "cuda_stats"
+    (tmp_path / "other.json").write_text('{"loss": 1.5}')
+    (tmp_path / "notes.txt").write_text("loss went down\n")
+    for path, message in [(tmp_path / "other.json", "JSON of no known report"),
+                          (tmp_path / "notes.txt", "not a memory report this tool reads"),
+                          (tmp_path, "neither an unpacked NEFF")]:
+        with pytest.raises(ValueError, match=message):
+            source_of(path)

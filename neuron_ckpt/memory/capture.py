@@ -27,7 +27,9 @@ from ..recompute import PRESETS
 
 MANIFEST = "manifest.json"
 FORMAT, VERSION = "neuron_ckpt.memory-capture", 1
-SOURCES = ("neuron_monitor", "prometheus", "sysfs", "neff", "xla_buffers", "cuda_stats", "cuda_snapshot", "recorder")
+# In the order compare shows them: exact figures first (a NEFF's def.json), then the page-rounded
+# device counters that confirm them (docs/memory.md, "Checking the model against a device").
+SOURCES = ("neff", "xla_buffers", "recorder", "sysfs", "neuron_monitor", "prometheus", "cuda_snapshot", "cuda_stats")
 
 
 @dataclass(frozen=True)
