@@ -7,9 +7,12 @@ variant is refused.
 What XLA:CPU shows and what it cannot: XLA's target-independent ``cse`` pass runs with the
 barrier in place; there the recomputed attention scores survive with the barrier (one extra
 ``dot``) and are merged away without it. XLA:CPU then strips barriers (``cse_barrier_expander``)
-and runs CSE again, so its *final* executable has merged the recompute either way: memory savings
-from recompute cannot be seen on XLA:CPU. Whether the Neuron compiler keeps the recompute past
-the barrier has not been run here (no Trainium).
+and runs CSE again: in this small probe its final executable has merged the recompute either way;
+in a whole Llama step (``scripts/xla_memory_slope.py``) the recomputed matmuls survive but the
+scheduler, free of the barrier, runs them in the forward, before the peak. Either way memory
+savings from recompute cannot be seen on XLA:CPU (docs/memory.md, "Checking the model against a
+device"). Whether the Neuron compiler keeps the recompute in the backward has not been run here
+(no Trainium).
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ The tree (``/sys/devices/virtual/neuron_device``, SDK 2.11+)::
 
 holds one integer per file: ``total`` is the current usage, ``peak`` the largest seen (the
 counters are write-to-clear). :func:`read` takes the tree itself, a copy of it, or the JSON a
-capture writes of it: ``{"neuron<d>/neuron_core<c>": {"<category>": {"total": B, "peak": B}}}``.
+capture writes of it (:func:`snapshot`, polls combined by :func:`merge_max`):
+``{"neuron<d>/neuron_core<c>": {"<category>": {"total": B, "peak": B}}}``.
 NeuronCores get instance-wide indices, ``d * cores_per_device + c``, as neuron-monitor's. The five
 categories neuron-monitor has (:data:`~.NEURON_CATEGORIES`) are required; the others
 (``collectives``, ``dma_rings``, ``nonshared_scratchpad``, ...) are kept when present.
@@ -68,6 +69,33 @@ def _from_json(path: Path, counter: str) -> dict[str, dict[str, int]]:
     return found
 
 
+def snapshot(root: str | Path) -> dict[str, dict[str, dict[str, int]]]:
+    """The counters under the tree ``root`` as the JSON snapshot :func:`read` takes:
+    ``{"neuron<d>/neuron_core<c>": {"<category>": {"total": B, "peak": B}}}`` (what a capture
+    polls while its job runs, then writes)."""
+    root = Path(root)
+    if not root.is_dir():
+        raise ReadError(f"{root}: no such directory")
+    totals, peaks = _from_tree(root, "total"), _from_tree(root, "peak")
+    if not totals:
+        raise ReadError(f"{root}: no neuron<d>/neuron_core<c>/{_DEVICE_MEM} counters under it")
+    if {k: v.keys() for k, v in totals.items()} != {k: v.keys() for k, v in peaks.items()}:
+        raise ReadError(f"{root}: NeuronCores or categories changed while the tree was read")
+    return {key: {name: {"total": totals[key][name], "peak": peaks[key][name]} for name in values}
+            for key, values in totals.items()}
+
+
+def merge_max(a: dict, b: dict) -> dict:
+    """Two snapshots of the same tree, ``b`` the later: per core and category the larger
+    ``total`` (the current usage, so the largest seen over the polls) and ``b``'s ``peak`` (the
+    counter is already a running maximum; the later read is the one that holds after a clear).
+    Snapshots of different cores or categories are an error."""
+    if a.keys() != b.keys() or any(a[k].keys() != b[k].keys() for k in a):
+        raise ReadError("sysfs snapshots of different NeuronCores or categories cannot be merged")
+    return {key: {name: {"total": max(a[key][name]["total"], b[key][name]["total"]), "peak": b[key][name]["peak"]}
+                  for name in b[key]} for key in b}
+
+
 def read(path: str | Path, kind: str = "peak") -> MemoryReading:
     """Read the counters under ``path`` (a directory) or in ``path`` (a JSON snapshot).
     ``kind``: "peak" (the peak counters) or "current" (``total``)."""
@@ -98,4 +126,4 @@ def read(path: str | Path, kind: str = "peak") -> MemoryReading:
     return MemoryReading("sysfs", str(path), kind, dict(sorted(cores.items())), 1, SCRATCHPAD_PAGE_BYTES)
 
 
-__all__ = ["KINDS", "read"]
+__all__ = ["KINDS", "merge_max", "read", "snapshot"]
