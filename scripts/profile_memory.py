@@ -20,22 +20,13 @@ Run here (CPU, gloo ranks spawned by ``run_local``)::
     python scripts/profile_memory.py --hidden 256 --heads 8 --seq 512 --micro-batch 2 --tp 2 \
         --sequence-parallel --timeline --out profiles/
 
-Neither a GPU nor Trainium has run this script; only CPU. On a trn1 instance (UNTESTED on
-hardware; commands from the AWS Neuron documentation) the step runs on the XLA device and the
-Neuron profiler captures it, one run per configuration:
+Neither a GPU nor Trainium has run this script; only CPU. It is not the way to check the memory
+model on trn1: there the compiled step decides what is kept, and no profiler isolates a layer.
+Use the capture script and the comparison by difference instead (docs/memory.md, "Checking the
+model against a device"; neither has run on a device)::
 
-    export XLA_IR_DEBUG=1 XLA_HLO_DEBUG=1          # before compiling: layer names in the profile
-    export NEURON_RT_INSPECT_ENABLE=1              # runtime capture, no code change
-    export NEURON_RT_INSPECT_DEVICE_PROFILE=1      # device trace of the first run of each NEFF
-    export NEURON_RT_INSPECT_OUTPUT_DIR=./neuron-profile/selective
-    torchrun --nproc_per_node 2 your_training_step.py ...   # one step, recompute=selective
-    neuron-profile view -d ./neuron-profile/selective       # or, for one NEFF/NTFF pair:
-    neuron-profile capture -n file.neff -s file.ntff        # re-run a compiled graph, traced
-    neuron-profile view -n file.neff -s file.ntff
-
-Do not combine ``NEURON_RT_INSPECT_ENABLE=1`` with ``torch.profiler`` (the Neuron docs say the
-two mechanisms conflict): this script's profiler path is for CPU/GPU. Device memory per
-NeuronCore is also visible live in ``neuron-top`` / ``neuron-monitor``.
+    python scripts/capture_trn1_memory.py --data ~/data/llama2_train.safetensors --layers 4,8,12,16 --out cap
+    neuron-ckpt compare --capture cap
 """
 
 from __future__ import annotations

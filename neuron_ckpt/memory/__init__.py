@@ -15,7 +15,9 @@
 tensor by tensor (Korthikanti et al. 2022 for GPT, its Llama equivalent); :mod:`.measure`
 counts what autograd really keeps; :mod:`.budget` adds up a device's memory and
 :mod:`.planner` picks the recompute. ``neuron-ckpt memory`` / ``plan`` are :mod:`.report` and
-:mod:`.plan_cli`. See docs/memory.md and docs/planner.md.
+:mod:`.plan_cli`; ``neuron-ckpt compare`` (:mod:`.compare_cli`) puts the model next to what a device
+or a compiler reports (:mod:`.readers`, by difference: :mod:`.compare`). See docs/memory.md and
+docs/planner.md.
 """
 
 from .analytic import ActivationTerm, layer_activation_bytes, layer_activation_terms, model_activation_bytes
