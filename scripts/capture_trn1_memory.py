@@ -52,7 +52,7 @@ MONITOR_CONF = {"period": "1s", "neuron_runtimes": [{"tag_filter": f"{TAG}.*", "
                 "system_metrics": [{"type": "memory_info"}]}  # the memory-only config of neuron-monitor's guide
 # As run_trn1.sh sets them (compiler flags change the scratchpad); values already in the environment win.
 TUTORIAL_ENV = {"NEURON_CC_FLAGS": "--model-type transformer", "NEURON_FUSE_SOFTMAX": "1",
-                "NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS": "3", "NEURON_RT_STOCHASTIC_ROUNDING_EN": "1",
+                "NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS": "3", "NEURON_RT_STOCHASTIC_ROUNDING_EN": "0",
                 "MALLOC_ARENA_MAX": "64"}
 SCRATCHPAD = "model_shared_scratchpad"
 DEFAULT_MONITOR = "/opt/aws/neuron/bin/neuron-monitor"

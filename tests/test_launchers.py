@@ -2,8 +2,9 @@
 
 ``DRY_RUN=1`` makes run_trn1.sh print its environment and torchrun command and exit, so the
 command lines are checked here without Neuron, torchrun or Slurm; Slurm's ``srun`` and ``scontrol``
-are small fakes on PATH. One test runs the real (not dry) path with a fake ``torchrun`` and
-``sysctl`` to check the reserved-ports step.
+are small fakes on PATH. The values per MODEL are those of NxD's tutorial scripts
+(tp_zero1_llama2_7B_hf_pretrain.sh, tp_zero1_llama3_8B_hf_pretrain.sh). One test runs the real
+(not dry) path with a fake ``torchrun`` and ``sysctl`` to check the reserved-ports step.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from neuron_ckpt.models.config_file import PRESET_NAMES
@@ -58,7 +60,7 @@ def _fake_bin(tmp_path: Path) -> Path:
     bin_dir.mkdir(exist_ok=True)
     calls = tmp_path / "calls"
     scripts = {
-        "srun": 'while [ "${1#-}" != "$1" ]; do shift; done\nexec "$@"\n',
+        "srun": f'echo "srun $*" >> {tmp_path}/srun_calls\nwhile [ "${{1#-}}" != "$1" ]; do shift; done\nexec "$@"\n',
         "scontrol": (
             'case "$1 $2" in\n'
             "  'show hostnames') printf 'trn1-a\\ntrn1-b\\n' ;;\n"
@@ -84,6 +86,15 @@ def _run(argv: list[str], tmp_path: Path, cwd: Path | None = None, **env: str) -
     return r
 
 
+def _fails(argv: list[str], tmp_path: Path, **env: str) -> str:
+    """stderr of a launcher run that must refuse (exit 2) before running anything."""
+    base = {"PATH": f"{_fake_bin(tmp_path)}:/usr/bin:/bin", "HOME": str(tmp_path / "home")}
+    r = subprocess.run(argv, env={**base, **env}, cwd=tmp_path, capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2 and "torchrun" not in r.stdout, r.stdout + r.stderr
+    assert not (tmp_path / "calls").exists()
+    return r.stderr
+
+
 def _dry(out: str) -> tuple[dict[str, str], list[str]]:
     """(exported variables, argv of the launch command) from a dry run's output."""
     lines = out.strip().splitlines()
@@ -104,13 +115,14 @@ def test_dry_run_train(tmp_path: Path) -> None:
     assert _opt(argv, "--nproc_per_node") == "32" and _opt(argv, "--master_port") == "44000"
     assert (_opt(argv, "--nnodes"), _opt(argv, "--node_rank"), _opt(argv, "--master_addr")) == ("1", "0", "127.0.0.1")
     assert _opt(argv, "--checkpoint-dir") == f"{out}/checkpoints" and _opt(argv, "--resume") == "latest"
-    assert _opt(argv, "--metrics-file") == f"{out}/metrics.jsonl"
+    assert _opt(argv, "--metrics-file") == f"{out}/metrics.jsonl" and _opt(argv, "--tensorboard-dir") == f"{out}/tb"
     assert "--stop-at-step" not in argv
     assert _opt(argv, "--model-config") in PRESET_NAMES  # Llama-2 7B, the config the package ships
     # the user's arguments come last, so they override (argparse keeps the last --max-steps)
     assert argv[-4:] == ["--max-steps", "50", "--seed", "7"] and argv.count("--max-steps") == 2
     assert env["NEURON_CC_FLAGS"] == f"--model-type transformer --cache_dir={tmp_path}/home/neuron_compile_cache/"
-    assert env["MALLOC_ARENA_MAX"] == "64" and "FI_PROVIDER" not in env
+    assert env["MALLOC_ARENA_MAX"] == "64" and "FI_PROVIDER" not in env and "CCOM_SOCKET_IFNAME" not in env
+    assert env["NEURON_RT_STOCHASTIC_ROUNDING_EN"] == "0"  # PRECISION=fp32-master, the default
     assert r.stdout.splitlines()[0] == f"cd {shlex.quote(str(TUTORIAL))}"
     # nothing was run, created or changed
     assert not out.exists() and not (tmp_path / "home").exists() and not (tmp_path / "calls").exists()
@@ -121,7 +133,7 @@ def test_dry_run_compile(tmp_path: Path) -> None:
     _, argv = _dry(r.stdout)
     assert argv[:2] == ["neuron_parallel_compile", "torchrun"]
     assert argv[-2:] == ["--stop-at-step", "2"] and _opt(argv, "--max-steps") == "300"
-    assert not {"--checkpoint-dir", "--resume", "--metrics-file", "--checkpoint-every"} & set(argv)
+    assert not {"--checkpoint-dir", "--resume", "--metrics-file", "--checkpoint-every", "--tensorboard-dir"} & set(argv)
     r = _run(["bash", str(RUN_TRN1)], tmp_path, DRY_RUN="1", COMPILE="1", COMPILE_STEPS="5")
     assert _dry(r.stdout)[1][-2:] == ["--stop-at-step", "5"]
 
@@ -140,6 +152,102 @@ def test_dry_run_clean_env_set_u(tmp_path: Path) -> None:
     assert _opt(argv, "--data") == f"{home}/data/llama2_train.safetensors"
 
 
+# NxD's values per MODEL: (preset, learning rate, logging interval, default data file, default recompute, run name)
+NXD = {
+    "llama2-7b": ("3e-4", "10", "data/llama2_train.safetensors", "none", "llama2_7b"),
+    "llama3-8b": ("1.5e-4", "1", "data/llama3_train_8k.safetensors", "auto", "llama3_8b"),
+    "llama3.1-8b": ("1.5e-4", "1", "data/llama3_train_8k.safetensors", "auto", "llama3.1_8b"),
+}
+
+
+@pytest.mark.parametrize("model", list(NXD))
+def test_dry_run_model(tmp_path: Path, model: str) -> None:
+    lr, log_every, data, recompute, name = NXD[model]
+    home = tmp_path / "home"
+    _, argv = _dry(_run(["bash", str(RUN_TRN1)], tmp_path, DRY_RUN="1", MODEL=model).stdout)
+    assert _opt(argv, "--model-config") == model and _opt(argv, "--lr") == lr and _opt(argv, "--log-every") == log_every
+    assert _opt(argv, "--data") == f"{home}/{data}" and _opt(argv, "--recompute") == recompute
+    assert (_opt(argv, "--global-batch-size"), _opt(argv, "--micro-batch-size")) == ("1024", "1")
+    assert (_opt(argv, "--warmup-steps"), _opt(argv, "--max-steps")) == ("100", "10000")
+    assert (_opt(argv, "--tp"), _opt(argv, "--attention")) == ("8", "flash")
+    assert _opt(argv, "--checkpoint-dir") == f"{home}/runs/{name}_tp8_zero1/checkpoints"
+
+
+def test_dry_run_model_refused(tmp_path: Path) -> None:
+    assert "MODEL must be llama2-7b, llama3-8b or llama3.1-8b" in _fails(["bash", str(RUN_TRN1)], tmp_path,
+                                                                          DRY_RUN="1", MODEL="llama2-13b")
+
+
+def test_data_packed_for_another_model_refused(tmp_path: Path) -> None:
+    """The sequence length is the data file's: an 8B run on a 4096-token file is refused, naming both."""
+    from neuron_ckpt.data import write_packed
+
+    blocks = np.arange(3 * 4096, dtype=np.int64).reshape(3, 4096) % 1000
+    data = write_packed(tmp_path / "llama2_4k.safetensors", blocks, vocab_size=32000, tokenizer="t")
+    err = _fails(["bash", str(RUN_TRN1)], tmp_path, DRY_RUN="1", MODEL="llama3.1-8b", DATA=str(data))
+    assert "packed at sequence length 4096" in err and "trains at 8192" in err and "--seq-len 8192" in err
+    _, argv = _dry(_run(["bash", str(RUN_TRN1)], tmp_path, DRY_RUN="1", MODEL="llama2-7b", DATA=str(data)).stdout)
+    assert _opt(argv, "--data") == str(data)
+
+
+@pytest.mark.parametrize("precision, rounding", [(None, "0"), ("fp32-master", "0"), ("sr", "1")])
+def test_dry_run_precision(tmp_path: Path, precision: str | None, rounding: str) -> None:
+    """Stochastic rounding off while ZeRO-1's fp32 masters carry the updates (NxD's default), on for sr."""
+    env = {"PRECISION": precision} if precision else {}
+    r = _run(["bash", str(RUN_TRN1)], tmp_path, DRY_RUN="1", **env)
+    exports, argv = _dry(r.stdout)
+    assert exports["NEURON_RT_STOCHASTIC_ROUNDING_EN"] == rounding and _opt(argv, "--dtype") == "bf16"
+    assert _opt(argv, "--checkpoint-dir").endswith("_zero1_sr/checkpoints" if precision == "sr" else "_zero1/checkpoints")
+    assert "PRECISION must be fp32-master or sr" in _fails(["bash", str(RUN_TRN1)], tmp_path, DRY_RUN="1", PRECISION="bf16")
+
+
+def test_dry_run_recipe(tmp_path: Path) -> None:
+    """RECIPE=nxd hands the schedule and AdamW to train.py --recipe nxd; the default passes ours."""
+    ours = ("--decay", "--min-lr-ratio", "--weight-decay", "--beta1", "--beta2")
+    _, argv = _dry(_run(["bash", str(RUN_TRN1)], tmp_path, DRY_RUN="1").stdout)
+    assert "--recipe" not in argv and [_opt(argv, f) for f in ours] == ["cosine", "0.1", "0.1", "0.9", "0.95"]
+    _, argv = _dry(_run(["bash", str(RUN_TRN1)], tmp_path, DRY_RUN="1", RECIPE="nxd", MODEL="llama3.1-8b").stdout)
+    assert _opt(argv, "--recipe") == "nxd" and not set(ours) & set(argv)
+    assert (_opt(argv, "--lr"), _opt(argv, "--warmup-steps"), _opt(argv, "--grad-clip")) == ("1.5e-4", "100", "1.0")
+    assert _opt(argv, "--checkpoint-dir").endswith("/llama3.1_8b_tp8_zero1_nxd/checkpoints")
+    assert "RECIPE must be empty" in _fails(["bash", str(RUN_TRN1)], tmp_path, DRY_RUN="1", RECIPE="megatron")
+
+
+def test_dry_run_tp_degree(tmp_path: Path) -> None:
+    _, argv = _dry(_run(["bash", str(RUN_TRN1)], tmp_path, DRY_RUN="1", MODEL="llama3-8b", TP_DEGREE="32").stdout)
+    assert _opt(argv, "--tp") == "32" and _opt(argv, "--checkpoint-dir").endswith("/llama3_8b_tp32_zero1/checkpoints")
+    assert "TP_DEGREE must be 8" in _fails(["bash", str(RUN_TRN1)], tmp_path, DRY_RUN="1", TP_DEGREE="16")
+
+
+def test_dry_run_two_nodes_without_slurm(tmp_path: Path) -> None:
+    """NUM_NODES > 1 set by hand: the torchrun topology and the EFA variables, as under Slurm."""
+    r = _run(["bash", str(RUN_TRN1)], tmp_path, DRY_RUN="1", NUM_NODES="2", NODE_RANK="1", MASTER_ADDR="10.1.2.3")
+    env, argv = _dry(r.stdout)
+    assert argv[:11] == ["torchrun", "--nproc_per_node", "32", "--nnodes", "2", "--node_rank", "1",
+                         "--master_addr", "10.1.2.3", "--master_port", "44000"]
+    assert (env["FI_PROVIDER"], env["FI_EFA_USE_DEVICE_RDMA"], env["FI_EFA_FORK_SAFE"]) == ("efa", "1", "1")
+    assert "CCOM_SOCKET_IFNAME" not in env and "ulimit" not in r.stdout
+    # node 0's address is required: 127.0.0.1 would leave the other nodes waiting on themselves
+    assert "needs MASTER_ADDR" in _fails(["bash", str(RUN_TRN1)], tmp_path, DRY_RUN="1", NUM_NODES="2", NODE_RANK="1")
+    assert "NODE_RANK must be in [0, 2)" in _fails(["bash", str(RUN_TRN1)], tmp_path, DRY_RUN="1", NUM_NODES="2",
+                                                    NODE_RANK="2", MASTER_ADDR="10.1.2.3")
+
+
+def test_dry_run_open_mpi(tmp_path: Path) -> None:
+    """NxD's EKS path: one Open MPI process per node; node 0 is the first host of the node-list helper."""
+    helper = tmp_path / "nodelist_helper.py"
+    helper.write_text("#!/bin/sh\necho 'pod-0.workers pod-1.workers pod-2.workers pod-3.workers'\n")
+    helper.chmod(0o755)
+    ompi = dict(OMPI_COMM_WORLD_SIZE="4", OMPI_COMM_WORLD_RANK="3", NODELIST_HELPER=str(helper), DRY_RUN="1")
+    r = _run(["bash", str(RUN_TRN1)], tmp_path, **ompi)
+    env, argv = _dry(r.stdout)
+    assert (_opt(argv, "--nnodes"), _opt(argv, "--node_rank"), _opt(argv, "--master_addr")) == ("4", "3", "pod-0.workers")
+    assert env["CCOM_SOCKET_IFNAME"] == "eth0" and env["FI_PROVIDER"] == "efa" and env["FI_EFA_FORK_SAFE"] == "1"
+    assert r.stdout.splitlines()[-2] == "ulimit -n 65535"
+    _, argv = _dry(_run(["bash", str(RUN_TRN1)], tmp_path, MASTER_ADDR="10.0.0.9", **ompi).stdout)
+    assert _opt(argv, "--master_addr") == "10.0.0.9"  # an exported MASTER_ADDR wins over the helper
+
+
 def test_sbatch_from_spool_copy(tmp_path: Path) -> None:
     """sbatch runs a copy from its spool directory, in the submitter's cwd: the tutorial is found
     through `scontrol show job`, and every node gets its own node rank."""
@@ -156,6 +264,9 @@ def test_sbatch_from_spool_copy(tmp_path: Path) -> None:
     assert (_opt(argv, "--nnodes"), _opt(argv, "--node_rank"), _opt(argv, "--master_addr")) == ("2", "1", "trn1-a")
     assert argv[0] == "torchrun" and argv[-2:] == ["--seed", "3"] and env["FI_PROVIDER"] == "efa"
     assert not (tmp_path / "calls").exists()
+    # the step asks for every CPU again: srun >= 22.05 does not inherit sbatch's --cpus-per-task
+    assert "#SBATCH --cpus-per-task=128" in SBATCH.read_text().splitlines()
+    assert (tmp_path / "srun_calls").read_text().startswith("srun --kill-on-bad-exit=1 --cpus-per-task=128 bash ")
 
     # scontrol cannot tell the job's script (e.g. an `sbatch --wrap` job): an error that says what
     # to do, not a run from the wrong place; TUTORIAL_DIR then fixes it

@@ -81,7 +81,7 @@ def test_neuron_sdk_without_torch_xla_is_refused(monkeypatch, installed):
     if "torch_xla" in installed:
         assert runtime.detect_backend() == "xla"
         return
-    with pytest.raises(RuntimeError, match=r"Neuron SDK 2\.29 or earlier .*torch-xla") as err:
+    with pytest.raises(RuntimeError, match=r"Neuron SDK 2\.28 .*torch-xla") as err:
         runtime.detect_backend()
     assert "[trn1,tutorial]" in str(err.value) and "backend='gloo'" in str(err.value)
 

@@ -1,45 +1,112 @@
 #!/usr/bin/env bash
-# Llama-2 7B pretraining on trn1.32xlarge (32 NeuronCore-v2 per node): TP 8 x DP (4 per node),
-# sequence parallel, flash attention (NxD's NKI kernel), ZeRO-1, bf16, seq 4096, global batch 1024 sequences
-# (4M tokens), LR 3e-4 with 100 warmup steps then cosine over 10000 steps.
+# Llama pretraining on trn1.32xlarge (32 NeuronCore-v2 per node), as the AWS NxD "Llama TP + ZeRO-1"
+# tutorial trains it: TP 8 x DP (4 per node), sequence parallel, flash attention (NxD's NKI kernel),
+# ZeRO-1 with fp32 master weights, bf16, global batch 1024 sequences, 100 warmup steps, 10000 steps.
+# MODEL picks the model and NxD's values for it (aws-neuron/neuronx-distributed,
+# examples/training/llama/tp_zero1_llama_hf_pretrain/, identical at the SDK 2.28.0 tag and Release 2.29):
+#   llama2-7b (default)        tp_zero1_llama2_7B_hf_pretrain.sh: seq 4096, LR 3e-4, logging every 10 steps
+#   llama3-8b, llama3.1-8b     tp_zero1_llama3_8B_hf_pretrain.sh (llama31_8B runs it with the 3.1 config):
+#                              seq 8192, LR 1.5e-4, logging every step
 #
 #   COMPILE=1 ./run_trn1.sh       # ahead-of-time graph compilation only (neuron_parallel_compile)
 #   ./run_trn1.sh                 # train; re-running resumes from the latest checkpoint in $OUT
-#   RECOMPUTE=auto ./run_trn1.sh  # per-layer recompute planned to fit 16 GiB per core (neuron-ckpt plan)
-#
-# No recompute by default: with flash attention there is no s x s tensor for selective recompute to
-# drop (it would rerun the kernel to save its fp32 logsumexp; NxD's selective checkpoint skips its
-# flash path too), and `neuron-ckpt plan --config llama2-7b --tp 8 --dp 16 --seq 4096 --device-memory
-# trn1` puts no recompute at 7.5 of 16 GiB per NeuronCore. train.py prints the attention it runs; where
-# the NKI kernel is not importable it runs the explicit attention (12.0 GiB with no recompute, still within the 14.4 GiB the plan allows).
+#   MODEL=llama3.1-8b ./run_trn1.sh
+#   RECIPE=nxd ./run_trn1.sh      # NxD's schedule, AdamW, decay exclusions, seed and data order (train.py --recipe nxd)
 #   DRY_RUN=1 ./run_trn1.sh       # print the environment and the launch command; run nothing
 #   ./run_trn1.sh --lr 2e-4       # extra arguments go to train.py, last (they override)
 #
-# Under Slurm (run_slurm.sbatch) every node runs this script. Settings, all optional: DATA, OUT,
-# MAX_STEPS (10000), COMPILE_STEPS (2), RECOMPUTE (none), PROCESSES_PER_NODE (32), NUM_NODES /
-# NODE_RANK / MASTER_ADDR / MASTER_PORT (44000) outside Slurm, NEURON_CC_FLAGS.
+# Settings, all optional:
+#   MODEL        llama2-7b | llama3-8b | llama3.1-8b (the --model-config preset)
+#   RECIPE       empty: this project's schedule and AdamW (cosine to 10%, beta2 0.95, weight decay 0.1);
+#                nxd: train.py --recipe nxd (linear decay to 0, AdamW as NxD's), to lay loss curves over NxD's
+#   PRECISION    fp32-master (default): NEURON_RT_STOCHASTIC_ROUNDING_EN=0, as NxD's default
+#                --use_gpu_compatible_precision 1 (ZeRO-1 keeps fp32 master weights; AWS's bf16 migration note
+#                calls this the mode "without setting NEURON_RT_STOCHASTIC_ROUNDING_EN=1");
+#                sr: NEURON_RT_STOCHASTIC_ROUNDING_EN=1, for pure-bf16 experiments (every fp32 -> bf16 rounding
+#                on the device becomes stochastic: runs are not bit-reproducible)
+#   TP_DEGREE    8 (default; AWS's tutorial page: TP 8, ZeRO-1 over 16 on 4 nodes) or 32 (the default of NxD's
+#                8B script; TP 32 x DP 1 per node). Any other degree: pass --tp N after the script.
+#   RECOMPUTE    none for llama2-7b; auto for the 8B models (planned per layer for the attention that runs:
+#                nothing with the NKI kernel, recompute where train.py falls back to explicit attention, which
+#                at seq 8192 needs 31 GiB per core without it; neuron-ckpt plan --config llama3-8b --seq 8192)
+#   DATA, OUT, MAX_STEPS (10000), COMPILE_STEPS (2), PROCESSES_PER_NODE (32), NEURON_CC_FLAGS
+#   NUM_NODES, NODE_RANK, MASTER_ADDR, MASTER_PORT (44000): set by hand when neither Slurm nor Open MPI
+#                launches the nodes (MASTER_ADDR = node 0's address, required with NUM_NODES > 1)
 #
-# Prepare the data first with your Llama-2 tokenizer and corpus, e.g.
+# llama2-7b: no recompute by default. With flash attention there is no s x s tensor for selective
+# recompute to drop (it would rerun the kernel to save its fp32 logsumexp; NxD's selective checkpoint
+# skips its flash path too), and `neuron-ckpt plan --config llama2-7b --tp 8 --dp 16 --seq 4096
+# --device-memory trn1` puts no recompute at 7.5 of 16 GiB per NeuronCore. train.py prints the attention it
+# runs; where the NKI kernel is not importable it runs the explicit attention (12.0 GiB with no recompute,
+# still within the 14.4 GiB the plan allows).
+#
+# Launchers: under Slurm (run_slurm.sbatch) every node runs this script and reads its rank from Slurm.
+# Under Open MPI (NxD's EKS / MPI-operator path: one process per node, e.g. mpirun -N 1) it reads
+# OMPI_COMM_WORLD_SIZE / OMPI_COMM_WORLD_RANK, takes MASTER_ADDR from the environment or else the first
+# host printed by NODELIST_HELPER (NxD's container helper, /root/nodelist_helper.py), raises the open-file
+# limit to 65535 and sets CCOM_SOCKET_IFNAME=eth0, as NxD's scripts do there. With more than one node the
+# EFA variables are set however the nodes were launched.
+#
+# Prepare the data first with the model's tokenizer, packed at the model's sequence length (the
+# launcher refuses a DATA file packed at another length), e.g.
 #   python prepare_data.py --tokenizer /path/to/Llama-2-7b-hf --input /path/to/corpus \
 #       --seq-len 4096 --output ~/data/llama2_train.safetensors
+#   python prepare_data.py --tokenizer /path/to/Meta-Llama-3.1-8B --input /path/to/corpus \
+#       --seq-len 8192 --output ~/data/llama3_train_8k.safetensors     # llama3-8b and llama3.1-8b
 set -euo pipefail
 cd "$(dirname "$0")"
 DRY_RUN=${DRY_RUN:-0}
 
+die() {
+  echo "run_trn1.sh: $*" >&2
+  exit 2
+}
+
+# --- model, recipe, precision --------------------------------------------------------------------
+# Values of NxD's scripts; GBS 1024, MBS 1, 100 warmup and 10000 steps are the same in both.
+MODEL=${MODEL:-llama2-7b}
+case $MODEL in
+  llama2-7b)
+    SEQ_LEN=4096 LR=3e-4 LOG_EVERY=10 RUN_NAME=llama2_7b
+    DEFAULT_DATA=$HOME/data/llama2_train.safetensors DEFAULT_RECOMPUTE=none ;;
+  llama3-8b | llama3.1-8b)   # one tokenizer (128256 ids), so one data file
+    SEQ_LEN=8192 LR=1.5e-4 LOG_EVERY=1 RUN_NAME=${MODEL//-/_}
+    DEFAULT_DATA=$HOME/data/llama3_train_8k.safetensors DEFAULT_RECOMPUTE=auto ;;
+  *) die "MODEL must be llama2-7b, llama3-8b or llama3.1-8b, got '$MODEL'" ;;
+esac
+TP_DEGREE=${TP_DEGREE:-8}
+case $TP_DEGREE in
+  8 | 32) ;;
+  *) die "TP_DEGREE must be 8 (AWS's tutorial page) or 32 (NxD's 8B script), got '$TP_DEGREE'; for another degree pass --tp N after the script" ;;
+esac
+RECIPE=${RECIPE:-}
+case $RECIPE in
+  "") RECIPE_ARGS=(--min-lr-ratio 0.1 --decay cosine --weight-decay 0.1 --beta1 0.9 --beta2 0.95)
+      RUN_SUFFIX= ;;
+  nxd) RECIPE_ARGS=(--recipe nxd)   # train.py sets NxD's schedule shape, AdamW, decay exclusions, seed, data order
+       RUN_SUFFIX=_nxd ;;
+  *) die "RECIPE must be empty (this project's) or nxd, got '$RECIPE'" ;;
+esac
+PRECISION=${PRECISION:-fp32-master}
+case $PRECISION in
+  fp32-master) STOCHASTIC_ROUNDING=0 ;;
+  sr) STOCHASTIC_ROUNDING=1 RUN_SUFFIX+=_sr ;;
+  *) die "PRECISION must be fp32-master or sr, got '$PRECISION'" ;;
+esac
+
 # --- Neuron compiler and runtime ----------------------------------------------------------------
-# NEURON_CC_FLAGS as the AWS NxD reference sets them: aws-neuron/neuronx-distributed,
-# examples/training/llama/tp_zero1_llama_hf_pretrain/tp_zero1_llama2_7B_hf_pretrain.sh (commit
-# 82a2bb3d; likewise tp_zero1_llama3_8B_hf_pretrain.sh at c63420c5):
-#   --model-type transformer --cache_dir=$HOME/neuron_compile_cache/
-# An older version of the same script (commit 0598cd8) also had --distribution-strategy=llm-training,
-# which the NxD examples dropped (Neuron 2.22 era; NxD Training 1.2.0, Neuron 2.22, removed it from
-# its configs except Llama-2's). Neither version passes -O1 or --retry_failed_compilation.
-# Unverified: that 82a2bb3d is what the Neuron 2.29 docs point to (commit dates not checked here).
+# NEURON_CC_FLAGS as the NxD scripts set them (tp_zero1_llama2_7B_hf_pretrain.sh and
+# tp_zero1_llama3_8B_hf_pretrain.sh, l.8): unchanged from commit 82a2bb3 (Neuron 2.22) through the
+# SDK 2.28.0 tag and Release 2.29. NxD's 2.19-2.21 scripts also passed --distribution-strategy=llm-training,
+# which later ones dropped. Neither passes -O1 or --retry_failed_compilation.
 # The cache makes re-runs (and the real run after COMPILE=1) skip compiles.
 export NEURON_CC_FLAGS="${NEURON_CC_FLAGS:---model-type transformer --cache_dir=$HOME/neuron_compile_cache/}"
 export NEURON_FUSE_SOFTMAX=1
 export NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS=3   # let the host run ahead of the device by 3 steps
-export NEURON_RT_STOCHASTIC_ROUNDING_EN=1             # bf16 params: stochastic rounding on update
+# Stochastic rounding follows PRECISION (see the header): off while ZeRO-1's fp32 masters carry the
+# small updates, as NxD's default; on, the runtime rounds every fp32 -> bf16 cast stochastically,
+# including the master -> bf16 parameter copy and the activations.
+export NEURON_RT_STOCHASTIC_ROUNDING_EN=$STOCHASTIC_ROUNDING
 export MALLOC_ARENA_MAX=64                            # 32 processes x glibc arenas exhaust host memory
 ENV_VARS=(NEURON_CC_FLAGS NEURON_FUSE_SOFTMAX NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS
           NEURON_RT_STOCHASTIC_ROUNDING_EN MALLOC_ARENA_MAX)
@@ -51,21 +118,46 @@ unset XLA_USE_BF16 XLA_DOWNCAST_BF16
 
 # --- topology (torchrun) -----------------------------------------------------------------------
 PROCESSES_PER_NODE=${PROCESSES_PER_NODE:-32}
-NUM_NODES=${SLURM_NNODES:-${NUM_NODES:-1}}
-NODE_RANK=${SLURM_NODEID:-${NODE_RANK:-0}}
+FD_LIMIT=
 if [ -n "${SLURM_JOB_NODELIST:-}" ]; then
+  NUM_NODES=${SLURM_NNODES:-1}
+  NODE_RANK=${SLURM_NODEID:-0}
   MASTER_ADDR=${MASTER_ADDR:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" | awk 'NR == 1')}
-  # EFA between nodes (trn1.32xlarge: 8 x 100 Gb/s).
+elif [ -n "${OMPI_COMM_WORLD_RANK:-}" ]; then
+  # Open MPI, one process per node (NxD's EKS path, S7 l.76-113): its rank is the node rank.
+  NUM_NODES=${OMPI_COMM_WORLD_SIZE:?OMPI_COMM_WORLD_RANK is set but OMPI_COMM_WORLD_SIZE is not}
+  NODE_RANK=$OMPI_COMM_WORLD_RANK
+  NODELIST_HELPER=${NODELIST_HELPER:-/root/nodelist_helper.py}
+  if [ -z "${MASTER_ADDR:-}" ] && [ -x "$NODELIST_HELPER" ]; then
+    MASTER_ADDR=$("$NODELIST_HELPER" | awk 'NR == 1 { print $1 }')   # hosts, space-separated
+  fi
+  # The pod's interface for the collectives' socket bootstrap, and a higher open-file limit (containers
+  # start with 1024; 32 processes with their compile and runtime files need more), as NxD's scripts.
+  export CCOM_SOCKET_IFNAME=${CCOM_SOCKET_IFNAME:-eth0}
+  ENV_VARS+=(CCOM_SOCKET_IFNAME)
+  FD_LIMIT=65535
+else
+  NUM_NODES=${NUM_NODES:-1}
+  NODE_RANK=${NODE_RANK:-0}
+fi
+if [ "$NUM_NODES" -gt 1 ]; then
+  [ -n "${MASTER_ADDR:-}" ] || die "NUM_NODES=$NUM_NODES needs MASTER_ADDR, the address of node 0 (the rendezvous host)"
+  [ "$NODE_RANK" -ge 0 ] && [ "$NODE_RANK" -lt "$NUM_NODES" ] || die "NODE_RANK must be in [0, $NUM_NODES), got $NODE_RANK"
+  # EFA between nodes (trn1.32xlarge: 8 x 100 Gb/s), however the nodes were launched: libfabric's EFA
+  # provider with device RDMA, and fork safety (the launcher and data loading fork).
   export FI_PROVIDER=efa FI_EFA_USE_DEVICE_RDMA=1 FI_EFA_FORK_SAFE=1
   ENV_VARS+=(FI_PROVIDER FI_EFA_USE_DEVICE_RDMA FI_EFA_FORK_SAFE)
 fi
 MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
-# Rendezvous port and reserved ports as in the NxD reference script above: torchrun --master_port
-# 44000 and `sudo sysctl -w net.ipv4.ip_local_reserved_ports=44000,48620`. Reserving a port keeps
-# the kernel from handing it out as the ephemeral source port of some outgoing connection (32
-# processes per node open many), which would make the rendezvous fail with "address in use". The
-# reference does not say what 48620 is for; we reserve it too. A MASTER_PORT override is reserved
-# in place of 44000.
+# Rendezvous port and reserved ports as in the NxD scripts: torchrun --master_port 44000 and
+# `sudo sysctl -w net.ipv4.ip_local_reserved_ports=44000,48620`. 48620 is the port AWS's NxD training
+# troubleshooting page gives for NEURON_RT_ROOT_COMM_ID (host:port of the root node, where the Neuron
+# runtime's collectives bootstrap; "localhost:48620" in its example, for runs that hang at collective
+# init); aws-neuron-samples' llama_batch_training.sh exports it so. NxD's scripts and this one reserve
+# the port and leave the variable to torch-neuronx. Reserving a port keeps the kernel from handing it
+# out as the ephemeral source port of some outgoing connection (32 processes per node open many),
+# which would make the rendezvous fail with "address in use". A MASTER_PORT override is reserved in
+# place of 44000.
 MASTER_PORT=${MASTER_PORT:-44000}
 RESERVED_PORTS="$MASTER_PORT,48620"
 DISTRIBUTED_ARGS=(--nproc_per_node "$PROCESSES_PER_NODE" --nnodes "$NUM_NODES" --node_rank "$NODE_RANK"
@@ -110,10 +202,29 @@ reserve_ports() {
   fi
 }
 
+
 # --- run ----------------------------------------------------------------------------------------
-DATA=${DATA:-$HOME/data/llama2_train.safetensors}
-OUT=${OUT:-$HOME/runs/llama2_7b_tp8_zero1}
+DATA=${DATA:-$DEFAULT_DATA}
+OUT=${OUT:-$HOME/runs/${RUN_NAME}_tp${TP_DEGREE}_zero1${RUN_SUFFIX}}   # per recipe: a resume never mixes two
 MAX_STEPS=${MAX_STEPS:-10000}
+
+# The sequence length is the data file's (train.py reads it from there): refuse a file packed for another
+# model. A packed file is safetensors: an 8-byte little-endian header length, then a JSON header whose
+# metadata holds "block_len". A file that is not there yet (or not ours) is left to train.py.
+data_block_len() {
+  local n
+  n=$(od -An -t u8 -N 8 "$1" 2>/dev/null | tr -d ' ') || return 0
+  [ -n "$n" ] && [ "$n" -gt 0 ] && [ "$n" -lt 100000000 ] || return 0
+  head -c $((8 + n)) "$1" | tail -c "$n" | grep -o '"block_len": *"[0-9]*"' | grep -o '[0-9][0-9]*' | head -n 1 || true
+}
+if [ -f "$DATA" ]; then
+  block_len=$(data_block_len "$DATA")
+  if [ -n "$block_len" ] && [ "$block_len" != "$SEQ_LEN" ]; then
+    die "DATA $DATA is packed at sequence length $block_len, but MODEL=$MODEL trains at $SEQ_LEN (NxD's);" \
+        "pack it with prepare_data.py --seq-len $SEQ_LEN, or point DATA at such a file"
+  fi
+fi
+
 EXTRA=()
 if [ "${COMPILE:-0}" = "1" ]; then
   # neuron_parallel_compile runs the script with NEURON_EXTRACT_GRAPHS_ONLY=1: graphs are traced and
@@ -126,30 +237,33 @@ if [ "${COMPILE:-0}" = "1" ]; then
 else
   LAUNCH=(torchrun)
   EXTRA=(--checkpoint-dir "$OUT/checkpoints" --checkpoint-every 500 --keep-last 3 --resume latest
-         --metrics-file "$OUT/metrics.jsonl")
+         --metrics-file "$OUT/metrics.jsonl" --tensorboard-dir "$OUT/tb")
 fi
 
 CMD=("${LAUNCH[@]}" "${DISTRIBUTED_ARGS[@]}" train.py
-  --model-config llama2-7b --data "$DATA"
-  --tp 8 --sequence-parallel --recompute "${RECOMPUTE:-none}" --dtype bf16
+  --model-config "$MODEL" --data "$DATA"
+  --tp "$TP_DEGREE" --sequence-parallel --attention flash --recompute "${RECOMPUTE:-$DEFAULT_RECOMPUTE}" --dtype bf16
   --micro-batch-size 1 --global-batch-size 1024
-  --lr 3e-4 --min-lr-ratio 0.1 --warmup-steps 100 --max-steps "$MAX_STEPS" --decay cosine
-  --weight-decay 0.1 --beta1 0.9 --beta2 0.95 --grad-clip 1.0
-  --device-kind trn1 ${EXTRA[@]+"${EXTRA[@]}"} "$@")
+  --lr "$LR" --warmup-steps 100 --max-steps "$MAX_STEPS" "${RECIPE_ARGS[@]}" --grad-clip 1.0
+  --log-every "$LOG_EVERY" --device-kind trn1 ${EXTRA[@]+"${EXTRA[@]}"} "$@")
 
 if [ "$DRY_RUN" = "1" ]; then
   # Shell-quoted, so the lines can be pasted into a shell. Nothing is run, created or changed.
   printf 'cd %q\n' "$PWD"
-  echo "# not done in a dry run: reserve ports $RESERVED_PORTS (sysctl net.ipv4.ip_local_reserved_ports)"
+  echo "# MODEL=$MODEL (seq $SEQ_LEN) RECIPE=${RECIPE:-default} PRECISION=$PRECISION TP_DEGREE=$TP_DEGREE; not done in a dry run: reserve ports $RESERVED_PORTS (sysctl net.ipv4.ip_local_reserved_ports)"
   echo "unset XLA_USE_BF16 XLA_DOWNCAST_BF16"
   for var in "${ENV_VARS[@]}"; do
     printf 'export %s=%q\n' "$var" "${!var}"
   done
+  [ -z "$FD_LIMIT" ] || echo "ulimit -n $FD_LIMIT"
   line=$(printf '%q ' "${CMD[@]}")
   echo "${line% }"
   exit 0
 fi
 
+if [ -n "$FD_LIMIT" ]; then
+  ulimit -n "$FD_LIMIT" 2>/dev/null || echo "run_trn1.sh: warning: could not raise the open-file limit to $FD_LIMIT (now $(ulimit -n))" >&2
+fi
 reserve_ports
 [ "${COMPILE:-0}" = "1" ] || mkdir -p "$OUT"
 exec "${CMD[@]}"
