@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from neuron_ckpt.train import CheckpointManager
-from neuron_ckpt.train.metrics import MetricsWriter, drop_after_step, make_record
+from neuron_ckpt.train.metrics import MetricsWriter, drop_after_step, make_record, read_metrics
 
 from .tutorial_run import tiny_run_files
 from .tutorial_run import train as _train
@@ -251,13 +251,16 @@ def test_metrics_list_each_step_once_after_a_resume(world, run_files):
     ckpt, metrics = root / "metrics_ckpt", root / "metrics.jsonl"
     args = common + ["--checkpoint-dir", str(ckpt), "--checkpoint-every", "4", "--metrics-file", str(metrics)]
     first = world(4).run(_train, args + ["--stop-at-step", "6"])[0]
-    assert [json.loads(x)["step"] for x in metrics.read_text().splitlines()] == [1, 2, 3, 4, 5, 6]
+    assert [r["step"] for r in read_metrics(metrics)["step"]] == [1, 2, 3, 4, 5, 6]
     shutil.rmtree(ckpt / "step_00000006")
     (ckpt / "latest").write_text("step_00000004")
     resumed = world(4).run(_train, args + ["--resume", "latest", "--stop-at-step", "9"])[0]
     assert resumed["start_step"] == 4
-    lines = [json.loads(x) for x in metrics.read_text().splitlines()]
+    records = read_metrics(metrics)
+    lines = records["step"]
     assert [r["step"] for r in lines] == list(range(1, 10))
+    assert len(records["header"]) == 2  # one per run
+    assert [(r["start_step"], r["steps"]) for r in records["summary"]] == [(4, 5)]  # the first run's is stale
     assert [r["loss"] for r in lines[:4]] == first["losses"][:4]
     assert [r["loss"] for r in lines[4:]] == resumed["losses"]  # steps 5.. are the resumed run's
 

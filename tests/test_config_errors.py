@@ -3,7 +3,9 @@
 
 - ``load_llama_config``: unknown keys (with the closest valid name), missing shape keys, wrong
   types, invalid JSON (file and line) are ValueErrors; real Hugging Face configs load.
-- ``train.py``: the data's block length against ``max_position_embeddings``; options given
+- NxD's example configs load: their training options are dropped with one notice naming them.
+- ``train.py``: the data's block length against ``max_position_embeddings`` (raised with a
+  notice, as NxD does, unless that changes the RoPE tables); options given
   without the option they act with (``--recompute-method`` without ``--recompute full`` ...).
 - ``neuron-ckpt plan`` / ``memory``: refused options, non-finite numbers, a reserve as large as
   the device, config file errors, ``--plot`` into a directory that is not there.
@@ -126,7 +128,7 @@ def test_a_directory_or_a_preset_name_reads_strictly(tmp_path):
         load_llama_config(str(tmp_path))  # a directory holding config.json
     assert load_llama_config("llama2-7b").num_hidden_layers == 32
     assert load_llama_config("Llama3-8B").num_key_value_heads == 8  # names are case-insensitive
-    with pytest.raises(ValueError, match=r"llama2-8b: no such file.*preset name \(llama2-7b, llama3-8b\)"):
+    with pytest.raises(ValueError, match=r"llama2-8b: no such file.*preset name \(llama2-7b, llama3-8b, llama3.1-8b\)"):
         load_llama_config("llama2-8b")
 
 
@@ -172,16 +174,16 @@ def test_parse_args_refuses_in_one_usage_error(capsys):
     assert exc.value.code == 2 and "applies only with --recompute full" in capsys.readouterr().err
 
 
-def test_block_length_is_checked_against_max_position_embeddings():
-    from types import SimpleNamespace
-
+def test_block_length_above_max_position_embeddings_is_raised_with_a_notice():
     train = _train_module()
     cfg = train.TrainConfig(model_config="m.json", data="d.safetensors")
-    train._check_seq_len(64, SimpleNamespace(max_position_embeddings=64), cfg)  # equal: fits
-    with pytest.raises(ValueError) as exc:
-        train._check_seq_len(128, SimpleNamespace(max_position_embeddings=64), cfg)
-    message = str(exc.value)
-    assert "block length 128" in message and "max_position_embeddings 64" in message and "m.json" in message
+    config = transformers.LlamaConfig(**TINY | {"max_position_embeddings": 64})
+    notices: list[str] = []
+    assert train._check_seq_len(64, config, cfg, notices) is config and not notices  # equal: fits
+    fitted = train._check_seq_len(128, config, cfg, notices)
+    assert fitted.max_position_embeddings == 128 and config.max_position_embeddings == 64  # a copy
+    (notice,) = notices
+    assert "max_position_embeddings 64 < block length 128: raised to 128" in notice and "m.json" in notice
 
 
 def _main_error(argv: list[str]) -> str:
@@ -202,9 +204,7 @@ def test_train_main_refuses_a_typo_config_and_too_long_blocks(world, tmp_path):
     typo = _write(tmp_path, TINY | {"num_hiden_layers": 4}, "typo.json")
     message = world(1).run(_main_error, ["--model-config", str(typo), *common])[0]
     assert "num_hiden_layers" in message and "did you mean 'num_hidden_layers'" in message
-    short = _write(tmp_path, TINY | {"max_position_embeddings": 8}, "short.json")
-    message = world(1).run(_main_error, ["--model-config", str(short), *common])[0]
-    assert "block length 16 > max_position_embeddings 8" in message and str(short) in message
+    # A too-short max_position_embeddings is now raised with a notice: test_train_main_takes_an_nxd_style_config.
 
 
 # ---- neuron-ckpt: every error is one line on stderr and exit status 2 ----------------------------
@@ -334,3 +334,121 @@ def test_the_console_script_prints_no_traceback(tmp_path):
                               timeout=300)
         assert proc.returncode == 2 and proc.stdout == "", proc
         assert len(proc.stderr.splitlines()) == 1 and "Traceback" not in proc.stderr, proc.stderr
+
+
+# ---- NxD's config.json files (neuronx-distributed examples/training/llama/*) -----------------------
+
+# NxD's 7B_config_llama2/config.json as shipped (2.29): max_position_embeddings 2048 (its
+# get_model raises it to --seq_len 4096), and three options of NxD's training script.
+NXD_7B = {
+    "architectures": ["LlamaForCausalLM"], "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu",
+    "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 11008, "max_position_embeddings": 2048,
+    "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 32,
+    "pad_token_id": 0, "pretraining_tp": 1, "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 10000.0,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.31.0", "use_cache": True,
+    "vocab_size": 32000, "sequence_parallel_enabled": False, "selective_checkpoint_enabled": False,
+    "move_model_to_device": True,
+}  # fmt: skip
+# NxD's 8B_config_llama3.1/config.json (2.24 to 2.29): Meta's Llama-3.1 8B values.
+NXD_8B_31 = {
+    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 128000,
+    "eos_token_id": 128001, "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
+    "intermediate_size": 14336, "max_position_embeddings": 131072, "mlp_bias": False, "model_type": "llama",
+    "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8, "pad_token_id": 0,
+    "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+    "rope_scaling": {"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.31.0",
+    "use_cache": True, "vocab_size": 128256, "sequence_parallel_enabled": False, "selective_checkpoint_enabled": False,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("data, dropped", [
+    (NXD_7B, "move_model_to_device, selective_checkpoint_enabled, sequence_parallel_enabled"),
+    (NXD_8B_31, "selective_checkpoint_enabled, sequence_parallel_enabled"),
+], ids=["7B_config_llama2", "8B_config_llama3.1"])  # fmt: skip
+def test_nxd_configs_load_with_one_notice_naming_the_dropped_keys(tmp_path, data, dropped):
+    path = _write(tmp_path, data)
+    notices: list[str] = []
+    config = load_llama_config(tmp_path, notices)  # NxD's directory layout: config.json
+    (notice,) = notices
+    assert "\n" not in notice and str(path) in notice and f"dropped NxD training options {dropped} " in notice
+    assert not hasattr(config, "sequence_parallel_enabled") and config.hidden_size == 4096
+    with pytest.warns(UserWarning, match="sequence_parallel_enabled"):  # no list: never silent
+        load_llama_config(path)
+    with pytest.warns(UserWarning):  # a misspelt NxD key is not dropped: an unknown key
+        assert _error(_write(tmp_path, data | {"sequence_paralel_enabled": True}, "typo.json")).count("unknown key") == 1
+
+
+def test_the_llama31_preset_is_nxd_s_and_meta_s_config():
+    from neuron_ckpt.models import LlamaArgs
+
+    preset = load_llama_config("llama3.1-8b")
+    assert LlamaArgs.from_hf(preset) == LlamaArgs.from_hf(load_llama_config(_nxd_file(NXD_8B_31)[0], []))
+    assert LlamaArgs.from_hf(preset).rope_parameters == {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192, "rope_theta": 500000.0}  # fmt: skip
+    assert preset.max_position_embeddings == 131072 and preset.vocab_size == 128256
+
+
+def _nxd_file(data: dict) -> tuple[Path, None]:
+    import tempfile
+
+    path = Path(tempfile.mkdtemp()) / "config.json"
+    path.write_text(json.dumps(data))
+    return path, None
+
+
+@pytest.mark.parametrize("rope", [None, {"rope_type": "linear", "factor": 2.0}, NXD_8B_31["rope_scaling"],
+                                  {"rope_type": "yarn", "factor": 4.0}])  # fmt: skip
+def test_fit_positions_raises_max_position_embeddings_with_a_notice(rope):
+    from neuron_ckpt.models.config_file import fit_positions
+
+    config = transformers.LlamaConfig(**TINY | {"max_position_embeddings": 2048, "rope_scaling": rope})
+    fitted, notice = fit_positions(config, 4096, "NxD's 7B config")
+    assert fitted.max_position_embeddings == 4096 and config.max_position_embeddings == 2048
+    assert "max_position_embeddings 2048 < block length 4096: raised to 4096" in notice and "NxD's 7B config" in notice
+    assert fit_positions(config, 2048) == (config, None)
+
+
+def test_fit_positions_refuses_where_the_rope_tables_would_change(monkeypatch):
+    """transformers 4.x's yarn takes its original length from max_position_embeddings (5.x
+    stamps it into rope_parameters at construction): emulated, the raise is refused."""
+    from neuron_ckpt.models import rotary
+    from neuron_ckpt.models.config_file import fit_positions
+
+    real = rotary.inverse_frequencies
+    monkeypatch.setattr(rotary, "inverse_frequencies",
+                        lambda args: (real(args)[0] / args.max_position_embeddings, 1.0))  # fmt: skip
+    config = transformers.LlamaConfig(**TINY | {"max_position_embeddings": 2048, "rope_scaling": {"rope_type": "yarn",
+                                                                                                   "factor": 4.0}})
+    with pytest.raises(ValueError, match=r"m.json: block length 4096 > max_position_embeddings 2048.*'yarn'") as exc:
+        fit_positions(config, 4096, "m.json")
+    assert "\n" not in str(exc.value)
+
+
+def _main_output(argv: list[str]) -> str:
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        _train_module().main(argv)
+    return out.getvalue()
+
+
+def test_train_main_takes_an_nxd_style_config(world, tmp_path):
+    """End to end: NxD's keys dropped and max_position_embeddings raised, each said once."""
+    from neuron_ckpt.data import write_packed
+
+    blocks = np.random.default_rng(0).integers(0, 128, size=(8, 16))
+    data = write_packed(tmp_path / "train.safetensors", blocks, vocab_size=128, tokenizer="random")
+    nxd = _write(tmp_path, TINY | {"max_position_embeddings": 8, "sequence_parallel_enabled": False,
+                                   "selective_checkpoint_enabled": False}, "nxd.json")  # fmt: skip
+    argv = ["--model-config", str(nxd), "--data", str(data), "--max-steps", "1", "--warmup-steps", "0",
+            "--global-batch-size", "1"]  # fmt: skip
+    output = world(1).run(_main_output, argv)[0]
+    notes = [line for line in output.splitlines() if line.startswith("note: ")]
+    assert len(notes) == 2, output
+    assert "dropped NxD training options selective_checkpoint_enabled, sequence_parallel_enabled" in notes[0]
+    assert "max_position_embeddings 8 < block length 16: raised to 16" in notes[1]

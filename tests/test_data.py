@@ -313,8 +313,9 @@ def test_inputs_text_dirs_and_jsonl(tmp_path):
         data.expand_inputs([tmp_path / "missing"])
 
 
-@pytest.mark.skipif(importlib.util.find_spec("datasets") is not None, reason="datasets installed")
-def test_a_saved_hf_dataset_needs_the_optional_datasets_package(tmp_path):
+def test_a_saved_hf_dataset_needs_the_optional_datasets_package(tmp_path, monkeypatch):
+    find_spec = importlib.util.find_spec  # as on a machine without it
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "datasets" else find_spec(name, *a))
     (tmp_path / "dataset_info.json").write_text("{}")
     with pytest.raises(ValueError, match="needs the `datasets` package"):
         list(data.iter_documents(data.expand_inputs([tmp_path])))
@@ -355,3 +356,68 @@ def test_cli_rejects_a_zero_seq_len_with_exit_code_2(tmp_path):
     assert done.stderr.strip().splitlines() == [
         "prepare_data.py: error: argument --seq-len: must be an integer >= 2, got '0'"
     ]
+
+
+# ----------------------------------------------------------------------------- NxD's way
+
+
+def test_sequential_order_deals_blocks_as_distributed_sampler_does(hundred_blocks):
+    """shuffle=False: rank r's micro-batches in the first epoch are DistributedSampler(shuffle=
+    False, drop_last=True)'s list for rank r, cut into micro-batches of 2; the step takes blocks
+    [24 s, 24 (s + 1)) of the file, and the next epoch starts over at block 0."""
+    from torch.utils.data.distributed import DistributedSampler
+
+    steps = _run(hundred_blocks, steps=5, shuffle=False)  # 4 steps per epoch of 100 blocks
+    for rank in range(4):
+        sampler = list(DistributedSampler(range(100), num_replicas=4, rank=rank, shuffle=False, drop_last=True))
+        assert [b for step in steps[:4] for b in step[rank]] == sampler[: 4 * 6]
+    assert sorted(b for rank in steps[1] for b in rank) == list(range(24, 48))
+    assert steps[4] == steps[0]  # epoch 2 = epoch 1
+    it = data.DataParallelBatches(hundred_blocks, 2, 0, 4, seed=0, grad_accum=3, shuffle=False)
+    shuffled = data.DataParallelBatches(hundred_blocks, 2, 0, 4, seed=0, grad_accum=3)
+    with pytest.raises(ValueError, match="shuffle is 1 now, checkpoint has 0"):
+        shuffled.load_state_dict(it.state_dict())
+
+
+def test_pack_with_bos_separator_puts_bos_before_each_document_and_no_eos(tokenizer):
+    """NxD's (the HF Llama tokenizer's) packing: <s> doc1 <s> doc2 ..., no </s> anywhere."""
+    packed = data.tokenize_and_pack(DOCS, tokenizer, seq_len=8, separator="bos", progress=False)
+    stream = [t for ids in tokenizer.encode_batch(DOCS) for t in [tokenizer.bos_id] + ids]
+    assert packed.blocks.ravel().tolist() == stream[: packed.blocks.size]
+    assert packed.num_tokens == len(stream) and tokenizer.eos_id not in stream
+    doc_starts = np.cumsum([0] + [len(ids) + 1 for ids in tokenizer.encode_batch(DOCS)])[:-1]
+    assert [i for i, t in enumerate(stream) if t == tokenizer.bos_id] == doc_starts.tolist()
+    with pytest.raises(ValueError, match="separator must be one of"):
+        data.tokenize_and_pack(DOCS, tokenizer, seq_len=8, separator="newline", progress=False)
+
+
+def _tokenized_dataset(path: Path, rows: list[list[int]]) -> Path:
+    """A saved dataset shaped like NxD's wikicorpus_llama2_tokenized_4k (input_ids, attention_mask, labels)."""
+    import datasets
+    masks = [[1] * len(r) for r in rows]
+    datasets.Dataset.from_dict({"input_ids": rows, "attention_mask": masks, "labels": rows}).save_to_disk(str(path))
+    return path
+
+
+def test_cli_packs_an_already_tokenized_dataset_as_it_is(tmp_path):
+    rows = np.random.default_rng(0).integers(0, 100, size=(6, 8)).tolist()
+    src = _tokenized_dataset(tmp_path / "tok", rows)
+    done = _cli("--input", src, "--seq-len", "8", "--vocab-size", "100", "--output", tmp_path / "train.bin")
+    assert done.returncode == 0, done.stderr
+    packed = data.PackedDataset(tmp_path / "train.bin", expected_seq_len=8, expected_vocab_size=100)
+    assert packed.get_blocks(list(range(6))).tolist() == rows  # same ids, same order, no separators
+
+
+def test_cli_refuses_tokenized_rows_of_another_length_or_outside_the_vocab(tmp_path):
+    src = _tokenized_dataset(tmp_path / "tok", [[1, 2, 3, 4], [5, 6, 7, 99]])
+    out = ["--output", tmp_path / "train.bin"]
+    cases = {
+        ("--seq-len", "8", "--vocab-size", "100"): "row 0 has 4 tokens, not --seq-len 8",
+        ("--seq-len", "4", "--vocab-size", "99"): "row 1 has id 99 outside the vocabulary [0, 99)",
+        ("--seq-len", "4"): "already tokenized: pass --vocab-size",
+    }
+    for args, message in cases.items():
+        done = _cli("--input", src, *args, *out)
+        assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+        assert message in done.stderr, done.stderr
+    assert not (tmp_path / "train.bin").exists()

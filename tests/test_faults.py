@@ -26,6 +26,7 @@ import torch
 
 from neuron_ckpt.train import CheckpointManager, NonFiniteError
 from neuron_ckpt.train import faults
+from neuron_ckpt.train.metrics import read_metrics
 
 from .tutorial_run import TUTORIAL, tiny_run_files
 
@@ -42,7 +43,8 @@ def run_files(tmp_path_factory) -> tuple[Path, list[str]]:
 
 
 def _rows(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    """The metrics file's step records (not its header or summary)."""
+    return read_metrics(path)["step"] if path.exists() else []
 
 
 def _free_port() -> int:

@@ -352,3 +352,57 @@ def test_loading_peak_host_memory_is_one_tensor_not_the_checkpoint(tmp_path, mon
     assert r0["export"] <= EXPORT_SHARD + layer + largest + SLACK
     assert r1["export"] <= layer + largest + SLACK
     assert r0["export"] < full / 2
+
+
+# --- tied embeddings (Llama-3.2 style): saved and loaded as transformers does --------------------
+
+
+def _tied_export(t: int, src: str, dst: str) -> dict:
+    nc.initialize_model_parallel(t)
+    config = hf_config_for(src)
+    model = LlamaForCausalLM(config)
+    load_hf_checkpoint(model, src)  # a save_pretrained file without lm_head.weight
+    out = {"loaded": model(ids(), return_logits="full").logits.detach(), "tied": model.lm_head.weight is model.embed_tokens.weight}
+    with torch.no_grad():
+        model.embed_tokens.weight.add_(0.01)  # our own weights now: the export must carry them
+    out["ours"] = model(ids(), return_logits="full").logits.detach()
+    save_hf_checkpoint(model, dst, config, max_shard_size=SHARD)
+    return out
+
+
+def test_tied_checkpoint_round_trips_through_transformers(world, tmp_path):
+    """A tied save_pretrained directory (no lm_head.weight) loads at TP 1 and 2 with transformers'
+    logits; our export writes no lm_head.weight either, and from_pretrained gives our logits."""
+    from safetensors import safe_open
+
+    config = tiny_config()
+    config.tie_word_embeddings = True
+    torch.manual_seed(0)
+    ref = transformers.LlamaForCausalLM(config).float()
+    src = tmp_path / "tied"
+    ref.save_pretrained(src)
+    keys = set(safe_open(str(src / "model.safetensors"), framework="pt").keys())
+    assert "lm_head.weight" not in keys and "model.embed_tokens.weight" in keys  # transformers' layout
+    with torch.no_grad():
+        want = ref(input_ids=ids()).logits
+    for t in (1, 2):
+        dst = tmp_path / f"export{t}"
+        for r in world(2).run(_tied_export, t, str(src), str(dst)):
+            assert r["tied"] and rel_err(r["loaded"], want) < TOL
+        written = set().union(*(safe_open(str(f), framework="pt").keys() for f in dst.glob("*.safetensors")))
+        assert written == keys, written ^ keys
+        assert json.loads((dst / "config.json").read_text())["tie_word_embeddings"] is True
+        back = transformers.LlamaForCausalLM.from_pretrained(dst, attn_implementation="eager")
+        assert back.lm_head.weight.data_ptr() == back.model.embed_tokens.weight.data_ptr()
+        with torch.no_grad():
+            assert rel_err(back(input_ids=ids()).logits, r["ours"]) < TOL
+
+
+def test_tied_and_untied_checkpoints_do_not_mix(tmp_path):
+    """The model config and config.json must agree on tie_word_embeddings (it changes the model)."""
+    from neuron_ckpt.models import check_hf_config
+
+    tied = tiny_config()
+    tied.tie_word_embeddings = True
+    with pytest.raises(ValueError, match="tie_word_embeddings: model config True"):
+        check_hf_config(tied, tiny_config())

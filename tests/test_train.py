@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from neuron_ckpt.data import write_packed
-from neuron_ckpt.train import CheckpointManager, LRSchedule
+from neuron_ckpt.train import CheckpointManager, LRSchedule, read_metrics
 
 from .tutorial_run import TINY, TUTORIAL
 from .tutorial_run import train as _train
@@ -53,7 +53,7 @@ def test_resume_continues_exactly(world, run_files):
     assert straight["losses"][0] > straight["losses"][-1]  # it learns
     assert len(straight["losses"]) == 20 and first["losses"] == straight["losses"][:6]
     assert resumed["start_step"] == 6 and resumed["losses"] == straight["losses"][6:]
-    lines = [json.loads(x) for x in (root / "m.jsonl").read_text().splitlines()]
+    lines = read_metrics(root / "m.jsonl")["step"]
     assert [r["step"] for r in lines] == list(range(1, 21))
     assert {"loss", "lr", "grad_norm", "seq_per_s", "tokens_per_s", "mfu"} <= lines[0].keys()
     assert (root / "b" / "latest").read_text() == "step_00000020"
@@ -243,7 +243,7 @@ def test_corpus_is_scanned_by_one_rank_per_host(world, tmp_path):
 def test_log_every_logs_the_interval_and_the_last_step(world, run_files):
     root, common = run_files
     out = world(4).run(_train, common + ["--max-steps", "7", "--log-every", "3", "--metrics-file", str(root / "l.jsonl")])
-    lines = [json.loads(x) for x in (root / "l.jsonl").read_text().splitlines()]
+    lines = read_metrics(root / "l.jsonl")["step"]
     assert [r["step"] for r in lines] == [3, 6, 7]
     assert all(r["step_time_s"] > 0 and r["tokens_seen"] == r["step"] * 8 * 16 for r in lines)
     every = world(4).run(_train, common + ["--max-steps", "7"])[0]
@@ -538,3 +538,65 @@ def test_unwritable_export_fails_before_training(world, run_files, tmp_path):
                                                       "--metrics-file", str(tmp_path / "m.jsonl")])[0]
     assert "cannot write the HF checkpoint" in message
     assert not (tmp_path / "m.jsonl").exists()  # no step ran
+
+
+# ---- issue #24: NxD's recipe, the compile-only run, the header and summary of the metrics file ---
+
+
+def _train_with_env(argv: list[str], env: dict[str, str], nan: bool = False):
+    """``main(argv)`` with ``env`` set (and, with ``nan``, every step's loss a NaN, as a compile-only
+    run's placeholders may be); returns the summary, or the NonFiniteError's message."""
+    import os
+
+    from neuron_ckpt.train import NonFiniteError, loop
+
+    real = loop.train_step
+    if nan:
+        loop.train_step = lambda *a: tuple(t * float("nan") for t in real(*a))
+    os.environ.update(env)
+    try:
+        return _train(argv)
+    except NonFiniteError as e:
+        return str(e)
+    finally:
+        loop.train_step = real
+        for key in env:
+            os.environ.pop(key)
+
+
+def test_graphs_only_run_skips_the_nan_check_metrics_and_checkpoints(world, run_files, tmp_path):
+    root, common = run_files
+    out = ["--metrics-file", str(tmp_path / "m.jsonl"), "--checkpoint-dir", str(tmp_path / "ckpt"), "--max-steps", "2"]
+    failed = world(4).run(_train_with_env, common + out, {}, True)[0]
+    assert isinstance(failed, str) and "step 1" in failed  # a real run stops at the NaN
+    (tmp_path / "m.jsonl").unlink()
+    compiled = world(4).run(_train_with_env, common + out, {"NEURON_EXTRACT_GRAPHS_ONLY": "1"}, True)[0]
+    assert compiled["steps"] == 0
+    assert not (tmp_path / "m.jsonl").exists() and not list((tmp_path / "ckpt").glob("step_*"))
+
+
+def test_metrics_file_has_a_header_steps_and_nxd_summary(world, run_files, tmp_path):
+    """The header holds the NEURON*/XLA* environment and the resolved options (--recipe nxd's
+    values); the summary has NxD's fields, the average skipping ceil(10 / log_every) records."""
+    root, common = run_files
+    argv = common + ["--recipe", "nxd", "--max-steps", "8", "--log-every", "2", "--attention", "explicit",
+                     "--metrics-file", str(tmp_path / "m.jsonl")]  # explicit: a recompute the planner models
+    env = {"NEURON_RT_STOCHASTIC_ROUNDING_EN": "0", "XLA_FLAGS": "--xla_dump_to=x", "OTHER_VAR": "1"}
+    summary = world(4).run(_train_with_env, argv, env)[0]
+    kinds = read_metrics(tmp_path / "m.jsonl")
+    lines = (tmp_path / "m.jsonl").read_text().splitlines()
+    assert json.loads(lines[0])["kind"] == "header" and json.loads(lines[-1])["kind"] == "summary"
+    (header,), steps, (written,) = kinds["header"], kinds["step"], kinds["summary"]
+    assert {"NEURON_RT_STOCHASTIC_ROUNDING_EN": "0", "XLA_FLAGS": "--xla_dump_to=x"}.items() <= header["env"].items()
+    assert "OTHER_VAR" not in header["env"]
+    assert {k: header["config"][k] for k in ("recipe", "decay", "beta2", "seed", "data_order")} == {
+        "recipe": "nxd", "decay": "linear", "beta2": 0.999, "seed": 12349, "data_order": "sequential"}
+    assert [r["step"] for r in steps] == [2, 4, 6, 8]
+    # warmup 1 from zero: step 1 ran at 0, step 2 at the peak, then linear to 0 at step 8
+    assert steps[0]["lr"] == 1e-2 and steps[1]["lr"] == pytest.approx(1e-2 * 5 / 7)
+    assert steps[0]["device_peak_bytes"] is None and steps[0]["predicted_peak_bytes"] > 0  # CPU: no device peak
+    after = steps[5:] or steps  # ceil(10 / 2) = 5 records skipped; fewer here: all of them
+    assert written["final_loss"] == steps[-1]["loss"] == summary["final_loss"]
+    assert written["average_throughput_seq_per_s"] == pytest.approx(sum(r["seq_per_s"] for r in after) / len(after))
+    assert written["peak_throughput_seq_per_s"] == max(r["seq_per_s"] for r in after)
+    assert 0 < written["time_to_train_s"] <= written["wall_s"]

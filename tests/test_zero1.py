@@ -566,3 +566,25 @@ def test_fp32_accumulation_is_auto_for_16_bit_params_and_hooks_are_exclusive():
     del again
     _mse(bf16, *_data(0, 0)).backward()
     assert all(p.grad is not None for p in bf16.parameters())
+
+
+def _shared_parameter_slots() -> tuple[list[int], int, int, str]:
+    nc.initialize_model_parallel(1)
+    shared, other = nn.Parameter(torch.ones(4, 2)), nn.Parameter(torch.ones(3))
+    opt = Zero1Optimizer([{"params": [shared, other, shared]}], lr=LR)
+    same = Zero1Optimizer([{"params": [shared], "weight_decay": 0.1}, {"params": [shared, other], "weight_decay": 0.1}],
+                          lr=LR)  # fmt: skip
+    try:
+        Zero1Optimizer([{"params": [shared], "weight_decay": 0.1}, {"params": [shared], "weight_decay": 0.0}], lr=LR)
+        error = ""
+    except ValueError as e:
+        error = str(e)
+    return [len(f.params) for f in opt._flats], sum(f.numel for f in opt._flats), sum(len(f.params) for f in same._flats), error
+
+
+def test_a_shared_parameter_gets_one_slot_and_conflicting_groups_are_refused(world):
+    """A tied embedding / LM head collected module by module is listed twice: one slot. In two
+    groups with different options it is refused (which weight decay would it get?)."""
+    slots, numel, same, error = world(1).run(_shared_parameter_slots)[0]
+    assert slots == [2] and numel == 11 and same == 2
+    assert re.search(r"shape \(4, 2\).*two param groups with different options", error) and "\n" not in error

@@ -66,7 +66,8 @@ def _per_step(snapshots: list[dict[str, int]]) -> list[dict[str, int]]:
 
 
 def _metrics(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
+    """The step records (the header and summary lines have a "kind")."""
+    return [r for r in map(json.loads, path.read_text().splitlines()) if "kind" not in r]
 
 
 def test_tutorial_loop_on_xla_compiles_once_syncs_only_to_log_and_matches_eager(run, monkeypatch, tmp_path):
@@ -116,3 +117,14 @@ def test_tutorial_loop_on_xla_compiles_once_syncs_only_to_log_and_matches_eager(
     for n, want in eager_loss.items():
         assert xla_loss[n] == pytest.approx(want, rel=2e-2), (n, xla_loss[n], want)
     assert eager_loss[10] < eager_loss[3]  # it learns
+
+
+def test_graphs_only_run_on_xla_writes_no_metrics_and_no_checkpoint(run, tmp_path, monkeypatch):
+    """NEURON_EXTRACT_GRAPHS_ONLY (neuron_parallel_compile): the loop traces as usual, but the
+    placeholder values are neither checked nor logged, and nothing is saved."""
+    root, argv = run
+    monkeypatch.setenv("NEURON_EXTRACT_GRAPHS_ONLY", "1")
+    out = ["--metrics-file", str(tmp_path / "m.jsonl"), "--checkpoint-dir", str(tmp_path / "ckpt"), "--stop-at-step", "2"]
+    summary = train_module().main(argv + out)
+    assert summary["steps"] == 0
+    assert not (tmp_path / "m.jsonl").exists() and not list((tmp_path / "ckpt").glob("step_*"))

@@ -1,10 +1,10 @@
 """Pretraining data: packed token files, a resumable data-parallel batch order, tokenisation.
 
-The pipeline is: documents -> token ids -> one stream with EOS after every document -> fixed
-length blocks (the remainder is dropped) -> one packed file (:mod:`.packed`) ->
+The pipeline is: documents -> token ids -> one stream with EOS after every document (or BOS
+before it) -> fixed length blocks (the remainder is dropped) -> one packed file (:mod:`.packed`) ->
 `PackedDataset` -> the `DataParallelBatches` order (:mod:`.batches`) that every DP rank
 computes for itself. Tokenizers are in :mod:`.tokenizer`, documents and packing in
-:mod:`.corpus`.
+:mod:`.corpus`; already tokenized datasets (rows of ``input_ids``) in :mod:`.pretokenized`.
 
 Heavy or optional libraries (sentencepiece, transformers, datasets) are imported only by the
 functions that need them: reading packed files needs numpy, safetensors and torch only.
@@ -13,6 +13,7 @@ functions that need them: reading packed files needs numpy, safetensors and torc
 from .batches import DataParallelBatches
 from .corpus import (
     JSONL_SUFFIXES,
+    SEPARATORS,
     TEXT_SUFFIXES,
     PackResult,
     default_corpus_files,
@@ -30,6 +31,7 @@ from .packed import (
     token_dtype,
     write_packed,
 )
+from .pretokenized import is_tokenized_dataset, pack_tokenized_dataset
 from .tokenizer import (
     DEFAULT_TOKENIZER,
     TextTokenizer,
@@ -47,12 +49,15 @@ __all__ = [
     "PackResult",
     "PackedDataset",
     "PackedInfo",
+    "SEPARATORS",
     "TextTokenizer",
     "default_corpus_files",
     "default_tokenizer_path",
     "expand_inputs",
+    "is_tokenized_dataset",
     "iter_documents",
     "load_tokenizer",
+    "pack_tokenized_dataset",
     "split_blocks",
     "token_dtype",
     "tokenize_and_pack",

@@ -24,6 +24,12 @@ class DataParallelBatches:
     (the last partial global batch is dropped so every rank does the same number of steps);
     each epoch is a fresh permutation drawn from ``(seed, epoch)``.
 
+    ``shuffle=False``: the blocks in file order, every epoch, as NxD's
+    ``DistributedSampler(shuffle=False, drop_last=True)`` deals them: step ``s`` takes blocks
+    ``[s * global_batch, (s + 1) * global_batch)``, and rank ``r`` gets every ``dp_size``-th of
+    them from ``r`` on (in the first epoch, exactly the sampler's ranks' lists cut into
+    micro-batches).
+
     Within a step the global batch is split rank-contiguously: rank ``r`` gets blocks
     ``[r * micro_batch_size * grad_accum, (r + 1) * ...)`` of it, cut into ``grad_accum``
     micro-batches. The set of blocks in a step depends only on the global batch size, so
@@ -44,6 +50,7 @@ class DataParallelBatches:
         seed: int,
         start_step: int = 0,
         grad_accum: int = 1,
+        shuffle: bool = True,
     ) -> None:
         sizes = {"micro_batch_size": micro_batch_size, "dp_size": dp_size, "grad_accum": grad_accum}
         for name, value in sizes.items():
@@ -55,7 +62,7 @@ class DataParallelBatches:
             raise ValueError(f"start_step must be >= 0, got {start_step}")
         self.dataset = dataset
         self.micro_batch_size, self.grad_accum = micro_batch_size, grad_accum
-        self.dp_rank, self.dp_size, self.seed = dp_rank, dp_size, seed
+        self.dp_rank, self.dp_size, self.seed, self.shuffle = dp_rank, dp_size, seed, shuffle
         self.global_batch = micro_batch_size * grad_accum * dp_size
         self.steps_per_epoch = len(dataset) // self.global_batch
         if self.steps_per_epoch == 0:
@@ -80,6 +87,10 @@ class DataParallelBatches:
         """Block indices of this rank's micro-batches at ``step``: [grad_accum][micro_batch]."""
         epoch, pos = divmod(step, self.steps_per_epoch)
         per_rank = self.micro_batch_size * self.grad_accum
+        if not self.shuffle:  # DistributedSampler's interleave: rank r gets r, r + dp, r + 2 dp, ...
+            first = pos * self.global_batch + self.dp_rank
+            mine = torch.arange(first, first + per_rank * self.dp_size, self.dp_size)
+            return mine.view(self.grad_accum, -1).tolist()
         start = pos * self.global_batch + self.dp_rank * per_rank
         mine = self._permutation(epoch)[start : start + per_rank].view(self.grad_accum, -1)
         return mine.tolist()
@@ -103,13 +114,14 @@ class DataParallelBatches:
             "seed": self.seed,
             "global_batch": self.global_batch,
             "num_blocks": len(self.dataset),
+            "shuffle": int(self.shuffle),
         }
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        for key in ("seed", "global_batch", "num_blocks"):
-            if state[key] != self.state_dict()[key]:
+        for key in ("seed", "global_batch", "num_blocks", "shuffle"):
+            if state.get(key, 1) != self.state_dict()[key]:  # checkpoints before "shuffle": shuffled
                 raise ValueError(
                     f"cannot resume data order: {key} is {self.state_dict()[key]} now, "
-                    f"checkpoint has {state[key]}"
+                    f"checkpoint has {state.get(key, 1)}"
                 )
         self.step = int(state["step"])

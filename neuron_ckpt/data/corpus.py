@@ -20,6 +20,7 @@ from .tokenizer import TextTokenizer
 
 TEXT_SUFFIXES = (".txt", ".md", ".text")
 JSONL_SUFFIXES = (".jsonl", ".json")
+SEPARATORS = ("eos", "bos")
 
 
 def default_corpus_files() -> list[Path]:
@@ -104,7 +105,7 @@ class PackResult:
 
     blocks: np.ndarray  # [num_blocks, seq_len]
     num_documents: int
-    num_tokens: int  # including the EOS (and BOS) separators, before dropping the remainder
+    num_tokens: int  # including the EOS / BOS separators, before dropping the remainder
     num_dropped: int  # tail tokens that did not fill a block
     seconds: float
 
@@ -131,17 +132,26 @@ def tokenize_and_pack(
     add_bos: bool = False,
     progress: bool = True,
     batch_chars: int = 1 << 20,
+    separator: str = "eos",
 ) -> PackResult:
-    """Tokenise documents, put EOS after each, concatenate and cut into ``seq_len`` blocks.
+    """Tokenise documents, mark their boundaries, concatenate and cut into ``seq_len`` blocks.
 
-    EOS after every document marks the boundary the model must learn to cross (a block
-    usually spans several documents); ``add_bos`` also puts BOS before each, as Llama's own
-    tokenizer does. The final partial block is dropped so every block is full length.
+    ``separator="eos"``: EOS after every document marks the boundary the model must learn to
+    cross (a block usually spans several documents); ``add_bos`` also puts BOS before each.
+    ``separator="bos"``: BOS before each document and no EOS, as Llama's own tokenizer encodes a
+    document and so as NxD's ``get_dataset.py`` packs wikicorpus. The final partial block is
+    dropped so every block is full length.
     """
     if seq_len < 2:
         raise ValueError(
             f"seq_len must be >= 2 (a block needs an input and a next token), got {seq_len}"
         )
+    if separator not in SEPARATORS:
+        raise ValueError(f"separator must be one of {SEPARATORS}, got {separator!r}")
+    if separator == "bos" and tokenizer.bos_id is None:
+        raise ValueError(f"tokenizer {tokenizer.name}: has no BOS token, so it cannot separate documents with BOS")
+    add_bos = add_bos or separator == "bos"
+    tail = [tokenizer.eos_id] if separator == "eos" else []
     t0 = time.perf_counter()
     dtype = token_dtype(tokenizer.vocab_size)
     chunks: list[np.ndarray] = []
@@ -150,7 +160,7 @@ def tokenize_and_pack(
     for batch in _batched(texts, batch_chars):
         for ids in tokenizer.encode_batch(batch):
             head = [tokenizer.bos_id] if add_bos and tokenizer.bos_id is not None else []
-            chunks.append(np.asarray(head + ids + [tokenizer.eos_id], dtype=dtype))
+            chunks.append(np.asarray(head + ids + tail, dtype=dtype))
         num_docs += len(batch)
         bar.update(len(batch))
     bar.close()

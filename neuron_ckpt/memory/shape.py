@@ -37,13 +37,15 @@ def default_ffn(kind: str, hidden: int) -> int:
 class ModelShape:
     """The sizes of one decoder stack, its embedding and its LM head.
 
-    kind: "llama" (:mod:`neuron_ckpt.models.llama`: RMSNorm, GQA, SwiGLU, untied head) or "gpt"
+    kind: "llama" (:mod:`neuron_ckpt.models.llama`: RMSNorm, GQA, SwiGLU) or "gpt"
         (the paper's layer, :mod:`neuron_ckpt.models.gpt`: MLP width 4h, biases, tied head).
     hidden, heads, kv_heads, ffn, layers, vocab: h, a, g (= a without GQA; must divide a), f,
         L, v. A GPT has kv_heads = heads and ffn = 4h.
     name: how reports call it ("llama2-7b"); empty: the kind.
     head_dim: d; None means h / a, which must then divide exactly.
     attention_bias, mlp_bias: Llama's optional biases (they change the parameter count only).
+    tie_word_embeddings: Llama's LM head is the embedding table (one parameter, counted once);
+        a GPT always ties them.
     """
 
     kind: str
@@ -57,6 +59,7 @@ class ModelShape:
     head_dim: int | None = None
     attention_bias: bool = False
     mlp_bias: bool = False
+    tie_word_embeddings: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -70,7 +73,7 @@ class ModelShape:
         _require_positive_int("head_dim", self.head_dim)
         if self.heads % self.kv_heads:
             raise ValueError(f"kv_heads ({self.kv_heads}) must divide heads ({self.heads})")
-        for name in ("attention_bias", "mlp_bias"):
+        for name in ("attention_bias", "mlp_bias", "tie_word_embeddings"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.kind == "gpt":
@@ -98,7 +101,7 @@ class ModelShape:
         return cls(
             "llama", args.hidden_size, args.num_attention_heads, args.num_key_value_heads,
             args.intermediate_size, args.num_hidden_layers, args.vocab_size, name, args.head_dim,
-            args.attention_bias, args.mlp_bias,
+            args.attention_bias, args.mlp_bias, args.tie_word_embeddings,
         )  # fmt: skip
 
     # --- tensor parallelism -------------------------------------------------------------
@@ -136,16 +139,18 @@ class ModelShape:
                 per_layer += (a_loc + 2 * g_loc) * d + h
             if self.mlp_bias:  # gate and up split; down's replicated
                 per_layer += 2 * f // tp + h
-            return L * per_layer + 2 * v // tp * h + h  # embedding, LM head, final norm
+            tables = 1 if self.tie_word_embeddings else 2  # embedding and LM head, or one for both
+            return L * per_layer + tables * (v // tp) * h + h  # + final norm
         # GPT: QKV, projection, fc1, fc2 with biases (row biases replicated), two LayerNorms; tied head.
         per_layer = 4 * h * h // tp + 2 * h * f // tp + (3 * h + f) // tp + 2 * h + 4 * h
         return L * per_layer + v // tp * h + 2 * h
 
     def num_parameters(self, include_embedding: bool = True) -> int:
-        """Parameters of the whole model (Llama: untied embedding and LM head). GPT ties them, so
-        its embedding table is the LM head and always counts."""
+        """Parameters of the whole model. A tied model (GPT, or Llama with ``tie_word_embeddings``)
+        has one table, which is the LM head and always counts."""
         n = self.local_parameters(1)
-        return n if include_embedding or self.kind == "gpt" else n - self.vocab * self.hidden
+        tied = self.kind == "gpt" or self.tie_word_embeddings
+        return n if include_embedding or tied else n - self.vocab * self.hidden
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training (forward + backward) FLOPs per token, for model-FLOPs utilisation (MFU)::

@@ -16,13 +16,23 @@ the same files and refuses, with a ``ValueError`` naming the file and the key:
   do not divide the width, a ``model_type`` other than ``llama``;
 - invalid JSON (file, line and column), non-finite numbers (``NaN``, ``Infinity``), a key given
   twice, anything but a JSON object at the top.
+
+NxD's example configs (``examples/training/llama/*/config.json`` of neuronx-distributed) carry
+options of NxD's training script beside the model (:data:`NXD_KEYS`: ``sequence_parallel_enabled``,
+``selective_checkpoint_enabled``...); they are dropped with a one-line notice naming them (this
+library takes them as flags: ``--sequence-parallel``, ``--recompute``). NxD's ``get_model`` also
+raises ``max_position_embeddings`` to the training block length; :func:`fit_positions` does the
+same, with a notice, where that leaves the RoPE tables as they are.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import difflib
 import json
 import math
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +61,14 @@ METADATA_KEYS = frozenset({
     "num_return_sequences", "output_scores", "return_dict_in_generate", "forced_bos_token_id",
     "forced_eos_token_id", "remove_invalid_values", "exponential_decay_length_penalty",
     "suppress_tokens", "begin_suppress_tokens",
+})  # fmt: skip
+
+# Keys of neuronx-distributed's example Llama configs (7B_config_llama2, 8B_config_llama3(.1),
+# 13B/70B tp_pp, lightning) and the attributes its get_model / modeling_llama_nxd.py set on the
+# config: options of NxD's training script, not of the model. Dropped with a notice.
+NXD_KEYS = frozenset({
+    "sequence_parallel_enabled", "selective_checkpoint_enabled", "move_model_to_device",
+    "kv_shared_group_size", "qkv_linear", "fuse_qkv", "use_flash_attention", "transpose_nki_inputs",
 })  # fmt: skip
 
 _POSITIVE_INTS = (*SHAPE_KEYS, "max_position_embeddings")
@@ -213,14 +231,35 @@ def config_path(path_or_name: str | Path) -> Path:
     return path
 
 
-def load_llama_config(path_or_name: str | Path) -> Any:
+def _notify(notice: str, notices: list[str] | None) -> None:
+    """Hand ``notice`` to the caller's list, or warn when the caller keeps none: never silent."""
+    if notices is None:
+        warnings.warn(notice, stacklevel=3)
+    else:
+        notices.append(notice)
+
+
+def drop_nxd_keys(data: dict, source: str, notices: list[str] | None = None) -> dict:
+    """``data`` without :data:`NXD_KEYS`; one notice naming the keys dropped (none: no notice)."""
+    dropped = sorted(k for k in data if k in NXD_KEYS)
+    if dropped:
+        _notify(f"{source}: dropped NxD training options {', '.join(dropped)} (not model fields; "
+                "this library takes them as flags: --sequence-parallel, --recompute)", notices)
+    return {k: v for k, v in data.items() if k not in NXD_KEYS}
+
+
+def load_llama_config(path_or_name: str | Path, notices: list[str] | None = None) -> Any:
     """A ``transformers.LlamaConfig`` from a JSON file, a directory holding ``config.json`` or a
     preset name (:func:`config_path`), checked as the module docstring says; a ``ValueError``
-    naming the file and every problem otherwise."""
+    naming the file and every problem otherwise.
+
+    ``notices``: where the one-line notice about dropped NxD keys (:data:`NXD_KEYS`) goes, for the
+    caller to print once; None: a ``UserWarning``.
+    """
     import transformers
 
     path = config_path(path_or_name)
-    data = read_json_object(path)
+    data = drop_nxd_keys(read_json_object(path), str(path), notices)
     check_llama_config_dict(data, str(path))
     try:
         return transformers.LlamaConfig.from_dict(data)
@@ -228,5 +267,50 @@ def load_llama_config(path_or_name: str | Path) -> Any:
         raise ValueError(f"{path}: transformers.LlamaConfig refuses it: {' '.join(str(exc).split())}") from None
 
 
-__all__ = ["METADATA_KEYS", "PRESET_NAMES", "SHAPE_KEYS", "check_llama_config_dict", "config_path", "load_llama_config",
-           "read_json_object", "valid_keys"]
+def _rope_tables(config: Any) -> list:
+    import torch
+
+    from .llama_args import LlamaArgs
+    from .rotary import inverse_frequencies, longrope_long_frequencies
+
+    args = LlamaArgs.from_hf(config)
+    inv_freq, scaling = inverse_frequencies(args)
+    tables = [inv_freq, torch.tensor(scaling)]
+    if args.rope_parameters["rope_type"] == "longrope":
+        long_inv_freq, after = longrope_long_frequencies(args)
+        tables += [long_inv_freq, torch.tensor(after)]
+    return tables
+
+
+def fit_positions(config: Any, seq_len: int, source: str = "the model config") -> tuple[Any, str | None]:
+    """``(config, notice)``: ``config`` with ``max_position_embeddings`` raised to ``seq_len`` when
+    it is below (a copy; NxD's ``get_model`` does the same), and a one-line notice saying so; the
+    config itself and None when the blocks fit.
+
+    A ``ValueError`` naming the field when the raise would change the RoPE tables (a ``yarn`` or
+    ``longrope`` config that takes its original length from ``max_position_embeddings``): that
+    model would no longer be the one the config describes. ``config``: a ``LlamaConfig`` or
+    :class:`~.llama_args.LlamaArgs`.
+    """
+    limit = config.max_position_embeddings
+    if seq_len <= limit:
+        return config, None
+    if dataclasses.is_dataclass(config):
+        fitted = dataclasses.replace(config, max_position_embeddings=seq_len)
+    else:
+        fitted = copy.deepcopy(config)
+        fitted.max_position_embeddings = seq_len
+    before, after = _rope_tables(config), _rope_tables(fitted)
+    if any(a.shape != b.shape or not bool((a == b).all()) for a, b in zip(before, after)):
+        rope_type = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+        raise ValueError(
+            f"{source}: block length {seq_len} > max_position_embeddings {limit}, and raising it would change "
+            f"the RoPE tables (rope_type {rope_type.get('rope_type')!r} derives them from max_position_embeddings): "
+            f"prepare the data with --seq-len {limit} or less, or give original_max_position_embeddings in the config"
+        )
+    return fitted, (f"{source}: max_position_embeddings {limit} < block length {seq_len}: raised to {seq_len}, "
+                    "as NxD's get_model does (the RoPE tables are unchanged)")
+
+
+__all__ = ["METADATA_KEYS", "NXD_KEYS", "PRESET_NAMES", "SHAPE_KEYS", "check_llama_config_dict", "config_path",
+           "drop_nxd_keys", "fit_positions", "load_llama_config", "read_json_object", "valid_keys"]

@@ -52,12 +52,16 @@ MODEL_FIELDS = (
     "rope_theta",
     "rope_scaling",
     "max_position_embeddings",
+    "tie_word_embeddings",
 )
 """The fields compared by :func:`check_hf_config`: those that change the weights' shapes or the
 function the model computes, as :class:`~.llama_args.LlamaArgs` resolves them (``head_dim``,
 ``num_key_value_heads`` and the RoPE parameters of ``transformers`` 4.x or 5.x; ``rope_scaling``
 is the RoPE parameters other than ``rope_theta``, None for plain RoPE). A config ``LlamaArgs``
-refuses (tied embeddings, another activation) is an error of its own."""
+refuses (another activation) is an error of its own. A model config with more positions than the
+checkpoint's is accepted when that leaves the RoPE tables as they are
+(:func:`.config_file.fit_positions`: the training blocks are longer than the checkpoint's
+``max_position_embeddings``, raised as NxD's ``get_model`` does)."""
 
 
 # --- config.json ----------------------------------------------------------------------------
@@ -92,9 +96,24 @@ def check_hf_config(config: Any, hf_config: Any, source: str = "the checkpoint's
     except ValueError as e:
         raise ValueError(f"{source}: {e}") from None
     diff = config_differences(config, hf_args)
+    if "max_position_embeddings" in diff and _raised_positions(*diff["max_position_embeddings"], hf_args):
+        del diff["max_position_embeddings"]
     if diff:
         lines = "\n  ".join(f"{k}: model config {a!r}, {source} {b!r}" for k, (a, b) in diff.items())
         raise ValueError(f"the model config does not match {source} on {len(diff)} field(s):\n  {lines}")
+
+
+def _raised_positions(ours: int, theirs: int, hf_args: LlamaArgs) -> bool:
+    """Our ``max_position_embeddings`` is the checkpoint's raised (same RoPE tables, more positions)."""
+    from .config_file import fit_positions
+
+    if ours <= theirs:
+        return False
+    try:
+        fit_positions(hf_args, ours)
+    except ValueError:
+        return False
+    return True
 
 
 def _config_path(path: str | Path) -> Path | None:
@@ -102,25 +121,26 @@ def _config_path(path: str | Path) -> Path | None:
     return path / CONFIG_NAME if path.is_dir() and (path / CONFIG_NAME).is_file() else None
 
 
-def read_hf_config(path: str | Path):
+def read_hf_config(path: str | Path, notices: list[str] | None = None):
     """The ``transformers.LlamaConfig`` of a checkpoint directory (its ``config.json``); None when
-    ``path`` is a file or a directory without one."""
+    ``path`` is a file or a directory without one. ``notices``: as :func:`.config_file.load_llama_config`."""
     config_file = _config_path(path)
     if config_file is None:
         return None
     from .config_file import load_llama_config  # the same checks as --model-config
 
-    return load_llama_config(config_file)
+    return load_llama_config(config_file, notices)
 
 
-def hf_config_for(path: str | Path, config: Any = None):
+def hf_config_for(path: str | Path, config: Any = None, notices: list[str] | None = None):
     """The config to build the model with before loading ``path``.
 
     ``config`` given: checked against ``path``'s ``config.json`` when there is one (``ValueError``
     naming each differing field), and returned. ``config`` None: read from ``config.json``; a
-    ``ValueError`` when ``path`` has none (a bare weights file: pass a config).
+    ``ValueError`` when ``path`` has none (a bare weights file: pass a config). ``notices``: as
+    :func:`.config_file.load_llama_config`.
     """
-    hf_config = read_hf_config(path)
+    hf_config = read_hf_config(path, notices)
     if config is None:
         if hf_config is None:
             raise ValueError(
@@ -230,7 +250,7 @@ def load_hf_checkpoint(model: torch.nn.Module, path: str | Path, check_config: b
     ``ValueError`` listing every shape mismatch.
     """
     if check_config:
-        hf_config = read_hf_config(path)
+        hf_config = read_hf_config(path, notices=[])  # compared only; hf_config_for gave its notices
         if hf_config is not None:
             check_hf_config(model.args, hf_config, str(_config_path(path)))
     entries, loaded = _scan(weight_files(path))

@@ -11,6 +11,11 @@ holds shard ``r // replicas``. That one rule covers column weights (dim 0), row 
 the vocab-parallel embedding and GQA key/value heads replicated on ``t / num_kv_heads`` ranks
 (rank ``r`` holds kv head ``r // (t / num_kv_heads)``). Untagged parameters are replicated.
 
+A tied model (``tie_word_embeddings``) has one parameter for the embedding and the LM head:
+its state dict holds ``model.embed_tokens.weight`` and no ``lm_head.weight``, as ``save_pretrained``
+writes it. A checkpoint that holds ``lm_head.weight`` as well (``transformers``' in-memory
+``state_dict()`` does) loads when that tensor has the embedding's shape (and, in memory, its values).
+
 These functions take whole in-memory state dicts. Checkpoint directories on disk:
 :mod:`.hf_checkpoint` loads one with each rank reading only its slices, :mod:`.hf_export` writes
 one gathering a layer at a time on rank 0.
@@ -101,8 +106,17 @@ def gather(local: torch.Tensor, param: torch.Tensor, tp) -> torch.Tensor:
     return torch.cat(pieces[::replicas], dim=dim)  # one copy of each replicated kv head
 
 
+TIED_HEAD_KEY = "lm_head.weight"
+TIED_TABLE_KEY = "model.embed_tokens.weight"
+
+
 def expected_hf_keys(model: torch.nn.Module) -> dict[str, tuple[str, torch.nn.Parameter]]:
+    """``transformers`` key -> (our name, parameter); a tied head's weight once, as the embedding."""
     return {to_hf_name(name): (name, p) for name, p in model.named_parameters()}
+
+
+def _tied(model: torch.nn.Module) -> bool:
+    return bool(getattr(getattr(model, "args", None), "tie_word_embeddings", False))
 
 
 def check_hf_shapes(
@@ -117,6 +131,11 @@ def check_hf_shapes(
     tp_size = model.state.tp.size
     expected = expected_hf_keys(model)
     given = {k for k in shapes if not k.endswith(_IGNORED_SUFFIXES)}
+    if _tied(model) and TIED_HEAD_KEY in given:  # the same tensor as the table: checked, not loaded
+        given.discard(TIED_HEAD_KEY)
+        if TIED_TABLE_KEY in shapes and tuple(shapes[TIED_HEAD_KEY]) != tuple(shapes[TIED_TABLE_KEY]):
+            raise ValueError(f"{what}: tie_word_embeddings is true but {TIED_HEAD_KEY} {tuple(shapes[TIED_HEAD_KEY])} "
+                             f"has not the shape of {TIED_TABLE_KEY} {tuple(shapes[TIED_TABLE_KEY])}")
     missing, unexpected = sorted(set(expected) - given), sorted(given - set(expected))
     if missing or unexpected:
         raise KeyError(
@@ -141,6 +160,10 @@ def load_hf_state_dict(model: torch.nn.Module, state_dict: dict[str, torch.Tenso
     """
     tp = model.state.tp
     expected = check_hf_shapes(model, {k: tuple(v.shape) for k, v in state_dict.items()}, "state dict")
+    head = state_dict.get(TIED_HEAD_KEY) if _tied(model) else None
+    if head is not None and not torch.equal(head, state_dict[TIED_TABLE_KEY]):
+        raise ValueError(f"state dict: tie_word_embeddings is true but {TIED_HEAD_KEY} differs from "
+                         f"{TIED_TABLE_KEY} (an untied checkpoint? set tie_word_embeddings false)")
     with torch.no_grad():
         for key, (_, p) in expected.items():
             p.copy_(shard(state_dict[key], p, tp.rank, tp.size).to(device=p.device, dtype=p.dtype))

@@ -18,6 +18,11 @@ layers through ``run_layers``.
 What the model is comes as :class:`LlamaArgs` (``model.args``), how it runs as one
 :class:`LlamaOptions` (``model.options``), handed as ``(args, options)`` to every module.
 
+With ``tie_word_embeddings`` the LM head's weight *is* the embedding's parameter (both are
+``[v/t, h]`` with rank ``r`` holding vocab rows ``[r v/t, (r+1) v/t)``): one parameter, whose
+gradient autograd sums over both uses, one optimizer slot. ``named_parameters()`` and
+``state_dict()`` name it once (``embed_tokens.weight``), as ``save_pretrained`` writes it.
+
 Initialisation draws every full weight from the default generator (``normal_init`` with the
 config's ``initializer_range``), so the model built at any ``t`` from one seed is the same model.
 """
@@ -231,6 +236,10 @@ class LlamaForCausalLM(torch.nn.Module):
         self.layers = torch.nn.ModuleList(LlamaDecoderLayer(args, options) for _ in range(args.num_hidden_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, sp, dtype, parallel_state=state)
         self.lm_head = ColumnParallelLinear(args.hidden_size, args.vocab_size, **options.linear(args, bias=False))
+        if args.tie_word_embeddings:  # drawn above all the same, so the other weights do not depend on tying
+            self.lm_head.weight = self.embed_tokens.weight
+            self._register_state_dict_hook(_drop_tied_head)
+            self._register_load_state_dict_pre_hook(_fill_tied_head, with_module=True)
         self.rotary = RotaryEmbedding(args)
 
     @property
@@ -272,6 +281,11 @@ class LlamaForCausalLM(torch.nn.Module):
             logits = gather_from_tensor_parallel_region(logits, self.state.tp).transpose(0, 1)
         return CausalLMOutput(loss=loss, logits=logits if return_logits else None)
 
+    @property
+    def tied(self) -> bool:
+        """The LM head shares the embedding's parameter (``args.tie_word_embeddings``)."""
+        return self.args.tie_word_embeddings
+
     # --- transformers checkpoints -------------------------------------------------------------
 
     def load_hf_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
@@ -286,3 +300,19 @@ class LlamaForCausalLM(torch.nn.Module):
         """The full gradients, named and shaped like ``hf_state_dict`` (parameters without a grad: zeros)."""
         return hf_conversion.hf_state_dict(self, grads=True)
 
+
+
+TIED_HEAD = "lm_head.weight"
+
+
+def _drop_tied_head(module, state_dict, prefix, local_metadata) -> None:
+    """``state_dict()`` of a tied model: the shared parameter once, as ``embed_tokens.weight``
+    (two names for one storage would make safetensors refuse the file)."""
+    state_dict.pop(prefix + TIED_HEAD, None)
+
+
+def _fill_tied_head(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+    """``load_state_dict`` of a tied model: the head is the embedding's entry (given or not)."""
+    embed = state_dict.get(prefix + "embed_tokens.weight")
+    if embed is not None:
+        state_dict[prefix + TIED_HEAD] = embed

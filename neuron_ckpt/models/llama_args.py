@@ -33,7 +33,7 @@ def _rope_parameters(config: Any) -> dict[str, Any]:
 @dataclass(frozen=True)
 class LlamaArgs:
     """One Llama model's shape and numerics (Llama-2 / Llama-3 architecture: RMSNorm, GQA, RoPE,
-    SwiGLU, untied embeddings). Every field is checked at construction."""
+    SwiGLU; embeddings tied or not). Every field is checked at construction."""
 
     vocab_size: int
     hidden_size: int
@@ -52,6 +52,8 @@ class LlamaArgs:
     attention_dropout: float = 0.0
     attention_bias: bool = False
     mlp_bias: bool = False
+    tie_word_embeddings: bool = False
+    """The LM head is the embedding table (one parameter, as Llama-3.2 1B/3B); False: its own."""
     rope_parameters: dict[str, Any] = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
     """``rope_type`` ("default", or a static scaled variant of ``transformers``: "linear",
     "llama3", "yarn", ...), ``rope_theta`` and the variant's own factors, as ``transformers`` 5.x
@@ -85,7 +87,7 @@ class LlamaArgs:
             raise ValueError(f"initializer_range must be a number >= 0, got {self.initializer_range!r}")
         if not (isinstance(self.attention_dropout, (int, float)) and 0 <= self.attention_dropout < 1):
             raise ValueError(f"attention_dropout must be in [0, 1), got {self.attention_dropout!r}")
-        for name in ("attention_bias", "mlp_bias"):
+        for name in ("attention_bias", "mlp_bias", "tie_word_embeddings"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         rope = dict(self.rope_parameters)
@@ -98,14 +100,9 @@ class LlamaArgs:
     @classmethod
     def from_hf(cls, config: Any) -> "LlamaArgs":
         """The args of a ``transformers.LlamaConfig`` (4.x or 5.x); refuses what is not built here:
-        tied embeddings, an activation other than SiLU, ``pretraining_tp`` other than 1."""
+        an activation other than SiLU, ``pretraining_tp`` other than 1."""
         if isinstance(config, LlamaArgs):
             return config
-        if getattr(config, "tie_word_embeddings", False):
-            raise ValueError(
-                "tie_word_embeddings=True is not supported: the vocab-parallel embedding and the LM head "
-                "hold their own weights (Llama-2 unties them); set config.tie_word_embeddings=False"
-            )
         act = getattr(config, "hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"hidden_act must be 'silu' (SwiGLU), got {act!r}")
@@ -120,7 +117,7 @@ class LlamaArgs:
         import transformers
 
         values = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "rope_parameters"}
-        config = transformers.LlamaConfig(**values, tie_word_embeddings=False, hidden_act="silu")
+        config = transformers.LlamaConfig(**values, hidden_act="silu")
         rope = dict(self.rope_parameters)
         if hasattr(config, "rope_parameters"):  # transformers 5.x
             config.rope_parameters = rope

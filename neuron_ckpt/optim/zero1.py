@@ -191,17 +191,25 @@ def _param_groups(params: Iterable[torch.Tensor] | Iterable[dict[str, Any]]) -> 
         raise ValueError("Zero1Optimizer got an empty parameter list")
     if not isinstance(groups[0], dict):
         groups = [{"params": groups}]
-    seen: set[int] = set()
+    seen: dict[int, dict[str, Any]] = {}  # id -> the options of the group that holds it
     out = []
     for g in groups:
         ps = [g["params"]] if isinstance(g["params"], torch.Tensor) else list(g["params"])
+        options = {k: v for k, v in g.items() if k != "params"}
+        kept = []
         for p in ps:
-            if id(p) in seen:
-                raise ValueError("Zero1Optimizer: a parameter appears more than once in params")
+            if id(p) in seen:  # a shared parameter (a tied embedding / LM head) listed twice: one slot
+                if seen[id(p)] != options:
+                    raise ValueError(
+                        f"Zero1Optimizer: a parameter of shape {tuple(p.shape)} (shared, e.g. a tied embedding) is "
+                        f"in two param groups with different options ({seen[id(p)]} and {options}): list it once"
+                    )
+                continue
             if p.requires_grad and not p.is_contiguous():
                 raise ValueError(f"Zero1Optimizer: parameters must be contiguous, got one of shape {tuple(p.shape)}")
-            seen.add(id(p))
-        out.append({**g, "params": [p for p in ps if p.requires_grad]})
+            seen[id(p)] = options
+            kept.append(p)
+        out.append({**g, "params": [p for p in kept if p.requires_grad]})
     if not any(g["params"] for g in out):
         raise ValueError("Zero1Optimizer: no parameter requires grad")
     return out
@@ -224,6 +232,8 @@ class Zero1Optimizer(torch.optim.Optimizer):
     ``Zero1Optimizer(model.parameters(), torch.optim.AdamW, grad_clip_norm=1.0, lr=3e-4)``.
     ``params`` may be tensors or param-group dicts (per-group options such as
     ``weight_decay=0.0`` for norms pass through). ``**defaults`` go to ``optimizer_class``.
+    A parameter listed more than once (a tied embedding / LM head, collected module by module)
+    gets one slot; listed in two groups with different options it is refused.
     Parameters with ``requires_grad=False`` are left alone; a parameter whose gradient is missing
     is treated as having a zero gradient (unlike torch optimizers, which skip it: weight decay
     still applies and the moments still decay, the same on every rank).

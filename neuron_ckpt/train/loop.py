@@ -18,7 +18,8 @@ closure called at once.
 
 Faults (:mod:`neuron_ckpt.train.faults`): a NaN or Inf loss or gradient norm raises
 :class:`~.faults.NonFiniteError` where the values reach the host (logged and checkpoint steps),
-before that step's metrics line or checkpoint is written. SIGTERM / SIGINT finish the current
+before that step's metrics line or checkpoint is written (not in a graphs-only run, whose values
+are placeholders: :attr:`FitOptions.graphs_only`). SIGTERM / SIGINT finish the current
 step, all ranks agree to stop after it (a host-side all-reduce of a flag each step: no device
 graph), save a checkpoint of it and raise :class:`~.faults.Interrupted`. Each rank keeps its last
 finished step in the default store; when a collective fails, :class:`~.faults.CollectiveTimeoutError`
@@ -39,7 +40,7 @@ from ..distributed import collectives, runtime
 from ..distributed.parallel_state import ParallelState
 from . import faults
 from .checkpoint import CheckpointManager
-from .metrics import MetricsWriter, StepRecord, make_record
+from .metrics import MetricsWriter, StepRecord, device_peak_bytes, make_record
 from .schedule import LRSchedule
 
 
@@ -102,6 +103,13 @@ class FitOptions:
     also the steps whose values are checked for NaN / Inf."""
     handle_signals: bool = True
     """SIGTERM / SIGINT stop the run after the current step, with a checkpoint (main thread only)."""
+    predicted_peak_bytes: int | None = None
+    """The planner's peak memory for the job, logged next to the device's measured peak."""
+    graphs_only: bool = False
+    """A compile-only run (``neuron_parallel_compile`` sets ``NEURON_EXTRACT_GRAPHS_ONLY``): the
+    graphs are traced as in a real run, but the values that reach the host are placeholders, so
+    they are not checked for NaN / Inf, not logged, and no checkpoint is saved (a later
+    ``--resume latest`` would load placeholder weights)."""
 
     def __post_init__(self) -> None:
         if self.log_every < 1:
@@ -111,8 +119,9 @@ class FitOptions:
 class _Logger:
     """Turns (loss, grad norm) tensors into :class:`StepRecord` s, timing the logged intervals."""
 
-    def __init__(self, options: FitOptions, metrics: MetricsWriter, world: int, tokens_seen: int):
-        self.options, self.metrics, self.world = options, metrics, world
+    def __init__(self, options: FitOptions, metrics: MetricsWriter, world: int, tokens_seen: int,
+                 device: torch.device | None = None):
+        self.options, self.metrics, self.world, self.device = options, metrics, world, device
         self.tokens_seen = tokens_seen
         self.records: list[StepRecord] = []
         self.last_finite: int | None = None
@@ -129,6 +138,9 @@ class _Logger:
     def log(self, values: torch.Tensor, step: int, lr: float) -> None:
         """``values`` = ``[loss, grad_norm]``; called when they are on the device (step closure).
         Raises :class:`~.faults.NonFiniteError` before writing anything if either is NaN / Inf."""
+        if self.options.graphs_only:  # placeholders: nothing to check or log
+            self.restart()
+            return
         loss, grad_norm = values.tolist()  # the one device-to-host transfer of a logged step
         faults.check_finite(step, loss, grad_norm, self.last_finite)
         self.last_finite = step
@@ -136,6 +148,7 @@ class _Logger:
         record = make_record(
             step, loss, lr, grad_norm, (now - self.start) / self.steps, o.global_batch, o.seq_len,
             o.flops_per_token, o.peak_tflops_per_rank, self.world, self.tokens_seen,
+            device_peak_bytes(self.device) if self.device is not None else None, o.predicted_peak_bytes,
         )  # fmt: skip
         self.records.append(record)
         self.metrics.write(record)
@@ -171,7 +184,11 @@ def fit(
     # Run what building the model and optimizer (ZeRO-1's flattening of every parameter) or
     # loading a checkpoint left pending, so that step 1's graph is the steady-state step.
     _mark_step()
-    logger = _Logger(options, metrics, state.tp_size * state.dp_size, start_step * options.global_batch * options.seq_len)
+    logger = _Logger(
+        options, metrics, state.tp_size * state.dp_size, start_step * options.global_batch * options.seq_len, device
+    )
+    if options.graphs_only:
+        checkpoints = None  # placeholder values: nothing worth saving
     coordinator = faults.Coordinator()
     signals = faults.StopSignals() if options.handle_signals else contextlib.nullcontext()
     last_saved, current = None, start_step + 1  # current: the step being run (for error messages)

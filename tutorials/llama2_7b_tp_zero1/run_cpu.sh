@@ -34,6 +34,7 @@ end=$(date +%s)
 "$PYTHON" - "$OUT/metrics.jsonl" "$((end - start))" "$OUT/loss.png" <<'PY'
 import json, sys
 rows = [json.loads(line) for line in open(sys.argv[1])]
+rows = [r for r in rows if "kind" not in r]  # the step records (not the header / summary lines)
 if not rows:
     sys.exit("no steps were run (already finished? delete the output directory to start over)")
 steady = rows[1:] or rows

@@ -16,6 +16,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
+import os
 import sys
 import time
 from dataclasses import dataclass, field, fields
@@ -35,6 +37,7 @@ from neuron_ckpt.models import (
     load_llama_config,
     save_hf_checkpoint,
 )
+from neuron_ckpt.models.config_file import fit_positions
 from neuron_ckpt.models.llama_args import LlamaArgs
 from neuron_ckpt.optim import Zero1Optimizer
 from neuron_ckpt.parallel.attention import ATTENTION
@@ -48,9 +51,11 @@ from neuron_ckpt.train import (
     FitOptions,
     LRSchedule,
     MetricsWriter,
+    RECIPES,
     TrainState,
     detect_device_kind,
     fit,
+    param_groups,
     peak_tflops,
 )
 
@@ -66,7 +71,7 @@ class TrainConfig:
     """All options of a run; validated at construction."""
 
     model_config: Optional[str] = opt(
-        None, "a transformers LlamaConfig JSON or a preset (llama2-7b, llama3-8b); default: --init-hf's config.json, else configs/tiny.json"
+        None, "a transformers LlamaConfig JSON (NxD's too) or a preset (llama2-7b, llama3-8b, llama3.1-8b); default: --init-hf's config.json, else configs/tiny.json"
     )
     data: str = opt("data/train.safetensors", "packed token file from prepare_data.py")
     # parallelism
@@ -99,21 +104,33 @@ class TrainConfig:
         "answering (default: 7200 on XLA, where the first step compiles for up to an hour on each rank while the "
         "ranks done first wait, 1800 elsewhere)"
     )
+    recipe: str = opt(
+        "default", "hyperparameters of the options marked 'per --recipe' that are not given: default (Llama-2 paper: "
+        "cosine to 10%%, beta2 0.95, shuffled blocks) or nxd (NxD's Llama tutorial: linear warmup from 0 then to 0, "
+        "beta2 0.999, eps 1e-6, weight decay 0.01, seed 12349, blocks in file order); docs/recipes.md", list(RECIPES)
+    )
     # batch and optimizer
     micro_batch_size: int = opt(1, "sequences per rank per forward/backward")
     global_batch_size: int = opt(8, "sequences per optimizer step over all DP ranks (gradient accumulation fills it)")
     lr: float = opt(3e-4, "peak learning rate")
-    min_lr_ratio: float = opt(0.1, "final learning rate as a fraction of --lr")
+    min_lr_ratio: Optional[float] = opt(None, "final learning rate as a fraction of --lr (per --recipe: 0.1, nxd 0)")
     warmup_steps: int = opt(100, "linear warmup steps")
-    decay: str = opt("cosine", "decay after warmup", ["cosine", "linear", "constant"])
+    decay: Optional[str] = opt(None, "decay after warmup (per --recipe: cosine, nxd linear)", ["cosine", "linear", "constant"])
     max_steps: int = opt(10000, "total optimizer steps (decay ends here)")
     stop_at_step: Optional[int] = opt(None, "stop (and checkpoint) after this step; --resume continues the same schedule")
-    weight_decay: float = opt(0.1, "AdamW weight decay (not applied to norm weights)")
+    weight_decay: Optional[float] = opt(
+        None, "AdamW weight decay, not on norm weights and biases (per --recipe: 0.1, nxd 0.01)"
+    )
     beta1: float = opt(0.9, "AdamW beta1")
-    beta2: float = opt(0.95, "AdamW beta2")
-    adam_eps: float = opt(1e-8, "AdamW epsilon")
+    beta2: Optional[float] = opt(None, "AdamW beta2 (per --recipe: 0.95, nxd 0.999)")
+    adam_eps: Optional[float] = opt(None, "AdamW epsilon (per --recipe: 1e-8, nxd 1e-6)")
     grad_clip: float = opt(1.0, "clip the global gradient norm to this (0: no clipping)")
-    seed: int = opt(1234, "seed for init, data order and the TP RNG streams")
+    seed: Optional[int] = opt(None, "seed for init, data order and the TP RNG streams (per --recipe: 1234, nxd 12349)")
+    data_order: Optional[str] = opt(
+        None, "blocks per step: shuffled (a seeded permutation per epoch) or sequential (file order, dealt to the "
+        "DP ranks as DistributedSampler(shuffle=False) does) (per --recipe: shuffled, nxd sequential)",
+        ["shuffled", "sequential"],
+    )
     # logging, checkpoints
     log_every: Optional[int] = opt(
         None, "log loss, grad norm and throughput every N steps (default: 10 on XLA, where a logged step waits for the device; 1 elsewhere)"
@@ -135,6 +152,13 @@ class TrainConfig:
     export_hf: Optional[str] = opt(None, "at the end, write a transformers checkpoint directory here (from_pretrained loads it)")
 
     def __post_init__(self) -> None:
+        if self.recipe not in RECIPES:
+            raise ValueError(f"--recipe must be one of {list(RECIPES)}, got {self.recipe!r}")
+        # The recipe fills the options not given (None); a value given explicitly wins over it.
+        given = {f.name: getattr(self, f.name) for f in fields(self)}
+        for name, value in RECIPES[self.recipe].settings.items():
+            if getattr(self, name) is None:
+                setattr(self, name, value)
         for f in fields(self):
             choices = f.metadata.get("choices")
             value = getattr(self, f.name)
@@ -171,7 +195,7 @@ class TrainConfig:
             if not ok:
                 raise ValueError(f"{flag(name)} must be {want}, got {getattr(self, name)}")
         # Options that only act together with another: given without it they would be ignored.
-        default = {f.name: f.default for f in fields(self)}
+        default = {f.name: f.default for f in fields(self)}  # recipe options: None unless given
         needs = [
             ("recompute_method", self.recompute == "full", "--recompute full"),
             ("recompute_num_layers", self.recompute == "full", "--recompute full"),
@@ -183,7 +207,7 @@ class TrainConfig:
             ("min_lr_ratio", self.decay != "constant", "--decay cosine or linear (constant has no floor)"),
         ]  # fmt: skip
         for name, applies, needed in needs:
-            if not applies and getattr(self, name) != default[name]:
+            if not applies and given[name] != default[name]:
                 raise ValueError(f"{flag(name)} {getattr(self, name)} applies only with {needed}; this run would "
                                  f"ignore it: drop it or add {needed}")
         try:  # the recompute options' own checks (method and layer count, module names), now
@@ -222,13 +246,6 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
         p.error(str(e))
 
 
-def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """No weight decay on 1-D parameters (norm weights, biases), as Llama and Megatron do."""
-    decay = [p for p in model.parameters() if p.dim() > 1]
-    no_decay = [p for p in model.parameters() if p.dim() <= 1]
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
 def _attention(cfg: TrainConfig, config, seq_len: int, device_type: str) -> tuple[str, str]:
     """The core attention this run uses and how to say it: flash where a kernel runs for this
     device and shape (asked for, or by default), explicit otherwise, with the reason."""
@@ -246,12 +263,19 @@ def _auto_recompute(cfg: TrainConfig, config, state, seq_len: int, dtype: torch.
                     attention: str):
     """``--recompute auto``: the per-layer recompute with the least recompute FLOPs that fits
     (neuron_ckpt.memory.planner, the same plan ``neuron-ckpt plan`` prints)."""
-    from neuron_ckpt.memory import TrainingSetup, plan_recompute
+    from neuron_ckpt.memory import plan_recompute
 
     memory = cfg.device_memory or {"xla": "trn1"}.get(device_type)
     if memory is None and device_type == "cpu":
         raise ValueError("--recompute auto on CPU needs --device-memory (GiB one rank may use)")
-    setup = TrainingSetup(
+    return plan_recompute(ModelShape.from_llama(config), _setup(cfg, state, seq_len, dtype, attention), memory)
+
+
+def _setup(cfg: TrainConfig, state, seq_len: int, dtype: torch.dtype, attention: str):
+    """The job as the memory planner sees it."""
+    from neuron_ckpt.memory import TrainingSetup
+
+    return TrainingSetup(
         seq_len=seq_len,
         micro_batch=cfg.micro_batch_size,
         tp=state.tp_size,
@@ -261,7 +285,23 @@ def _auto_recompute(cfg: TrainConfig, config, state, seq_len: int, dtype: torch.
         zero1=True,
         attention=attention,
     )
-    return plan_recompute(ModelShape.from_llama(config), setup, memory)
+
+
+def _predicted_peak(cfg: TrainConfig, config, state, seq_len: int, dtype: torch.dtype, attention: str,
+                    recompute, plan) -> Optional[int]:
+    """The planner's peak bytes per rank for this job (logged next to the device's measured peak),
+    or None where the recompute is not one the planner models (e.g. full recompute in groups)."""
+    from neuron_ckpt.memory import memory_budget
+
+    if plan is not None:
+        return plan.budget.total_bytes
+    layers = "none" if recompute is None else recompute.preset_name
+    if layers is None:
+        return None
+    try:
+        return memory_budget(ModelShape.from_llama(config), _setup(cfg, state, seq_len, dtype, attention), layers).total_bytes
+    except ValueError:
+        return None
 
 
 def _open_dataset(path: str, rt) -> PackedDataset:
@@ -285,11 +325,11 @@ def _open_dataset(path: str, rt) -> PackedDataset:
 
 def _check_device_kind(device_kind: Optional[str], backend: str) -> None:
     """trn1/trn2 (NeuronCores) are reached through torch-xla only: refuse to label a CPU or GPU
-    run as one (e.g. run_trn1.sh on a machine without the Neuron SDK 2.29 venv active)."""
+    run as one (e.g. run_trn1.sh on a machine without the Neuron SDK 2.28 venv active)."""
     if device_kind in ("trn1", "trn2") and backend != "xla":
         raise ValueError(
             f"--device-kind {device_kind} needs the xla backend (torch-neuronx + torch-xla: Neuron SDK "
-            f"2.29 or earlier, see docs/trainium.md), but this process runs {backend!r}. Activate the "
+            f"2.28 (PyTorch 2.9), see docs/trainium.md), but this process runs {backend!r}. Activate the "
             "Neuron venv, or pass --device-kind cpu/h100 for a run on this machine."
         )
 
@@ -323,15 +363,15 @@ def _print(message: str) -> None:
     print(message, flush=True)
 
 
-def _check_seq_len(seq_len: int, config, cfg: TrainConfig) -> None:
-    """The corpus' blocks must fit the model's positions (rotary tables, the config's promise)."""
-    limit = getattr(config, "max_position_embeddings", None)
-    if limit is not None and seq_len > limit:
-        source = cfg.model_config or (f"{cfg.init_hf}'s config.json" if cfg.init_hf else "configs/tiny.json")
-        raise ValueError(
-            f"{cfg.data}: block length {seq_len} > max_position_embeddings {limit} of the model config "
-            f"({source}): prepare the data with --seq-len {limit} or less, or use a config with more positions"
-        )
+def _check_seq_len(seq_len: int, config, cfg: TrainConfig, notices: list[str]):
+    """The config whose positions hold the corpus' blocks: a ``max_position_embeddings`` below the
+    block length is raised to it with a notice, as NxD's get_model does; refused (ValueError) where
+    that would change the RoPE tables."""
+    source = cfg.model_config or (f"{cfg.init_hf}'s config.json" if cfg.init_hf else "configs/tiny.json")
+    config, notice = fit_positions(config, seq_len, f"{cfg.data} with the model config ({source})")
+    if notice:
+        notices.append(notice)
+    return config
 
 
 def _model_fields(config) -> dict:
@@ -342,6 +382,9 @@ def _model_fields(config) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     cfg = parse_args(argv)
     t_start = time.perf_counter()
+    # neuron_parallel_compile runs the script with this set: graphs are traced and compiled, the
+    # values that reach the host are placeholders (as NxD's tutorial, no checks, no metrics).
+    graphs_only = os.environ.get("NEURON_EXTRACT_GRAPHS_ONLY", "") not in ("", "0")
     timeout = cfg.collective_timeout or (7200.0 if (cfg.backend or detect_backend()) == "xla" else 1800.0)
     rt = nc.init_distributed(backend=cfg.backend, timeout_s=timeout)
     state = nc.initialize_model_parallel(cfg.tp)
@@ -360,15 +403,18 @@ def main(argv: list[str] | None = None) -> dict:
     if cfg.checkpoint_dir and not cfg.resume:
         checkpoints.check_fresh_start()  # a collective, before any work: never mix two runs' checkpoints
 
-    config = load_llama_config(cfg.model_config) if cfg.model_config else None  # strict: typos are errors
+    notices: list[str] = []  # dropped NxD keys, raised positions: printed once, below
+    config = load_llama_config(cfg.model_config, notices) if cfg.model_config else None  # strict: typos are errors
     if cfg.init_hf:
-        config = hf_config_for(cfg.init_hf, config)  # its config.json, checked against --model-config
-    config = config or load_llama_config("configs/tiny.json")
+        config = hf_config_for(cfg.init_hf, config, notices)  # its config.json, checked against --model-config
+    config = config or load_llama_config("configs/tiny.json", notices)
     if cfg.export_hf:
         check_writable(cfg.export_hf)  # every rank, now: not after the run
     dataset = _open_dataset(cfg.data, rt)
     seq_len = dataset.block_len
-    _check_seq_len(seq_len, config, cfg)
+    config = _check_seq_len(seq_len, config, cfg, notices)
+    for notice in dict.fromkeys(notices) if is_main else ():
+        print(f"note: {notice}", flush=True)
     if dataset.info.vocab_size > config.vocab_size:
         raise ValueError(f"{cfg.data}: tokenizer vocab {dataset.info.vocab_size} > model vocab_size {config.vocab_size}")
     per_step = cfg.micro_batch_size * state.dp_size
@@ -403,7 +449,7 @@ def main(argv: list[str] | None = None) -> dict:
     if cfg.init_hf:
         load_hf_checkpoint(model, cfg.init_hf)  # each rank reads only its slices
     optimizer = Zero1Optimizer(
-        _param_groups(model, cfg.weight_decay),
+        param_groups(model, cfg.weight_decay, RECIPES[cfg.recipe].no_decay),
         torch.optim.AdamW,
         parallel_state=state,
         grad_clip_norm=cfg.grad_clip or None,
@@ -411,9 +457,12 @@ def main(argv: list[str] | None = None) -> dict:
         betas=(cfg.beta1, cfg.beta2),
         eps=cfg.adam_eps,
     )
-    schedule = LRSchedule(cfg.lr, cfg.warmup_steps, cfg.max_steps, cfg.decay, cfg.min_lr_ratio)
+    schedule = LRSchedule(
+        cfg.lr, cfg.warmup_steps, cfg.max_steps, cfg.decay, cfg.min_lr_ratio, RECIPES[cfg.recipe].warmup_from_zero
+    )
     batches = DataParallelBatches(
-        dataset, cfg.micro_batch_size, state.dp_rank, state.dp_size, cfg.seed, grad_accum=grad_accum
+        dataset, cfg.micro_batch_size, state.dp_rank, state.dp_size, cfg.seed, grad_accum=grad_accum,
+        shuffle=cfg.data_order == "shuffled",
     )
 
     train_state = TrainState(model, optimizer, batches)
@@ -427,6 +476,7 @@ def main(argv: list[str] | None = None) -> dict:
     device_kind = cfg.device_kind or detect_device_kind(rt.backend)
     peak = cfg.peak_tflops or peak_tflops(device_kind, dtype)
     fpt = ModelShape.from_llama(config).flops_per_token(seq_len)
+    predicted = _predicted_peak(cfg, config, state, seq_len, dtype, attention, recompute, plan)
     if is_main:
         n_params = sum(p.numel() for p in model.parameters())
         print(
@@ -434,41 +484,62 @@ def main(argv: list[str] | None = None) -> dict:
             f"sequence parallel {cfg.sequence_parallel} | recompute {cfg.recompute} | dtype {dtype} | "
             f"seq {seq_len} | micro-batch {cfg.micro_batch_size} x accum {grad_accum} x DP {state.dp_size} = "
             f"global batch {cfg.global_batch_size} | params/rank {n_params / 1e6:.2f} M | "
-            f"{fpt / 1e9:.3f} GFLOP/token | peak {peak} TFLOP/s per rank ({device_kind})",
+            f"{fpt / 1e9:.3f} GFLOP/token | peak {peak} TFLOP/s per rank ({device_kind}) | recipe {cfg.recipe}"
+            + (f" | planned memory peak {predicted / 2**30:.2f} GiB per rank" if predicted else ""),
             flush=True,
         )
-    metrics = MetricsWriter(
-        cfg.metrics_file, enabled=is_main, append=start_step > 0, tensorboard_dir=cfg.tensorboard_dir,
+        if graphs_only:
+            print("NEURON_EXTRACT_GRAPHS_ONLY: compiling graphs only; the values are placeholders, so no NaN "
+                  "check, no metrics and no checkpoints", flush=True)  # fmt: skip
+    metrics = MetricsWriter(  # a graphs-only run leaves the metrics file alone
+        None if graphs_only else cfg.metrics_file, enabled=is_main, append=start_step > 0,
+        tensorboard_dir=None if graphs_only else cfg.tensorboard_dir,
         resume_step=start_step if start_step > 0 else None,  # drop what the interrupted run logged past it
     )  # fmt: skip
     stop = min(cfg.max_steps, cfg.stop_at_step or cfg.max_steps)
     log_every = cfg.log_every or (10 if rt.backend == "xla" else 1)
-    options = FitOptions(stop, cfg.global_batch_size, seq_len, fpt, peak, cfg.checkpoint_every, log_every=log_every)
+    env = {k: v for k, v in sorted(os.environ.items()) if k.startswith(("NEURON", "XLA"))}
+    metrics.write_header(
+        env, dataclasses.asdict(cfg), start_step=start_step, world_size=rt.world_size, backend=rt.backend,
+        tp=state.tp_size, dp=state.dp_size, seq_len=seq_len, grad_accum=grad_accum, dtype=str(dtype),
+        attention=attention, predicted_peak_bytes=predicted,
+    )  # fmt: skip
+    options = FitOptions(
+        stop, cfg.global_batch_size, seq_len, fpt, peak, cfg.checkpoint_every, log_every=log_every,
+        predicted_peak_bytes=predicted, graphs_only=graphs_only,
+    )  # fmt: skip
+    t_fit = time.perf_counter()
     try:
         records = fit(
             torch.compile(model, backend=compile_with) if compile_with else model, optimizer, iter(batches), schedule, options, state, rt.device, metrics,
             start_step=start_step, checkpoints=checkpoints if cfg.checkpoint_dir else None,
             checkpoint_payload=lambda step: (train_state.state_dict(), {**layout, "train_config": dataclasses.asdict(cfg)}),
         )  # fmt: skip
+        train_s = time.perf_counter() - t_fit
+        if cfg.export_hf:
+            save_hf_checkpoint(model, cfg.export_hf, config)  # collective: a layer at a time, rank 0 writes
+        summary = _summary(records, time.perf_counter() - t_start, start_step, train_s, log_every)
+        summary["attention"] = attention
+        summary["predicted_peak_bytes"] = predicted
+        if plan is not None:
+            summary["recompute_plan"] = plan.counts
+        if records:
+            metrics.write_summary({k: v for k, v in summary.items() if k != "losses"})
     finally:
         metrics.close()
-
-    if cfg.export_hf:
-        save_hf_checkpoint(model, cfg.export_hf, config)  # collective: a layer at a time, rank 0 writes
-    summary = _summary(records, time.perf_counter() - t_start, start_step)
-    summary["attention"] = attention
-    if plan is not None:
-        summary["recompute_plan"] = plan.counts
     if is_main and records:
         print("summary " + json.dumps({k: v for k, v in summary.items() if k != "losses"}), flush=True)
     return summary
 
 
-def _summary(records, wall_s: float, start_step: int) -> dict:
+def _summary(records, wall_s: float, start_step: int, train_s: float = 0.0, log_every: int = 1) -> dict:
+    """The run's means, plus NxD's results.json fields (final loss, time to train, average
+    throughput without the first ceil(10 / log_every) logged steps, peak throughput; seq/s)."""
     if not records:
         return {"steps": 0, "start_step": start_step, "wall_s": wall_s}
     steady = records[1:] or records  # the first step includes warm-up (and XLA compilation)
     mean = lambda key: sum(getattr(r, key) for r in steady) / len(steady)  # noqa: E731
+    after = records[math.ceil(10 / log_every):] or records  # NxD's: the first ~10 steps dropped
     return {
         "start_step": start_step,
         "steps": len(records),
@@ -478,6 +549,11 @@ def _summary(records, wall_s: float, start_step: int) -> dict:
         "seq_per_s": mean("seq_per_s"),
         "mfu": mean("mfu"),
         "wall_s": wall_s,
+        "final_loss": records[-1].loss,
+        "time_to_train_s": train_s,
+        "average_throughput_seq_per_s": sum(r.seq_per_s for r in after) / len(after),
+        "peak_throughput_seq_per_s": max(r.seq_per_s for r in after),
+        "device_peak_bytes": records[-1].device_peak_bytes,
         "losses": [r.loss for r in records],
     }
 
