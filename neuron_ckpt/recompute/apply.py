@@ -51,6 +51,7 @@ import torch
 
 from ..parallel import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from ..parallel.norms import LayerNorm, RMSNorm
+from . import hf
 from .activation_checkpoint import checkpoint
 from .config import RecomputeConfig, validate_per_layer
 from .module_map import Patterns, resolve_module_map, selected_modules
@@ -91,8 +92,12 @@ def apply_recompute(
     ``sequence_parallel=True``.
 
     Validation comes first; nothing is changed when it fails. Applying again replaces the
-    previous setting.
+    previous setting. A ``transformers`` model (a ``PreTrainedModel``: a ``*ForCausalLM`` or its
+    base model) is handled by :mod:`.hf` (its decoder layers, core attention, KV cache).
     """
+    if hf.is_transformers_model(model):  # its layers, core attention and KV cache: see .hf
+        layers, generic, finish = hf.prepare(model, config, module_map, sequence_parallel)
+        return apply_recompute(layers, generic, module_map, sequence_parallel) + finish()
     layers = _as_layer_list(model)
     if sequence_parallel is None:
         sequence_parallel = _runs_sequence_parallel(layers)
@@ -133,6 +138,9 @@ def run_layers(layers: Sequence[torch.nn.Module], hidden_states: Any, *args: Any
 
 def remove_recompute(model: Layers) -> None:
     """Undo :func:`apply_recompute` on ``model``'s layers (and every submodule)."""
+    if hf.is_transformers_model(model):
+        hf.undo(model)
+        model = hf.decoder_layers(model)
     for layer in _as_layer_list(model):
         for module in layer.modules():
             wrapper = module.__dict__.get("forward")

@@ -3,8 +3,11 @@
 ``module_map`` maps a name to an attribute name, a dotted path, a class, or a tuple of those;
 entries given override :data:`DEFAULT_MODULE_MAP` one by
 one. A name that matches nothing in a layer is an error, so a typo never silently disables
-recompute. For a ``transformers`` Llama layer, for example: ``{"core_attn": "self_attn",
-"mlp": "mlp", "mlp_act": "act_fn"}`` (HF's attention module includes the projections).
+recompute. On a ``transformers`` model the defaults fit Llama, Mistral and Qwen2 layers
+(``mlp``, ``act_fn``, ``input_layernorm`` / ``post_attention_layernorm``); its ``core_attn`` is
+the attention *function*, recomputed through transformers' attention registry (:mod:`.hf`),
+unless ``module_map`` names a module for it (``{"core_attn": "self_attn"}`` recomputes the whole
+attention block, projections included).
 
 A name must also land on a submodule whose forward runs. A module that uses a child's parameters
 without calling it (``LlamaMLP`` multiplies by ``gate_proj`` and ``up_proj`` in one fused matmul)
@@ -29,7 +32,8 @@ DEFAULT_MODULE_MAP: dict[str, Pattern] = {
     "core_attn": CoreAttention,
     "mlp": "mlp",
     "mlp_act": ("act_fn", "mlp_act"),
-    "norm": (RMSNorm, LayerNorm, torch.nn.LayerNorm, torch.nn.RMSNorm),
+    # the attribute names: transformers' Llama, Mistral, Qwen2 layers (their norms are own classes)
+    "norm": (RMSNorm, LayerNorm, torch.nn.LayerNorm, torch.nn.RMSNorm, "input_layernorm", "post_attention_layernorm"),
 }
 
 # Selective modules whose input is the replicated hidden state (without sequence parallel), so
