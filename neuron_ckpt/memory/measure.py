@@ -218,8 +218,8 @@ def device_peak_bytes(device: torch.device | str) -> int | None:
     The accelerator torch has (CUDA, XPU, TorchNeuron's ``neuron``, ...):
     ``torch.accelerator.max_memory_allocated`` (reset it with ``reset_device_peak``); a device
     that is not the current accelerator gets None.
-    XLA: ``xm.get_memory_info``'s ``peak_bytes_used`` (else ``bytes_used``) when torch_xla is
-    installed and the runtime reports it. Untested here: no XLA device with a memory counter.
+    XLA: ``xm.get_memory_info``'s ``peak_bytes_used`` when torch_xla is installed and the runtime
+    reports it (torch-xla 2.6+; None otherwise, e.g. XLA:CPU). Untested here: no XLA device with a memory counter.
     CPU: None; there is no allocator peak to read, use ``SavedTensorRecorder`` instead.
     """
     device = torch.device(device)
@@ -253,7 +253,6 @@ def _xla_peak_bytes(device: torch.device) -> int | None:
         info = xm.get_memory_info(device)
     except Exception:  # runtimes without memory info (XLA:CPU) raise various errors
         return None
-    for field in ("peak_bytes_used", "bytes_used"):
-        if isinstance(info, Mapping) and field in info:
-            return int(info[field])
-    return None
+    # Only a peak: ``bytes_used`` is what is held now, which a caller would misread as one.
+    peak = info.get("peak_bytes_used") if isinstance(info, Mapping) else None
+    return int(peak) if peak else None

@@ -117,19 +117,14 @@ def format_record(r: StepRecord) -> str:
 
 def device_peak_bytes(device: torch.device) -> int | None:
     """The peak memory the runtime reports for ``device`` (this process), or None where it reports
-    none: ``xm.get_memory_info``'s ``peak_bytes_used`` on XLA (missing or raising on some PJRT
-    backends, e.g. XLA:CPU), the accelerator allocator's peak elsewhere
-    (:func:`neuron_ckpt.memory.measure.device_peak_bytes`), nothing on CPU."""
-    from ..memory.measure import device_peak_bytes as allocator_peak
+    none (:func:`neuron_ckpt.memory.measure.device_peak_bytes`: XLA's ``peak_bytes_used``, the
+    accelerator allocator's peak, nothing on CPU). A backend whose query fails prints nothing
+    rather than failing the run."""
+    from ..memory.measure import device_peak_bytes as runtime_peak
 
     try:
-        if device.type == "xla":
-            import torch_xla.core.xla_model as xm
-
-            peak = xm.get_memory_info(device).get("peak_bytes_used")
-            return int(peak) if peak else None
-        return allocator_peak(device)
-    except Exception:  # a backend without the query: print nothing rather than fail a run
+        return runtime_peak(device)
+    except Exception:
         return None
 
 

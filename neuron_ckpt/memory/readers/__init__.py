@@ -25,6 +25,15 @@ class ReadError(ValueError):
     """A report that cannot be read as the format it claims; the message is one line."""
 
 
+def byte_count(record: object, key: str, where: str) -> int:
+    """``record[key]`` as a byte count (a non-negative int), or a :class:`ReadError` naming ``where``."""
+    value = record.get(key) if isinstance(record, dict) else None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        got = repr(value) if isinstance(record, dict) and key in record else "missing"
+        raise ReadError(f"{where}: {key!r} is {got}, not a byte count")
+    return value
+
+
 @dataclass(frozen=True)
 class MemoryReading:
     """Device memory as one report gives it.
@@ -58,4 +67,4 @@ class MemoryReading:
         return self.cores[index]
 
 
-__all__ = ["MemoryReading", "NEURON_CATEGORIES", "ReadError", "SCRATCHPAD_PAGE_BYTES"]
+__all__ = ["MemoryReading", "NEURON_CATEGORIES", "ReadError", "SCRATCHPAD_PAGE_BYTES", "byte_count"]

@@ -24,7 +24,7 @@ from __future__ import annotations
 import pickle
 from pathlib import Path
 
-from . import MemoryReading, ReadError
+from . import MemoryReading, ReadError, byte_count
 
 KINDS = ("peak", "current")
 STATES = ("active_allocated", "active_pending_free", "active_awaiting_free", "inactive")
@@ -58,34 +58,26 @@ def _load(path: Path) -> dict:
     return data
 
 
-def _count(d: object, key: str, where: str) -> int:
-    value = d.get(key) if isinstance(d, dict) else None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        got = repr(value) if isinstance(d, dict) and key in d else "missing"
-        raise ReadError(f"{where}: {key!r} is {got}, not a byte count")
-    return value
-
-
 def _current(segments: list, path: Path, notes: list[str]) -> dict[int, dict[str, int]]:
     devices: dict[int, dict[str, int]] = {}
     for i, seg in enumerate(segments):
         where = f"{path}: segment {i}"
         if not isinstance(seg, dict) or not isinstance(seg.get("blocks"), list):
             raise ReadError(f"{where}: malformed segment (no 'blocks' list)")
-        values = devices.setdefault(_count(seg, "device", where) if "device" in seg else 0,
+        values = devices.setdefault(byte_count(seg, "device", where) if "device" in seg else 0,
                                     dict.fromkeys(CATEGORIES, 0))
-        total = _count(seg, "total_size", where)
+        total = byte_count(seg, "total_size", where)
         values["reserved"] += total
         for j, block in enumerate(seg["blocks"]):
             state = block.get("state") if isinstance(block, dict) else None
             if state not in STATES:
                 raise ReadError(f"{where} block {j}: malformed block (state {state!r}, expected one of {STATES})")
-            size = _count(block, "size", f"{where} block {j}")
+            size = byte_count(block, "size", f"{where} block {j}")
             total -= size
             values["active"] += size if state != "inactive" else 0
             if state == "active_allocated":
                 values["allocated"] += size
-                values["requested"] += _count(block, "requested_size", f"{where} block {j}")
+                values["requested"] += byte_count(block, "requested_size", f"{where} block {j}")
         if total:
             raise ReadError(f"{where}: malformed segment (its blocks do not add up to its total_size)")
     if any("device" not in seg for seg in segments):
@@ -101,7 +93,7 @@ def _peak(trace: list, now: int, name: str, where: str) -> int:
         if action not in _ACTIONS:
             raise ReadError(f"{where} entry {n}: malformed trace entry (action {action!r})")
         if action in _STEPS[name]:
-            deltas.append((n, _STEPS[name][action] * _count(entry, "size", f"{where} entry {n}")))
+            deltas.append((n, _STEPS[name][action] * byte_count(entry, "size", f"{where} entry {n}")))
     level = peak = now - sum(delta for _, delta in deltas)
     for at, delta in [("before it starts", 0), *((f"at entry {n}", delta) for n, delta in deltas)]:
         level += delta

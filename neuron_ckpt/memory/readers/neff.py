@@ -28,19 +28,12 @@ import tarfile
 import zlib
 from pathlib import Path
 
-from . import MemoryReading, ReadError
+from . import MemoryReading, ReadError, byte_count
 
 HEADER_BYTES = 1024
 MAIN = "model_shared_scratchpad"
 _SUBGRAPH = re.compile(r"sg(\d+)")
 _MEMBER = re.compile(r"(?:\./)?sg(\d+)/def\.json")
-
-
-def _count(entry: dict, key: str, where: str) -> int:
-    value = entry.get(key)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ReadError(f"{where}: {key!r} is {'missing' if key not in entry else repr(value)}, not a byte count")
-    return value
 
 
 def _subgraph(data: bytes, where: str, notes: list[str]) -> dict[str, int]:
@@ -60,12 +53,12 @@ def _subgraph(data: bytes, where: str, notes: list[str]) -> dict[str, int]:
             area = entry.get("fabric_path", entry.get("backing_buf", "main"))
             if not isinstance(area, str) or not area:
                 raise ReadError(f"{where}: virtual var {name!r} names its area {area!r}, not a string")
-            end = _count(entry, "backing_variable_off", f"{where}: virtual var {name!r}")
-            end += _count(entry, "size", f"{where}: virtual var {name!r}")
+            end = byte_count(entry, "backing_variable_off", f"{where}: virtual var {name!r}")
+            end += byte_count(entry, "size", f"{where}: virtual var {name!r}")
             category = MAIN if area == "main" else f"scratchpad_{area}"
             extents[category] = max(extents.get(category, 0), end)
         elif kind in ("input", "output"):
-            sums[f"{kind}s"] += _count(entry, "size", f"{where}: {kind} var {name!r}")
+            sums[f"{kind}s"] += byte_count(entry, "size", f"{where}: {kind} var {name!r}")
     if not extents:
         notes.append(f"{where}: no virtual var, so no scratchpad (0 bytes)")
     for category in sorted(set(extents) - {MAIN}):
