@@ -11,10 +11,12 @@ from .distributed import (
     initialize_model_parallel,
     model_parallel_manual_seed,
 )
+from .parallel.hf import apply_tensor_parallel
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "apply_tensor_parallel",
     "destroy_distributed",
     "destroy_model_parallel",
     "get_parallel_state",

@@ -46,6 +46,7 @@ class VocabParallelEmbedding(torch.nn.Module):
         embedding_dim: int,
         sequence_parallel: bool = False,
         init_method: InitMethod = normal_init(1.0),
+        padding_idx: int | None = None,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
         parallel_state: ParallelState | None = None,
@@ -59,6 +60,11 @@ class VocabParallelEmbedding(torch.nn.Module):
         self.sequence_parallel = sequence_parallel
         per_rank = num_embeddings // t
         self.vocab_start, self.vocab_end = r * per_rank, (r + 1) * per_rank
+        if padding_idx is not None and not 0 <= padding_idx < num_embeddings:
+            raise ValueError(f"padding_idx={padding_idx} must be in [0, num_embeddings={num_embeddings})")
+        self.padding_idx = padding_idx  # its row gets no gradient, as in torch.nn.Embedding
+        mine = padding_idx is not None and self.vocab_start <= padding_idx < self.vocab_end
+        self._local_padding_idx = padding_idx - self.vocab_start if mine else None
         self.weight = torch.nn.Parameter(
             shard_of_full((num_embeddings, embedding_dim), 0, r, t, init_method, dtype, device)
         )
@@ -68,10 +74,10 @@ class VocabParallelEmbedding(torch.nn.Module):
         self.check_ids(ids)  # before any collective: every TP rank sees the same ids and raises
         tp = self.state.tp
         if tp.size == 1:
-            return F.embedding(ids, self.weight)
+            return F.embedding(ids, self.weight, self._local_padding_idx)
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local = torch.where(outside, torch.zeros_like(ids), ids - self.vocab_start)
-        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        out = F.embedding(local, self.weight, self._local_padding_idx).masked_fill(outside.unsqueeze(-1), 0.0)
         if self.sequence_parallel:
             check_sequence_divisible(out, tp.size, "VocabParallelEmbedding")
             return reduce_scatter_to_sequence_parallel_region(out, tp)
@@ -101,4 +107,5 @@ class VocabParallelEmbedding(torch.nn.Module):
         return (
             f"{self.num_embeddings}, {self.embedding_dim}, rows [{self.vocab_start}, {self.vocab_end}), "
             f"sequence_parallel={self.sequence_parallel}"
+            + (f", padding_idx={self.padding_idx}" if self.padding_idx is not None else "")
         )

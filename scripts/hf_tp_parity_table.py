@@ -1,0 +1,39 @@
+"""The parity table of tensor parallel on transformers models (issue #27), from the test that asserts it.
+
+For each family (tiny configs built in ``tests/test_hf_tensor_parallel.py``: Llama, Mistral, Qwen2,
+Qwen3, Gemma2, Phi-3) and recompute preset, the model split by its own plan at TP 2 on gloo
+against the dense model: loss difference, logits and worst gradient as max-abs difference over
+the reference's max magnitude (fp32). ``tests/test_hf_tensor_parallel.py`` asserts every cell is
+below 1e-5::
+
+    python scripts/hf_tp_parity_table.py            # loss_parallel (logits split over the vocabulary)
+    python scripts/hf_tp_parity_table.py --as-written  # the plan's own colwise_gather_output LM head
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: its tests package
+
+from neuron_ckpt.distributed.local import LocalWorld  # noqa: E402
+from tests.test_hf_tensor_parallel import FAMILIES, PRESETS, _parity  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--as-written", action="store_true", help="keep the LM head's gathered logits (no loss_parallel)")
+    a = p.parse_args(argv)
+    print("| family | preset | loss abs diff | logits rel | worst gradient rel (parameter) |")
+    print("|---|---|---:|---:|---|")
+    with LocalWorld(2) as world:
+        for family in FAMILIES:
+            for preset in PRESETS:
+                r = max(world.run(_parity, family, preset, not a.as_written), key=lambda r: r["grad"])
+                print(f"| {family} | {preset} | {r['loss']:.1e} | {r['logits']:.1e} | {r['grad']:.1e} ({r['worst']}) |")
+
+
+if __name__ == "__main__":
+    main()
