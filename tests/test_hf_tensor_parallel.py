@@ -51,7 +51,10 @@ def full(param_or_grad: torch.Tensor, like: torch.Tensor, tp) -> torch.Tensor:
 
 
 def step(model, ids, tp=None, seed: int = 2):
-    torch.manual_seed(seed)  # the dropout masks
+    if tp is None:
+        torch.manual_seed(seed)  # the dropout masks
+    else:  # and the TP stream's, which split attention heads draw from
+        nc.model_parallel_manual_seed(seed)
     out = model(input_ids=ids, labels=ids)
     out.loss.backward()
     named = dict(model.named_parameters())
@@ -104,6 +107,7 @@ def test_tp2_with_the_plan_as_written_gathers_the_logits(world, family):
 
 def _dropout_exact(family: str, preset: str) -> bool:
     ps = nc.initialize_model_parallel(2)
+    nc.model_parallel_manual_seed(5)
     torch.manual_seed(1)
     ids = torch.randint(0, VOCAB, (2, 12))
     plain = step(nc.apply_tensor_parallel(tiny(family, dropout=0.1)), ids, ps.tp)
@@ -119,6 +123,34 @@ def _dropout_exact(family: str, preset: str) -> bool:
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2", "phi3"])
 def test_tp2_recompute_is_bit_exact_with_dropout(world, family, preset):
     assert world(2).run(_dropout_exact, family, preset) == [True, True]
+
+
+def _dropout_masks(family: str) -> list[torch.Tensor]:
+    """The first attention dropout's kept positions on this rank, and the next default draw."""
+    nc.initialize_model_parallel(2)
+    nc.model_parallel_manual_seed(5)
+    model = nc.apply_tensor_parallel(tiny(family, dropout=0.5))
+    masks, dropout = [], torch.nn.functional.dropout
+
+    def recorded(x, p=0.5, training=True, inplace=False):
+        out = dropout(x, p, training, inplace)
+        masks.append(out != 0)
+        return out
+
+    torch.nn.functional.dropout = recorded
+    try:
+        model(input_ids=torch.arange(12).reshape(1, 12))
+    finally:
+        torch.nn.functional.dropout = dropout
+    return [masks[0], torch.rand(4)]
+
+
+@pytest.mark.parametrize("family", ["llama", "phi3"])
+def test_split_heads_draw_their_own_dropout_mask_per_rank(world, family):
+    (mask0, after0), (mask1, after1) = world(2).run(_dropout_masks, family)
+    # Llama: heads split, each rank its own mask; Phi-3: qkv gathered, every rank all heads, one mask
+    assert torch.equal(mask0, mask1) == (family == "phi3")
+    assert torch.equal(after0, after1)  # the default stream stays the same on every rank
 
 
 def _names_slices_and_loading() -> dict:
@@ -183,6 +215,7 @@ def _errors() -> dict:
                                                             "model.layers.*.mlp.down_proj": "rowwise"}),
         "kind": lambda: nc.apply_tensor_parallel(model, {"model.norm": "colwise"}),
         "heads": lambda: nc.apply_tensor_parallel(tiny("llama", kv_heads=1)),
+        "seed": lambda: nc.apply_tensor_parallel(tiny("llama", dropout=0.1)),
         "none": lambda: nc.apply_tensor_parallel(torch.nn.Linear(2, 2)),
     }.items():  # fmt: skip
         with pytest.raises(ValueError) as e:
@@ -203,6 +236,7 @@ def test_bad_plans_fail_in_one_line_before_anything_changes(world):
     assert r["kind"] == "apply_tensor_parallel: model.norm (colwise): needs a torch.nn.Linear, got LlamaRMSNorm"
     assert r["heads"].startswith("apply_tensor_parallel: model.layers.0.self_attn.k_proj (colwise): 1 heads of 8 do not split")
     assert "has no tensor-parallel plan" in r["none"]
+    assert r["seed"].endswith("call nc.model_parallel_manual_seed(seed) first")
     assert all("\n" not in v for v in r.values() if isinstance(v, str))
 
 

@@ -26,6 +26,10 @@ checkpoint loads before or after the swap. Everything is checked before anything
 style we do not map, a module that is not the kind its style needs, or heads that do not split
 evenly is a one-line ``ValueError`` naming the module and the style.
 
+Attention modules whose heads are split and that drop out run inside
+``get_rng_tracker().fork()`` (forward hooks), so each rank draws its own dropout mask for its own
+heads, as our ``CoreAttention`` does; that needs ``model_parallel_manual_seed`` first.
+
 Not covered: sequence parallelism (transformers' activations are ``[b, s, h]`` and its norms are
 its own), and key/value heads fewer than the group (replicating them, as
 :class:`QKVParallelLinear` does, would need the attention module's own head counts changed).
@@ -41,6 +45,7 @@ import torch.nn.functional as F
 
 from ..distributed import collectives as C
 from ..distributed.parallel_state import ParallelState
+from ..distributed.random import MODEL_PARALLEL_RNG, get_rng_tracker
 from .cross_entropy import vocab_parallel_cross_entropy
 from .embedding import VocabParallelEmbedding
 from .layer_args import resolve_parallel_state
@@ -83,12 +88,20 @@ def apply_tensor_parallel(
     tied = _tied_pairs(model, targets)
     for name, module, style in targets:
         _check(model, name, module, style, state.tp_size)
+    split_attention = _split_attention_with_dropout(model, targets) if state.tp_size > 1 else []
+    if split_attention and MODEL_PARALLEL_RNG not in get_rng_tracker().states:
+        raise ValueError(
+            f"apply_tensor_parallel: {split_attention[0]} has attention dropout and its heads are split: each rank "
+            "draws its own mask from the tensor-parallel RNG stream; call nc.model_parallel_manual_seed(seed) first"
+        )
     for name, module, style in targets:
         if style == "replicated_with_grad_allreduce":
             for p in module.parameters(recurse=False):
                 p.register_hook(_sum_over(state))
         elif style != "replicate":
             _swap(model, name, _parallel(module, style, state, head == name))
+    for name in split_attention:
+        _draw_from_the_tp_stream(model.get_submodule(name))
     for lm_head, embedding in tied:
         model.get_submodule(lm_head).weight = model.get_submodule(embedding).weight
     if head is not None:
@@ -257,6 +270,30 @@ class HFVocabParallelEmbedding(VocabParallelEmbedding):
 def _swap(model: torch.nn.Module, name: str, new: torch.nn.Module) -> None:
     parent, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, child, new)
+
+
+def _split_attention_with_dropout(model: torch.nn.Module, targets: list[tuple[str, torch.nn.Module, str]]) -> list[str]:
+    """Attention modules whose heads the plan splits (a ``colwise`` child) and that drop out."""
+    names = {name.rpartition(".")[0] for name, _, style in targets if style == "colwise" and "." in name}
+    return sorted(n for n in names if isinstance(getattr(model.get_submodule(n), "head_dim", None), int)
+                  and getattr(model.get_submodule(n), "attention_dropout", 0) > 0)  # fmt: skip
+
+
+def _draw_from_the_tp_stream(attention: torch.nn.Module) -> None:
+    """Run ``attention``'s forward inside ``get_rng_tracker().fork()``: its dropout, on this rank's
+    heads only, then draws a mask of its own on each rank (as our ``CoreAttention`` does) instead
+    of the same pattern on every rank from the default generator. The projections draw nothing."""
+    forks: list[Any] = []
+
+    def enter(module, args):
+        forks.append(get_rng_tracker().fork())
+        forks[-1].__enter__()
+
+    def leave(module, args, output):
+        forks.pop().__exit__(None, None, None)
+
+    attention.register_forward_pre_hook(enter)
+    attention.register_forward_hook(leave, always_call=True)
 
 
 def _sum_over(state: ParallelState) -> Callable[[torch.Tensor], torch.Tensor]:
