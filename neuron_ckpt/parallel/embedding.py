@@ -46,10 +46,10 @@ class VocabParallelEmbedding(torch.nn.Module):
         embedding_dim: int,
         sequence_parallel: bool = False,
         init_method: InitMethod = normal_init(1.0),
-        padding_idx: int | None = None,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
         parallel_state: ParallelState | None = None,
+        padding_idx: int | None = None,
     ):
         super().__init__()
         check_sizes(num_embeddings=num_embeddings, embedding_dim=embedding_dim)
