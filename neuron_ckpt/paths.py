@@ -10,7 +10,8 @@ Called with torch.distributed initialised, it is a collective: each rank checks 
 will write (``rank0_only`` options, such as the metrics file that only rank 0 writes, are
 checked on global rank 0 only), then the ranks share their findings, so every rank raises the
 same error and none is left waiting in a later collective for a rank that failed
-(:func:`first_problem`, which the HF export uses for its own checks too).
+(:func:`neuron_ckpt.distributed.host.first_problem`, which the HF export uses for its own checks
+too).
 """
 
 from __future__ import annotations
@@ -20,9 +21,7 @@ import secrets
 from collections.abc import Collection, Mapping
 from pathlib import Path
 
-import torch.distributed as dist
-
-from .distributed import runtime
+from .distributed import host
 
 PathLike = str | os.PathLike
 
@@ -92,7 +91,7 @@ def check_output_paths(
     first problem found (lowest rank, then the order given) is raised on every rank; a problem
     found on another rank says which rank found it.
     """
-    rank = _rank()
+    rank = host.rank()
     problem = None
     for kind, table in (("file", files or {}), ("dir", dirs or {})):
         for option, path in table.items():
@@ -104,34 +103,6 @@ def check_output_paths(
                 break
         if problem is not None:
             break
-    problem = first_problem(problem)
+    problem = host.first_problem(problem)
     if problem is not None:
         raise ValueError(problem)
-
-
-def first_problem(problem: str | None) -> str | None:
-    """The first rank's non-None ``problem``, on every rank (a collective when several ranks run;
-    another rank's says which rank found it), so all raise the same error and none waits."""
-    for r, p in enumerate(_gather(problem)):
-        if p is not None:
-            return p if r == _rank() else f"{p} (found on rank {r})"
-    return None
-
-
-def rank() -> int:
-    """This process's global rank (0 without torch.distributed)."""
-    return _rank()
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _gather(problem: str | None) -> list[str | None]:
-    """Every rank's ``problem``, on every rank (host-side: the gloo host group on XLA)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return [problem]
-    group = runtime.get_runtime().host_group if runtime.is_xla() else None
-    out: list[str | None] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, problem, group=group)
-    return out

@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import errno
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -21,12 +20,10 @@ import torch
 import neuron_ckpt as nc
 from neuron_ckpt.parallel import VocabParallelEmbedding
 from neuron_ckpt.paths import check_output_paths
-from .tutorial_run import tiny_run_files
-from .tutorial_run import train_error as _train_error
 
-REPO = Path(__file__).resolve().parents[1]
-TUTORIAL = REPO / "tutorials" / "llama2_7b_tp_zero1"
-CLI = TUTORIAL / "prepare_data.py"
+from .helpers import run_prepare_data
+from .tutorial_run import TUTORIAL, tiny_run_files
+from .tutorial_run import train_error as _train_error
 
 
 # ---- token ids outside the vocabulary -----------------------------------------------------------
@@ -138,16 +135,11 @@ def test_unwritable_output_fails_before_step_1_on_every_rank(world, train_files,
 # ---- prepare_data.py --output -------------------------------------------------------------------
 
 
-def _cli(*args: str | Path) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, str(CLI), "--no-progress", *map(str, args)]
-    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
-
-
 def test_prepare_data_unwritable_output_fails_before_tokenising(tmp_path):
     (tmp_path / "file").write_text("a regular file")
     out = tmp_path / "file" / "train.bin"
     start = time.perf_counter()
-    done = _cli("--seq-len", "128", "--output", out)  # the default corpus: seconds to tokenise
+    done = run_prepare_data("--seq-len", "128", "--output", out)  # the default corpus: seconds to tokenise
     assert done.returncode == 2, done.stderr
     assert done.stdout == ""  # no tokenising summary
     assert done.stderr.strip().splitlines() == [
@@ -156,13 +148,13 @@ def test_prepare_data_unwritable_output_fails_before_tokenising(tmp_path):
     ]
     assert time.perf_counter() - start < 60
     # Checked even before the inputs are read: a missing input is not reached.
-    done = _cli("--input", tmp_path / "missing.txt", "--seq-len", "8", "--output", out)
+    done = run_prepare_data("--input", tmp_path / "missing.txt", "--seq-len", "8", "--output", out)
     assert done.returncode == 2 and "argument --output" in done.stderr, done.stderr
 
 
 def test_prepare_data_val_file_path_is_checked_too(tmp_path):
     (tmp_path / "train.val.bin").mkdir()
-    done = _cli("--seq-len", "8", "--val-fraction", "0.1", "--output", tmp_path / "train.bin")
+    done = run_prepare_data("--seq-len", "8", "--val-fraction", "0.1", "--output", tmp_path / "train.bin")
     assert done.returncode == 2 and done.stdout == ""
     assert "train.val.bin is a directory, expected a file path" in done.stderr
     assert not (tmp_path / "train.bin").exists()

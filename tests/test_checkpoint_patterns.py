@@ -146,16 +146,14 @@ LLAMA_DOUBLE_BACKWARD = r"once_differentiable|use use_reentrant=False"
 
 
 def _llama_run(preset: str, variant: str, pattern: str) -> list:
-    from transformers import LlamaConfig
-
     from neuron_ckpt.models import LlamaForCausalLM
 
-    from .tutorial_run import TINY
+    from .helpers import TINY, tiny_config
 
     options, sp = LLAMA_VARIANTS[variant]
     torch.manual_seed(0)
     p = 0.1 if pattern == "attention_dropout" else 0.0
-    model = LlamaForCausalLM(LlamaConfig(**TINY, attention_dropout=p), sequence_parallel=sp)
+    model = LlamaForCausalLM(tiny_config(attention_dropout=p), sequence_parallel=sp)
     if preset != "none":
         config = RecomputeConfig.preset(preset)
         apply_recompute(model, RecomputeConfig(**{**config.__dict__, **options}))

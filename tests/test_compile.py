@@ -12,13 +12,12 @@ trace: its checkpoint runs eagerly with exact replay, a graph break per layer.
 from __future__ import annotations
 
 import torch
-from transformers import LlamaConfig
 
 import neuron_ckpt as nc
 from neuron_ckpt.models import LlamaForCausalLM
 from neuron_ckpt.recompute import RecomputeConfig, apply_recompute
 
-from .tutorial_run import TINY
+from .helpers import TINY, tiny_config
 
 TOL = 1e-5
 
@@ -26,7 +25,7 @@ TOL = 1e-5
 def _model(recompute: str | None, attention_dropout: float = 0.0) -> LlamaForCausalLM:
     nc.initialize_model_parallel(2)
     torch.manual_seed(0)
-    config = LlamaConfig(**TINY, attention_dropout=attention_dropout)
+    config = tiny_config(attention_dropout=attention_dropout)
     model = LlamaForCausalLM(config, sequence_parallel=True)
     apply_recompute(model, RecomputeConfig.preset(recompute) if recompute else None)
     return model

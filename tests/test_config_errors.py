@@ -22,11 +22,11 @@ import numpy as np
 import pytest
 import transformers
 
-from neuron_ckpt.cli import main as cli_main
 from neuron_ckpt.models import load_llama_config
 from neuron_ckpt.models.config_file import PRESETS_DIR
 
-from .tutorial_run import TINY, TUTORIAL
+from .helpers import TINY, neuron_ckpt_cli, tiny_config
+from .tutorial_run import TUTORIAL
 from .tutorial_run import train_module as _train_module
 
 
@@ -177,10 +177,10 @@ def test_parse_args_refuses_in_one_usage_error(capsys):
 def test_block_length_above_max_position_embeddings_is_raised_with_a_notice():
     train = _train_module()
     cfg = train.TrainConfig(model_config="m.json", data="d.safetensors")
-    config = transformers.LlamaConfig(**TINY | {"max_position_embeddings": 64})
+    config = tiny_config(max_position_embeddings=64)
     notices: list[str] = []
-    assert train._check_seq_len(64, config, cfg, notices) is config and not notices  # equal: fits
-    fitted = train._check_seq_len(128, config, cfg, notices)
+    assert train.check_seq_len(64, config, cfg, notices) is config and not notices  # equal: fits
+    fitted = train.check_seq_len(128, config, cfg, notices)
     assert fitted.max_position_embeddings == 128 and config.max_position_embeddings == 64  # a copy
     (notice,) = notices
     assert "max_position_embeddings 64 < block length 128: raised to 128" in notice and "m.json" in notice
@@ -210,16 +210,9 @@ def test_train_main_refuses_a_typo_config_and_too_long_blocks(world, tmp_path):
 # ---- neuron-ckpt: every error is one line on stderr and exit status 2 ----------------------------
 
 
-def _cli(capsys, *argv: str) -> tuple[int, str]:
-    try:
-        code = cli_main(list(argv))
-    except SystemExit as exc:
-        code = exc.code
-    captured = capsys.readouterr()
-    return code, captured.err
-
-
-def _assert_one_line(code: int, err: str, *needles: str) -> None:
+def _assert_one_line(result: tuple[int, str, str], *needles: str) -> None:
+    """``result``: ``neuron_ckpt_cli``'s (exit status, stdout, stderr)."""
+    code, _, err = result
     assert code == 2, (code, err)
     assert err.count("\n") == 1 and err.endswith("\n"), err
     assert "Traceback" not in err
@@ -238,7 +231,7 @@ SEVEN_B = ("plan", "--tp", "8", "--dp", "4", "--seq", "4096")
     (("--no-zero1", "--bucket-cap-mb", "64"), ("--bucket-cap-mb", "--no-zero1")),
 ])  # fmt: skip
 def test_plan_refuses_options_it_would_ignore(capsys, extra, needles):
-    _assert_one_line(*_cli(capsys, *SEVEN_B, "--device-memory", "trn1", *extra), *needles)
+    _assert_one_line(neuron_ckpt_cli(capsys, *SEVEN_B, "--device-memory", "trn1", *extra), *needles)
 
 
 @pytest.mark.parametrize("extra, needles", [
@@ -250,12 +243,12 @@ def test_plan_refuses_options_it_would_ignore(capsys, extra, needles):
     (("--device-memory", "16", "--bucket-cap-mb", "inf"), ("argument --bucket-cap-mb", "finite")),
 ])  # fmt: skip
 def test_plan_non_finite_numbers(capsys, extra, needles):
-    _assert_one_line(*_cli(capsys, *SEVEN_B, *extra), *needles)
+    _assert_one_line(neuron_ckpt_cli(capsys, *SEVEN_B, *extra), *needles)
 
 
 @pytest.mark.parametrize("memory, reserve", [("trn1", "20"), ("16", "16")])
 def test_plan_a_reserve_that_leaves_nothing(capsys, memory, reserve):
-    _assert_one_line(*_cli(capsys, *SEVEN_B, "--device-memory", memory, "--reserve", reserve),
+    _assert_one_line(neuron_ckpt_cli(capsys, *SEVEN_B, "--device-memory", memory, "--reserve", reserve),
                      f"--reserve {reserve} GiB leaves nothing of a 16 GiB device")
 
 
@@ -268,8 +261,8 @@ def test_plan_a_reserve_that_leaves_nothing(capsys, memory, reserve):
 def test_plan_config_file_errors(capsys, tmp_path, content, needles):
     path = tmp_path / "config.json"
     path.write_bytes(content.encode("latin-1") if content.startswith("\xff") else content.encode())
-    code, err = _cli(capsys, "plan", "--config", str(path), "--seq", "64", "--device-memory", "16")
-    _assert_one_line(code, err, str(path), *needles)
+    result = neuron_ckpt_cli(capsys, "plan", "--config", str(path), "--seq", "64", "--device-memory", "16")
+    _assert_one_line(result, str(path), *needles)
 
 
 MEMORY = ("memory", "--hidden", "64", "--heads", "4", "--seq", "64")
@@ -288,8 +281,7 @@ def test_memory_plot_path_is_checked_before_any_work(capsys, tmp_path, monkeypat
 
     monkeypatch.setattr(report, "measure", no_measuring)
     (tmp_path / "a_file").write_text("x")
-    code, err = _cli(capsys, *MEMORY, "--measure", "--plot", str(tmp_path / where))
-    _assert_one_line(code, err, "--plot", needle)
+    _assert_one_line(neuron_ckpt_cli(capsys, *MEMORY, "--measure", "--plot", str(tmp_path / where)), "--plot", needle)
 
 
 def test_memory_plot_into_an_unwritable_directory(capsys, tmp_path, monkeypatch):
@@ -299,8 +291,7 @@ def test_memory_plot_into_an_unwritable_directory(capsys, tmp_path, monkeypatch)
         raise PermissionError(13, "Permission denied", str(path))
 
     monkeypatch.setattr(report, "open", refuse, raising=False)
-    code, err = _cli(capsys, *MEMORY, "--plot", str(tmp_path / "m.png"))
-    _assert_one_line(code, err, "cannot write there: Permission denied")
+    _assert_one_line(neuron_ckpt_cli(capsys, *MEMORY, "--plot", str(tmp_path / "m.png")), "cannot write there: Permission denied")
     assert not (tmp_path / "m.png").exists()
 
 
@@ -309,7 +300,7 @@ def test_memory_plot_check_leaves_no_file_behind_and_the_plot_is_written(capsys,
 
     check_plot_path(str(tmp_path / "m.png"))
     assert not (tmp_path / "m.png").exists()
-    assert _cli(capsys, *MEMORY, "--plot", str(tmp_path / "m.png"))[0] == 0
+    assert neuron_ckpt_cli(capsys, *MEMORY, "--plot", str(tmp_path / "m.png"))[0] == 0
     assert (tmp_path / "m.png").read_bytes()[:4] == b"\x89PNG"
 
 
@@ -322,7 +313,7 @@ def test_an_os_error_during_the_command_is_one_line(capsys, monkeypatch):
         raise OSError(28, "No space left on device", "/data/x.json")
 
     monkeypatch.setattr(report, "build_report", full)
-    _assert_one_line(*_cli(capsys, *MEMORY), "/data/x.json: No space left on device")
+    _assert_one_line(neuron_ckpt_cli(capsys, *MEMORY), "/data/x.json: No space left on device")
 
 
 def test_the_console_script_prints_no_traceback(tmp_path):

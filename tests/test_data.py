@@ -6,8 +6,6 @@ import importlib.util
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,8 +15,8 @@ from safetensors.numpy import load_file, save
 
 from neuron_ckpt import data
 
-REPO = Path(__file__).resolve().parents[1]
-CLI = REPO / "tutorials" / "llama2_7b_tp_zero1" / "prepare_data.py"
+from .helpers import run_prepare_data
+
 VOCAB = 32000
 
 
@@ -334,15 +332,10 @@ def test_split_holds_out_seeded_random_blocks():
     assert data.val_path_for("out/train.bin") == Path("out/train.val.bin")
 
 
-def _cli(*args: str | Path) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, str(CLI), "--no-progress", *map(str, args)]
-    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
-
-
 def test_cli_packs_one_play_end_to_end(tmp_path):
     play = next(f for f in data.default_corpus_files() if f.name == "macbeth.md")
     out = tmp_path / "train.bin"
-    done = _cli("--input", str(play), "--seq-len", "64", "--val-fraction", "0.1", "--output", out)
+    done = run_prepare_data("--input", str(play), "--seq-len", "64", "--val-fraction", "0.1", "--output", out)
     assert done.returncode == 0, done.stderr
     assert "documents 1 |" in done.stdout
     train = data.PackedDataset(out, expected_seq_len=64, expected_vocab_size=32000)
@@ -351,7 +344,7 @@ def test_cli_packs_one_play_end_to_end(tmp_path):
 
 
 def test_cli_rejects_a_zero_seq_len_with_exit_code_2(tmp_path):
-    done = _cli("--seq-len", "0", "--output", str(tmp_path / "x.bin"))
+    done = run_prepare_data("--seq-len", "0", "--output", str(tmp_path / "x.bin"))
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
         "prepare_data.py: error: argument --seq-len: must be an integer >= 2, got '0'"
@@ -402,7 +395,7 @@ def _tokenized_dataset(path: Path, rows: list[list[int]]) -> Path:
 def test_cli_packs_an_already_tokenized_dataset_as_it_is(tmp_path):
     rows = np.random.default_rng(0).integers(0, 100, size=(6, 8)).tolist()
     src = _tokenized_dataset(tmp_path / "tok", rows)
-    done = _cli("--input", src, "--seq-len", "8", "--vocab-size", "100", "--output", tmp_path / "train.bin")
+    done = run_prepare_data("--input", src, "--seq-len", "8", "--vocab-size", "100", "--output", tmp_path / "train.bin")
     assert done.returncode == 0, done.stderr
     packed = data.PackedDataset(tmp_path / "train.bin", expected_seq_len=8, expected_vocab_size=100)
     assert packed.get_blocks(list(range(6))).tolist() == rows  # same ids, same order, no separators
@@ -417,7 +410,7 @@ def test_cli_refuses_tokenized_rows_of_another_length_or_outside_the_vocab(tmp_p
         ("--seq-len", "4"): "already tokenized: pass --vocab-size",
     }
     for args, message in cases.items():
-        done = _cli("--input", src, *args, *out)
+        done = run_prepare_data("--input", src, *args, *out)
         assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
         assert message in done.stderr, done.stderr
     assert not (tmp_path / "train.bin").exists()

@@ -15,7 +15,6 @@ import math
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,11 +23,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from neuron_ckpt.distributed.runtime import free_port
 from neuron_ckpt.train import CheckpointManager, NonFiniteError
 from neuron_ckpt.train import faults
 from neuron_ckpt.train.metrics import read_metrics
 
-from .tutorial_run import TUTORIAL, tiny_run_files
+from .helpers import patched
+from .tutorial_run import TUTORIAL, tiny_run_files, train_module
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -47,17 +48,11 @@ def _rows(path: Path) -> list[dict]:
     return read_metrics(path)["step"] if path.exists() else []
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class _Job:
     """``script argv`` on ``n`` processes (RANK 0..n-1, env:// rendezvous), output in logs."""
 
     def __init__(self, tmp: Path, n: int, script: Path, argv: list[str], env: dict | None = None):
-        port, self.logs, self.procs = _free_port(), [], []
+        port, self.logs, self.procs = free_port(), [], []
         for r in range(n):
             e = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(r),
                  "WORLD_SIZE": str(n), "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(n), "OMP_NUM_THREADS": "1",
@@ -99,10 +94,6 @@ def _wait_for(predicate, timeout: float, what: str, job: _Job) -> None:
 def _train_nan(argv: list[str], poison_rank: int | None = None, poison_step: int = 0) -> dict:
     """Worker: train.main(argv); a NonFiniteError comes back as a dict. ``poison_rank`` sets one
     weight of that rank's MLP to NaN before step ``poison_step`` (NaN weights stay NaN)."""
-    if str(TUTORIAL) not in sys.path:
-        sys.path.insert(0, str(TUTORIAL))
-    import train
-
     import torch.distributed as dist
     from neuron_ckpt.train import loop
 
@@ -116,13 +107,11 @@ def _train_nan(argv: list[str], poison_rank: int | None = None, poison_step: int
                 model.get_parameter("layers.0.mlp.down_proj.weight").view(-1)[0] = float("nan")
         return real(model, optimizer, micro_batches, device)
 
-    loop.train_step = poisoned
-    try:
-        train.main(argv)
-    except NonFiniteError as e:
-        return {"step": e.step, "loss": e.loss, "grad_norm": e.grad_norm, "last_finite": e.last_finite, "message": str(e)}
-    finally:
-        loop.train_step = real
+    with patched(loop, "train_step", poisoned):
+        try:
+            train_module().main(argv)
+        except NonFiniteError as e:
+            return {"step": e.step, "loss": e.loss, "grad_norm": e.grad_norm, "last_finite": e.last_finite, "message": str(e)}
     return {}
 
 

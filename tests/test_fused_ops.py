@@ -49,6 +49,8 @@ from neuron_ckpt.memory.measure import SavedTensorRecorder
 from neuron_ckpt.parallel.attention import masked_score
 from neuron_ckpt.parallel.fused_ops import masked_softmax, rms_norm, swiglu
 
+from .helpers import rel_norm
+
 EPS = 1e-6
 SHAPES = [(8, 2, 64), (5, 3, 7), (13, 1, 33)]  # [s, b, h]: small, and odd sizes
 ACT = [torch.float32, torch.bfloat16, torch.float16]
@@ -68,11 +70,6 @@ def exact_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = EPS) -> t
 
 def plain_swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().double(), b.detach().double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def randn(shape, dtype, seed: int, scale: float = 1.0, shift: float = 0.0) -> torch.Tensor:
@@ -105,7 +102,7 @@ def test_rms_norm_forward_is_bitwise_the_plain_module(shape, act, weight_dtype):
     x, w, _ = norm_inputs(shape, act, weight_dtype)
     got, want = rms_norm(x, w, EPS), plain_rms_norm(x, w)
     assert got.dtype == want.dtype == torch.promote_types(act, weight_dtype)
-    assert torch.equal(got, want), rel(got, want)
+    assert torch.equal(got, want), rel_norm(got, want)
 
 
 @pytest.mark.parametrize("weight_dtype", WEIGHT, ids=str)
@@ -119,9 +116,9 @@ def test_rms_norm_gradients_match_the_plain_module(shape, act, weight_dtype):
     for name, f, p, e, dtype in zip(("dx", "dw"), fused, plain, exact, (act, weight_dtype)):
         assert f.dtype == p.dtype == dtype, name
         if dtype == torch.float32:
-            assert rel(f, p) <= 1e-6, (name, rel(f, p))
+            assert rel_norm(f, p) <= 1e-6, (name, rel_norm(f, p))
         else:
-            assert rel(f, e) <= 1.1 * rel(p, e), (name, rel(f, e), rel(p, e))
+            assert rel_norm(f, e) <= 1.1 * rel_norm(p, e), (name, rel_norm(f, e), rel_norm(p, e))
 
 
 def test_rms_norm_weight_gradient_uses_the_rounded_normalised_input():
@@ -322,11 +319,11 @@ def test_masked_softmax_16bit_backward_is_one_rounding_of_the_kept_output(shape,
     u = UNIT_ROUNDOFF[act]
     # (a) The exact softmax backward of the 16-bit output it kept, rounded once.
     exact = torch.ops.aten._softmax_backward_data(grad.double(), out.double(), -1, torch.float64)
-    assert rel(ours, exact) <= u
+    assert rel_norm(ours, exact) <= u
     # (b) Against the true gradient: the kept output's rounding and the final one.
     x = scores.double().requires_grad_()
     torch.softmax(x.masked_fill(mask, fill), -1).backward(grad.double())
-    assert rel(ours, x.grad) <= 2 * u
+    assert rel_norm(ours, x.grad) <= 2 * u
     assert torch.equal(ours.masked_select(mask), torch.zeros_like(ours.masked_select(mask)))
 
 

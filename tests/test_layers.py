@@ -34,13 +34,11 @@ from neuron_ckpt.parallel import (
     vocab_parallel_cross_entropy,
 )
 
+from .helpers import rel_norm
+
 TOL = 1e-5
 TPS = (1, 2, 4)
 S, B, H = 8, 2, 12  # sequence, micro-batch, hidden (all divisible by 4)
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.detach() - b.detach()).norm() / b.detach().norm().clamp_min(1e-30)).item()
 
 
 def chunk(x: torch.Tensor, dim: int, st) -> torch.Tensor:
@@ -74,10 +72,10 @@ def _column(t: int) -> dict[str, float]:
             ref_y, ref_r = (yd, r) if gather else (chunk(yd, -1, st), chunk(r, -1, st))
             (y * ref_r).sum().backward()
             key = f"sp={sp},gather={gather}"
-            errs[f"{key} y"] = rel(y, ref_y)
-            errs[f"{key} dx"] = rel(xl.grad, chunk(x.grad, 0, st) if sp else x.grad)
-            errs[f"{key} dw"] = rel(layer.weight.grad, chunk(w.grad, 0, st))
-            errs[f"{key} db"] = rel(layer.bias.grad, chunk(b.grad, 0, st))
+            errs[f"{key} y"] = rel_norm(y, ref_y)
+            errs[f"{key} dx"] = rel_norm(xl.grad, chunk(x.grad, 0, st) if sp else x.grad)
+            errs[f"{key} dw"] = rel_norm(layer.weight.grad, chunk(w.grad, 0, st))
+            errs[f"{key} db"] = rel_norm(layer.bias.grad, chunk(b.grad, 0, st))
     return errs
 
 
@@ -101,10 +99,10 @@ def _row(t: int) -> dict[str, float]:
         ref_y, ref_r = (chunk(yd, 0, st), chunk(r, 0, st)) if sp else (yd, r)
         (y * ref_r).sum().backward()
         key = f"sp={sp},input_is_parallel={parallel_in}"
-        errs[f"{key} y"] = rel(y, ref_y)
-        errs[f"{key} dx"] = rel(xl.grad, chunk(x.grad, -1, st) if parallel_in else x.grad)
-        errs[f"{key} dw"] = rel(layer.weight.grad, chunk(w.grad, 1, st))
-        errs[f"{key} db"] = rel(layer.bias.grad, b.grad)
+        errs[f"{key} y"] = rel_norm(y, ref_y)
+        errs[f"{key} dx"] = rel_norm(xl.grad, chunk(x.grad, -1, st) if parallel_in else x.grad)
+        errs[f"{key} dw"] = rel_norm(layer.weight.grad, chunk(w.grad, 1, st))
+        errs[f"{key} db"] = rel_norm(layer.bias.grad, b.grad)
     return errs
 
 
@@ -123,8 +121,8 @@ def _embedding(t: int) -> dict[str, float]:
         y = layer(ids)
         ref_y, ref_r = (chunk(yd, 0, st), chunk(r, 0, st)) if sp else (yd, r)
         (y * ref_r).sum().backward()
-        errs[f"sp={sp} y"] = rel(y, ref_y)
-        errs[f"sp={sp} dw"] = rel(layer.weight.grad, chunk(w.grad, 0, st))
+        errs[f"sp={sp} y"] = rel_norm(y, ref_y)
+        errs[f"sp={sp} dw"] = rel_norm(layer.weight.grad, chunk(w.grad, 0, st))
     return errs
 
 
@@ -144,8 +142,8 @@ def _cross_entropy(t: int) -> dict[str, float]:
         local = chunk(logits.detach(), -1, st).clone().requires_grad_()
         loss = vocab_parallel_cross_entropy(local, target, ignore_index=-100, reduction=reduction)
         (loss * r).sum().backward()
-        errs[f"{reduction} loss"] = rel(loss, ref)
-        errs[f"{reduction} dlogits"] = rel(local.grad, chunk(logits.grad, -1, st))
+        errs[f"{reduction} loss"] = rel_norm(loss, ref)
+        errs[f"{reduction} dlogits"] = rel_norm(local.grad, chunk(logits.grad, -1, st))
     return errs
 
 
@@ -235,11 +233,11 @@ def _norms(t: int) -> dict[str, float]:
             y = norm(xl)
             (y * (chunk(r, 0, st) if sp else r)).sum().backward()
             key = f"{name} sp={sp}"
-            errs[f"{key} y"] = rel(y, chunk(yd, 0, st) if sp else yd)
-            errs[f"{key} dx"] = rel(xl.grad, chunk(x.grad, 0, st) if sp else x.grad)
-            errs[f"{key} dw"] = rel(norm.weight.grad, w.grad)  # complete, not partial
+            errs[f"{key} y"] = rel_norm(y, chunk(yd, 0, st) if sp else yd)
+            errs[f"{key} dx"] = rel_norm(xl.grad, chunk(x.grad, 0, st) if sp else x.grad)
+            errs[f"{key} dw"] = rel_norm(norm.weight.grad, w.grad)  # complete, not partial
             if name == "layer":
-                errs[f"{key} db"] = rel(norm.bias.grad, bias.grad)
+                errs[f"{key} db"] = rel_norm(norm.bias.grad, bias.grad)
     return errs
 
 
@@ -288,17 +286,17 @@ def _attention_block(t: int) -> dict[str, float]:
             y = proj(core(*qkv(xl)))
             (y * (chunk(r, 0, st) if sp else r)).sum().backward()
             key = f"kv={kv_heads} sp={sp}"
-            errs[f"{key} y"] = rel(y, chunk(yd, 0, st) if sp else yd)
-            errs[f"{key} dx"] = rel(xl.grad, chunk(x.grad, 0, st) if sp else x.grad)
-            errs[f"{key} dwq"] = rel(qkv.q_weight.grad, chunk(wq.grad, 0, st))
-            errs[f"{key} dbq"] = rel(qkv.q_bias.grad, chunk(bq.grad, 0, st))
+            errs[f"{key} y"] = rel_norm(y, chunk(yd, 0, st) if sp else yd)
+            errs[f"{key} dx"] = rel_norm(xl.grad, chunk(x.grad, 0, st) if sp else x.grad)
+            errs[f"{key} dwq"] = rel_norm(qkv.q_weight.grad, chunk(wq.grad, 0, st))
+            errs[f"{key} dbq"] = rel_norm(qkv.q_bias.grad, chunk(bq.grad, 0, st))
             kv_rows = slice(qkv.kv_index * qkv.local_kv_heads * d, (qkv.kv_index + 1) * qkv.local_kv_heads * d)
-            errs[f"{key} dwk"] = rel(qkv.k_weight.grad, wk.grad[kv_rows])
-            errs[f"{key} dwv"] = rel(qkv.v_weight.grad, wv.grad[kv_rows])
+            errs[f"{key} dwk"] = rel_norm(qkv.k_weight.grad, wk.grad[kv_rows])
+            errs[f"{key} dwv"] = rel_norm(qkv.v_weight.grad, wv.grad[kv_rows])
             # The key bias gradient is analytically zero (softmax ignores a per-query constant
             # q.b_k), so relative error would compare rounding noise: check the value bias.
-            errs[f"{key} dbv"] = rel(qkv.v_bias.grad, bv.grad[kv_rows])
-            errs[f"{key} dwo"] = rel(proj.weight.grad, chunk(wo.grad, 1, st))
+            errs[f"{key} dbv"] = rel_norm(qkv.v_bias.grad, bv.grad[kv_rows])
+            errs[f"{key} dwo"] = rel_norm(proj.weight.grad, chunk(wo.grad, 1, st))
     return errs
 
 
@@ -325,12 +323,12 @@ def _mlp_block(t: int) -> dict[str, float]:
         y = down(F.gelu(up(xl)))
         (y * (chunk(r, 0, st) if sp else r)).sum().backward()
         key = f"sp={sp}"
-        errs[f"{key} y"] = rel(y, chunk(yd, 0, st) if sp else yd)
-        errs[f"{key} dx"] = rel(xl.grad, chunk(x.grad, 0, st) if sp else x.grad)
-        errs[f"{key} dw1"] = rel(up.weight.grad, chunk(w1.grad, 0, st))
-        errs[f"{key} db1"] = rel(up.bias.grad, chunk(b1.grad, 0, st))
-        errs[f"{key} dw2"] = rel(down.weight.grad, chunk(w2.grad, 1, st))
-        errs[f"{key} db2"] = rel(down.bias.grad, b2.grad)
+        errs[f"{key} y"] = rel_norm(y, chunk(yd, 0, st) if sp else yd)
+        errs[f"{key} dx"] = rel_norm(xl.grad, chunk(x.grad, 0, st) if sp else x.grad)
+        errs[f"{key} dw1"] = rel_norm(up.weight.grad, chunk(w1.grad, 0, st))
+        errs[f"{key} db1"] = rel_norm(up.bias.grad, chunk(b1.grad, 0, st))
+        errs[f"{key} dw2"] = rel_norm(down.weight.grad, chunk(w2.grad, 1, st))
+        errs[f"{key} db2"] = rel_norm(down.bias.grad, b2.grad)
     return errs
 
 
@@ -340,7 +338,7 @@ def _sequence_mappings(t: int) -> dict[str, float]:
     x = full_input(S, B, H).requires_grad_()
     y = gather_from_sequence_parallel_region(scatter_to_sequence_parallel_region(x), tensor_parallel_output_grad=False)
     (y * 3).sum().backward()
-    return {"roundtrip": rel(y, x), "grad": rel(x.grad, torch.full_like(x, 3.0))}
+    return {"roundtrip": rel_norm(y, x), "grad": rel_norm(x.grad, torch.full_like(x, 3.0))}
 
 
 CHECKS = {

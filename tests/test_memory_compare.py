@@ -16,7 +16,6 @@ import pytest
 import torch
 
 import neuron_ckpt as nc
-from neuron_ckpt.cli import main
 from neuron_ckpt.memory import ModelShape, SavedTensorRecorder, TrainingSetup, layer_activation_bytes
 from neuron_ckpt.memory.compare import fit_slope, layer_state_bytes, predicted_saving
 from neuron_ckpt.memory.readers import recorder
@@ -24,19 +23,12 @@ from neuron_ckpt.models import LlamaForCausalLM, load_llama_config
 from neuron_ckpt.parallel import CoreAttention
 from neuron_ckpt.recompute import RecomputeConfig, apply_recompute
 
+from .helpers import neuron_ckpt_cli
+
 FIXTURE = Path(__file__).parent / "fixtures" / "memory" / "trn1_7b_handmade"
 TINY = Path(__file__).parents[1] / "tutorials" / "llama2_7b_tp_zero1" / "configs" / "tiny.json"
 MIB, PAGE = 1 << 20, 512 << 20
 S, B = 64, 2
-
-
-def _compare(capsys, *argv: str) -> tuple[int, str, str]:
-    try:
-        code = main(["compare", *argv])
-    except SystemExit as exc:
-        code = exc.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 # ---------------------------------------------------------------------------------------------
@@ -111,8 +103,8 @@ def recorded_runs(world, tmp_path_factory):
 
 def test_recorded_llama_agrees_with_the_model_to_the_byte(capsys, recorded_runs):
     r = recorded_runs
-    code, out, err = _compare(
-        capsys, "--config", str(TINY), "--seq", str(S), "--micro-batch", str(B), "--no-sequence-parallel",
+    code, out, err = neuron_ckpt_cli(
+        capsys, "compare", "--config", str(TINY), "--seq", str(S), "--micro-batch", str(B), "--no-sequence-parallel",
         "--no-zero1", "--attention", "explicit", "--run", f"1={r[1, 'none']}", "--run", f"2={r[2, 'none']}",
         "--run", f"3={r[3, 'none']}", "--recompute-run", f"full={r[3, 'full']}",
         "--recompute-run", f"selective={r[3, 'selective']}", "--json")
@@ -126,7 +118,7 @@ def test_recorded_llama_agrees_with_the_model_to_the_byte(capsys, recorded_runs)
 
 def test_a_wrong_model_is_called_a_disagreement_with_its_size(capsys, recorded_runs):
     r = recorded_runs  # the same reports described as a longer sequence: the model predicts more
-    code, out, _ = _compare(capsys, "--config", str(TINY), "--seq", str(2 * S), "--micro-batch", str(B),
+    code, out, _ = neuron_ckpt_cli(capsys, "compare", "--config", str(TINY), "--seq", str(2 * S), "--micro-batch", str(B),
                             "--no-sequence-parallel", "--attention", "explicit",
                             "--run", f"1={r[1, 'none']}", "--run", f"3={r[3, 'none']}")
     assert code == 1
@@ -139,14 +131,14 @@ def test_a_wrong_model_is_called_a_disagreement_with_its_size(capsys, recorded_r
 
 
 def test_handmade_capture_reads_as_it_is(capsys):
-    code, out, err = _compare(capsys, "--capture", str(FIXTURE))
+    code, out, err = neuron_ckpt_cli(capsys, "compare", "--capture", str(FIXTURE))
     assert code == 1, err  # the hand-made NEFF keeps 70 MiB a layer against 64.3 predicted
     neff, sysfs = out.split("\nneff:")[1].split("\nsysfs:")
     assert "exact bytes, no page" in neff and "disagrees by +8.8%" in neff
     assert "page 512 MiB" in sysfs and "core 0" in sysfs and "core 1" in sysfs
     assert "control: tensors per layer" in sysfs and ": ok" in sysfs
     assert "unresolved" in sysfs and "layers apart would resolve it" in sysfs  # 64 MiB a layer, 512 MiB pages
-    code, out, _ = _compare(capsys, "--capture", str(FIXTURE), "--json")
+    code, out, _ = neuron_ckpt_cli(capsys, "compare", "--capture", str(FIXTURE), "--json")
     result = json.loads(out)
     for key in ("predicted_bytes_per_layer", "measured_bytes_per_layer", "uncertainty_bytes_per_layer", "control",
                 "agrees", "verdict"):
@@ -165,7 +157,7 @@ def test_a_failing_control_says_the_method_is_broken(capsys, tmp_path):
     for core in data.values():
         core["tensors"] = {k: v + (1 << 30) for k, v in core["tensors"].items()}
     bumped.write_text(json.dumps(data))
-    _, out, _ = _compare(capsys, "--capture", str(capture), "--source", "sysfs")
+    _, out, _ = neuron_ckpt_cli(capsys, "compare", "--capture", str(capture), "--source", "sysfs")
     assert "FAILS" in out and "the control fails" in out and "says nothing about the model" in out
 
 
@@ -181,7 +173,7 @@ def test_a_failing_control_says_the_method_is_broken(capsys, tmp_path):
 ])
 def test_bad_input_is_one_line(capsys, tmp_path, monkeypatch, argv, message):
     monkeypatch.chdir(tmp_path)
-    code, out, err = _compare(capsys, *argv)
+    code, out, err = neuron_ckpt_cli(capsys, "compare", *argv)
     assert code == 2 and message in err and err.count("\n") == 1, err
 
 
@@ -189,9 +181,9 @@ def test_one_layer_count_or_mixed_formats_are_refused(capsys, recorded_runs, tmp
     r = recorded_runs
     sysfs = FIXTURE / "none_L8" / "sysfs.json"
     base = ["--config", str(TINY), "--seq", str(S), "--no-sequence-parallel", "--attention", "explicit"]
-    code, _, err = _compare(capsys, *base, "--run", f"3={r[3, 'none']}", "--run", f"3={r[3, 'full']}")
+    code, _, err = neuron_ckpt_cli(capsys, "compare", *base, "--run", f"3={r[3, 'none']}", "--run", f"3={r[3, 'full']}")
     assert code == 2 and "two or more different layer counts" in err
-    code, _, err = _compare(capsys, *base, "--run", f"1={r[1, 'none']}", "--run", f"2={sysfs}")
+    code, _, err = neuron_ckpt_cli(capsys, "compare", *base, "--run", f"1={r[1, 'none']}", "--run", f"2={sysfs}")
     assert code == 2 and "compare one format at a time" in err
 
 

@@ -43,14 +43,11 @@ from neuron_ckpt.distributed import collectives as C
 from neuron_ckpt.distributed.parallel_state import Group
 from neuron_ckpt.parallel import CoreAttention, vocab_parallel_cross_entropy
 
+from .helpers import patched, rel_norm
+
 S, B, D = 16, 2, 8
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().double(), b.detach().double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def _inputs(heads: int, kv_heads: int, dtype: torch.dtype, scale: float = 1.0, seed: int = 0):
@@ -125,7 +122,7 @@ def test_finite_mask_is_bitwise_the_inf_mask(monkeypatch, dtype, heads, kv_heads
     old = _forward_backward(attn, qkv, r)
     for name, a, b in zip(("out", "dq", "dk", "dv"), new, old):
         assert a.isfinite().all(), f"{name}: non-finite values with the finite mask"
-        assert torch.equal(a, b), f"{name}: finite mask differs from -inf by {rel(a, b):.2e}"
+        assert torch.equal(a, b), f"{name}: finite mask differs from -inf by {rel_norm(a, b):.2e}"
     # Row 0 attends to itself only: probability exactly 1, so out[0] is v[0] exactly (per kv group).
     v0 = qkv[2][0].view(B, kv_heads, 1, D).expand(B, kv_heads, heads // kv_heads, D).reshape(B, heads * D)
     assert torch.equal(new[0][0], v0)
@@ -140,7 +137,7 @@ def test_finite_mask_matches_plain_inf_references(dtype, heads, kv_heads, softma
     got = _forward_backward(attn, qkv, r)
     for ref_name, fn in (("plain -inf", _plain_inf(heads, kv_heads, softmax_in_fp32)), ("sdpa", _sdpa(heads, kv_heads))):
         ref = _forward_backward(fn, qkv, r)
-        errs = {name: rel(a, b) for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref)}
+        errs = {name: rel_norm(a, b) for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref)}
         bad = {k: f"{v:.2e}" for k, v in errs.items() if not v < TOL[dtype]}
         assert not bad, f"{dtype} vs {ref_name}: relative errors above {TOL[dtype]}: {bad}"
 
@@ -195,8 +192,7 @@ def _cross_entropy_without_all_gather(t: int, scale: float) -> dict[str, float]:
     def no_gather(*args, **kwargs):
         raise AssertionError("vocab_parallel_cross_entropy must not all-gather")
 
-    C.all_gather, saved = no_gather, C.all_gather
-    try:
+    with patched(C, "all_gather", no_gather):
         V = 24
         g = torch.Generator().manual_seed(11)
         logits = (scale * torch.randn(S, B, V, generator=g)).requires_grad_()
@@ -209,11 +205,9 @@ def _cross_entropy_without_all_gather(t: int, scale: float) -> dict[str, float]:
         loss.backward()
         return {
             "finite": float(loss.isfinite().item() and local.grad.isfinite().all().item()),
-            "loss": rel(loss, ref),
-            "dlogits": rel(local.grad, logits.grad.chunk(t, dim=-1)[st.tp_rank]),
+            "loss": rel_norm(loss, ref),
+            "dlogits": rel_norm(local.grad, logits.grad.chunk(t, dim=-1)[st.tp_rank]),
         }
-    finally:
-        C.all_gather = saved
 
 
 @pytest.mark.parametrize("scale", [3.0, 1e4], ids=["normal", "huge_logits"])

@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import json
 from dataclasses import replace
@@ -40,21 +39,18 @@ from neuron_ckpt.memory.planner import evaluate, valid_tp_degrees
 from neuron_ckpt.models.config_file import load_llama_config
 from neuron_ckpt.models.llama import LlamaForCausalLM, SwiGLU
 from neuron_ckpt.parallel import CoreAttention
-from neuron_ckpt.recompute import RecomputeConfig, apply_recompute
+from neuron_ckpt.recompute import RecomputeConfig, apply_recompute, unwrapped
+
+from .helpers import counted_forwards, tiny_config
 
 TOLERANCE = 0.02
 S, B = 32, 2
-
-
-def tiny_config(layers: int = 2) -> transformers.LlamaConfig:
-    return transformers.LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=176, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=S, rms_norm_eps=1e-5, tie_word_embeddings=False,
-    )
+SIZES = {"vocab_size": 256, "intermediate_size": 176, "max_position_embeddings": S}
+"""The suite's tiny Llama (``tiny_config``) at the sizes these measurements were set on."""
 
 
 def _configs(names) -> list[RecomputeConfig | None]:
-    options = layer_options(ModelShape.from_llama(tiny_config(len(names))), TrainingSetup(S, B))
+    options = layer_options(ModelShape.from_llama(tiny_config(**SIZES, num_hidden_layers=len(names))), TrainingSetup(S, B))
     return [options[n].recompute for n in names]
 
 
@@ -88,7 +84,7 @@ def _measure_whole_model(t: int, sp: bool, attention: str) -> dict[str, int]:
     out = {}
     for label, names in _assignments(attention).items():
         torch.manual_seed(0)
-        model = LlamaForCausalLM(tiny_config(), sequence_parallel=sp, attention_implementation=attention,
+        model = LlamaForCausalLM(tiny_config(**SIZES), sequence_parallel=sp, attention_implementation=attention,
                                  dtype=torch.bfloat16).train()
         apply_recompute(model, _configs(names), sequence_parallel=sp)
         masks = [m.causal_mask(S, torch.device("cpu")) for m in model.modules() if isinstance(m, CoreAttention)]
@@ -104,7 +100,7 @@ def _measure_whole_model(t: int, sp: bool, attention: str) -> dict[str, int]:
                                             (1, False, "flash"), (2, True, "flash")])
 def test_budget_activations_match_a_measured_llama(world, t, sp, attention):
     measured = world(2).run(_measure_whole_model, t, sp, attention)
-    model = ModelShape.from_llama(tiny_config())
+    model = ModelShape.from_llama(tiny_config(**SIZES))
     setup = TrainingSetup(S, B, tp=t, dp=2 // t, sequence_parallel=sp, attention=attention)
     for rank, per_rank in enumerate(measured):
         for label, names in _assignments(attention).items():
@@ -127,7 +123,7 @@ def test_presets_parameters_and_flops_per_token():
     assert (eight_b.kv_heads, eight_b.ffn, eight_b.vocab) == (8, 14336, 128256)
     assert eight_b.num_parameters() == 8_030_261_248  # Llama-3 8B
     for bias in (False, True):
-        config = tiny_config()
+        config = tiny_config(**SIZES)
         config.attention_bias = config.mlp_bias = bias
         reference = transformers.LlamaForCausalLM(config)
         assert ModelShape.from_llama(config).num_parameters() == sum(p.numel() for p in reference.parameters())
@@ -135,7 +131,7 @@ def test_presets_parameters_and_flops_per_token():
 
 def _local_parameter_count(t: int, bias: bool) -> int:
     nc.initialize_model_parallel(t)
-    config = tiny_config()
+    config = tiny_config(**SIZES)
     config.num_key_value_heads, config.attention_bias, config.mlp_bias = 1, bias, bias  # g < t at t = 2
     return sum(p.numel() for p in LlamaForCausalLM(config).parameters())
 
@@ -143,7 +139,7 @@ def _local_parameter_count(t: int, bias: bool) -> int:
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("t", [1, 2])
 def test_local_parameters_are_what_a_rank_holds(world, t, bias):
-    config = tiny_config()
+    config = tiny_config(**SIZES)
     config.num_key_value_heads, config.attention_bias, config.mlp_bias = 1, bias, bias
     expected = ModelShape.from_llama(config).local_parameters(t)
     assert world(2).run(_local_parameter_count, t, bias) == [expected, expected]
@@ -334,39 +330,19 @@ def test_nothing_fits_even_at_micro_batch_one_says_so():
 # Per-layer RecomputeConfig lists on a real model.
 
 
-@contextlib.contextmanager
-def _count_calls(classes):
-    counts: dict[int, int] = {}
-    saved = {cls: cls.forward for cls in classes}
-
-    def wrap(original):
-        def counting(self, *args, **kwargs):
-            counts[id(self)] = counts.get(id(self), 0) + 1
-            return original(self, *args, **kwargs)
-        return counting
-
-    for cls in classes:
-        cls.forward = wrap(saved[cls])
-    try:
-        yield lambda module: counts.get(id(module), 0)
-    finally:
-        for cls, original in saved.items():
-            cls.forward = original
-
-
 def _loss_and_grads(per_layer):
     nc.initialize_model_parallel(1)
     try:
         torch.manual_seed(0)
         # The per-layer list goes straight to apply_recompute, as a plan from `neuron-ckpt plan` would.
-        model = LlamaForCausalLM(tiny_config(4)).train()
+        model = LlamaForCausalLM(tiny_config(**SIZES, num_hidden_layers=4)).train()
         apply_recompute(model, per_layer)
         ids, labels = _batch(1)
-        layer_cls = type(model.layers[0])
-        with _count_calls([layer_cls, CoreAttention, SwiGLU]) as calls:
+        layers = [unwrapped(m) for m in model.layers]  # the layers, not the Recompute holding one
+        with counted_forwards([type(layers[0]), CoreAttention, SwiGLU]) as calls:
             loss = model(ids, labels=labels).loss
             loss.backward()
-        counts = [(calls(m), calls(m.self_attn.core_attn), calls(m.mlp.act_fn)) for m in model.layers]
+        counts = [(calls(m), calls(unwrapped(m.self_attn.core_attn)), calls(unwrapped(m.mlp.act_fn))) for m in layers]
         return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, counts
     finally:
         nc.destroy_distributed()

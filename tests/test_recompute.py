@@ -24,7 +24,11 @@ import torch.nn.functional as F
 import neuron_ckpt as nc
 from neuron_ckpt.distributed.random import get_rng_tracker
 from neuron_ckpt.parallel import ColumnParallelLinear, CoreAttention, QKVParallelLinear, RMSNorm, RowParallelLinear
-from neuron_ckpt.recompute import RecomputeConfig, apply_recompute, checkpoint, remove_recompute, run_layers
+from neuron_ckpt.recompute import (
+    Recompute, RecomputeConfig, apply_recompute, checkpoint, remove_recompute, run_layers, unwrapped,
+)
+
+from .helpers import counted_forwards
 
 # ---------------------------------------------------------------------------------------------
 # A small transformer-ish stack built from the parallel layers ([s, b, h], sequence first).
@@ -76,31 +80,6 @@ class Stack(torch.nn.Module):
 
     def forward(self, x, scale=1.0):
         return run_layers(self.layers, x, scale=scale)
-
-
-@contextlib.contextmanager
-def count_forward_calls(modules):
-    """Count every run of each module's forward, recomputes included (patches the classes)."""
-    counts = {id(m): 0 for m in modules}
-    patched = []
-    for cls in {type(m) for m in modules}:
-        original = cls.forward
-
-        def counting(self, *args, _original=original, **kwargs):
-            if id(self) in counts:
-                counts[id(self)] += 1
-            return _original(self, *args, **kwargs)
-
-        patched.append((cls, cls.__dict__.get("forward")))
-        cls.forward = counting
-    try:
-        yield lambda m: counts[id(m)]
-    finally:
-        for cls, own in patched:
-            if own is None:
-                del cls.forward
-            else:
-                cls.forward = own
 
 
 VARIANTS = {
@@ -250,8 +229,9 @@ def _saved_bytes_and_counts(names: list[str], t: int, sp: bool, seq: int):
                 storages[ptr] = tensor.untyped_storage().nbytes()
             return tensor
 
-        modules = list(model.layers) + [layer.core_attn for layer in model.layers]
-        with count_forward_calls(modules) as calls:
+        layers = [unwrapped(layer) for layer in model.layers]  # the modules, not their Recompute
+        modules = layers + [unwrapped(layer.core_attn) for layer in layers]
+        with counted_forwards({type(m) for m in modules}) as calls:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t_: t_):
                 y = model(x)
             saved = sum(storages.values())
@@ -259,8 +239,8 @@ def _saved_bytes_and_counts(names: list[str], t: int, sp: bool, seq: int):
             out[name] = {
                 "bytes_per_layer": saved / len(model.layers),
                 "units": units,
-                "layer_calls": [calls(m) for m in model.layers],
-                "attn_calls": [calls(m.core_attn) for m in model.layers],
+                "layer_calls": [calls(m) for m in layers],
+                "attn_calls": [calls(unwrapped(m.core_attn)) for m in layers],
             }
     return out
 
@@ -390,7 +370,7 @@ def test_apply_validates_against_the_model_before_changing_it():
         apply_recompute(layers, RecomputeConfig(granularity="selective"), module_map={"attention": "attn"})
     with pytest.raises(ValueError, match="module_map"):
         apply_recompute(layers, RecomputeConfig(granularity="selective"), module_map={"core_attn": 3})
-    assert all("forward" not in m.__dict__ for layer in layers for m in layer.modules())
+    assert not any(isinstance(m, Recompute) for layer in layers for m in layer.modules())
 
 
 def test_user_model_with_module_map_keeps_state_dict_and_gradients():
@@ -412,14 +392,24 @@ def test_user_model_with_module_map_keeps_state_dict_and_gradients():
         (RecomputeConfig(granularity="full", method="uniform", num_layers=2), None),
         (RecomputeConfig(granularity="full", method="block", num_layers=3, use_reentrant=False), None),
     ]
+    names = [n for n, _ in layers.named_parameters()]
+    torch.manual_seed(1)
+    other = torch.nn.ModuleList(PlainLayer() for _ in range(4)).state_dict()  # written without recompute
     for cfg, module_map in configs:
         apply_recompute(layers, cfg, module_map=module_map)
-        assert list(layers.state_dict()) == keys  # checkpoints load with or without recompute
-        layers.load_state_dict(layers.state_dict())
+        assert "Recompute[" in repr(layers)  # visible where it stands
+        assert list(layers.state_dict()) == keys and [n for n, _ in layers.named_parameters()] == names
+        mine = {k: v.clone() for k, v in layers.state_dict().items()}
+        layers.load_state_dict(other)  # a checkpoint written without recompute loads...
+        assert all(torch.equal(v, other[k]) for k, v in layers.state_dict().items())
+        layers.load_state_dict(mine)  # ...and so does one written with it
+        clean = torch.nn.ModuleList(PlainLayer() for _ in range(4))
+        clean.load_state_dict(layers.state_dict())  # into a model without recompute
+        assert all(torch.equal(v, mine[k]) for k, v in clean.state_dict().items())
         got = grads()  # x needs no grad: the reentrant variant must still give parameter grads
         assert all(torch.equal(a, b) for a, b in zip(ref, got)), cfg
     remove_recompute(layers)
-    assert all("forward" not in m.__dict__ for layer in layers for m in layer.modules())
+    assert not any(isinstance(m, Recompute) for layer in layers for m in layer.modules())
 
 
 def test_models_take_no_recompute_argument_apply_recompute_is_the_one_way_in():
@@ -516,7 +506,7 @@ def test_module_map_refuses_a_submodule_whose_forward_never_runs():
     for pattern in ("a", "0.b", torch.nn.Linear, ("act", "a")):
         with pytest.raises(ValueError, match=r"matched '0\.[ab]' in layer 0.*FusedPair never runs the forward"):
             apply_recompute(layers, cfg, module_map={"mlp_act": pattern})
-        assert all("forward" not in m.__dict__ for m in layers.modules())
+        assert not any(isinstance(m, Recompute) for m in layers.modules())  # nothing changed
     assert apply_recompute(layers, cfg, module_map={"mlp_act": "act"}) == ["0.0.act", "1.0.act"]
 
 

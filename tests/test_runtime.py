@@ -158,14 +158,18 @@ def test_any_accelerator_gives_its_device_and_torchs_backend(monkeypatch, device
         assert runtime.accelerator_type() == device_type
         assert runtime.detect_device_type() == device_type
         assert runtime.detect_backend() == backend
-        assert runtime._select(None) == (backend, device_type)
     assert backend in runtime.backends()
     # An explicit eager backend other than the accelerator's runs on the host CPU.
-    assert runtime._select("gloo") == ("gloo", "cpu")
-    assert runtime._select(backend) == (backend, device_type)
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    rt = runtime.init_distributed(backend="gloo")
+    try:
+        assert (rt.backend, rt.device) == ("gloo", torch.device("cpu"))
+    finally:
+        runtime.destroy_runtime()
     # torch-xla driving the device still wins over the accelerator.
     monkeypatch.setattr(runtime, "_module_available", lambda name: name in {"torch_neuronx", "torch_xla"})
-    assert runtime.detect_backend() == "xla" and runtime._select(None) == ("xla", "xla")
+    assert runtime.detect_backend() == "xla" and runtime.detect_device_type() == "xla"
 
 
 def test_accelerator_without_a_default_backend_is_named(monkeypatch):
@@ -176,16 +180,19 @@ def test_accelerator_without_a_default_backend_is_named(monkeypatch):
 
 def test_init_distributed_on_a_stand_in_accelerator(monkeypatch):
     """End to end in this process: the runtime's device is the accelerator at LOCAL_RANK, selected
-    through torch.accelerator (gloo stands in for the accelerator's backend so the group forms)."""
+    through torch.accelerator, whether its backend is detected or named (gloo stands in for the
+    accelerator's backend so the group forms)."""
     selected = _stand_in_accelerator(monkeypatch, "privateuseone", "gloo")
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(var, raising=False)
-    assert not torch.distributed.is_initialized()
-    rt = runtime.init_distributed()
-    try:
-        assert (rt.backend, rt.device, selected) == ("gloo", torch.device("privateuseone", 0), [0])
-    finally:
-        runtime.destroy_runtime()
+    for backend in (None, "gloo"):
+        assert not torch.distributed.is_initialized()
+        rt = runtime.init_distributed(backend)
+        try:
+            assert (rt.backend, rt.device, selected) == ("gloo", torch.device("privateuseone", 0), [0])
+        finally:
+            runtime.destroy_runtime()
+        selected.clear()
 
 
 def test_rng_state_captures_the_accelerator_generator(monkeypatch):

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import gc
 import os
-import socket
 import subprocess
 import sys
 import textwrap
 import time
 import weakref
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -34,7 +34,7 @@ from neuron_ckpt.distributed.parallel_state import Group, ParallelState
 from neuron_ckpt.distributed.random import get_rng_tracker
 from neuron_ckpt.models.llama import LlamaForCausalLM
 from neuron_ckpt.models.llama_args import LlamaArgs
-from neuron_ckpt.recompute import RecomputeConfig, apply_recompute, run_layers
+from neuron_ckpt.recompute import Recompute, RecomputeConfig, apply_recompute, run_layers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUNS = 20
@@ -83,12 +83,6 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _env(rank: int, port: int) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "PJRT_DEVICE")}
     env.update(
@@ -100,7 +94,7 @@ def _env(rank: int, port: int) -> dict[str, str]:
 
 def _launch(script: str, log_dir: str, run: int) -> list[tuple[subprocess.Popen, str]]:
     """One 2-rank world: two plain processes with the env:// variables torchrun would set."""
-    port, procs = _free_port(), []
+    port, procs = runtime.free_port(), []
     for rank in (0, 1):
         log = os.path.join(log_dir, f"run{run}_rank{rank}.log")
         with open(log, "wb") as out:
@@ -174,7 +168,7 @@ def single():
 
 def test_destroy_distributed_leaves_no_group_reachable(single):
     rt = nc.init_distributed(backend="gloo")
-    # On XLA the runtime also holds a gloo host_group for barriers: stand one in here.
+    # When the default group is not gloo (XLA, nccl) the runtime also holds a gloo host_group: stand one in.
     object.__setattr__(rt, "host_group", dist.new_group(backend="gloo"))
     host = weakref.ref(rt.host_group)
     state = nc.initialize_model_parallel(1)
@@ -196,7 +190,9 @@ def test_destroy_distributed_leaves_no_group_reachable(single):
     assert _reachable_from_package((ParallelState, dist.ProcessGroup, runtime.Runtime)) == []
     assert not any(isinstance(o, Group) and not o.released for o in _reachable_from_package((Group,)))
     # What the caller kept lets go of its groups, and says so if used.
-    assert state.tp.released and kept.state.dp.released and rt.host_group is None and runtime._RUNTIME is None
+    assert state.tp.released and kept.state.dp.released and rt.host_group is None
+    with pytest.raises(RuntimeError, match="not initialised"):
+        runtime.get_runtime()  # forgotten (and reachable from no module: checked above)
     with pytest.raises(RuntimeError, match="released by neuron_ckpt.destroy_distributed"):
         state.tp.process_group
     assert not dist.is_initialized()
@@ -300,8 +296,8 @@ def test_backward_after_the_model_is_dropped_still_recomputes(single):
                                     RecomputeConfig(granularity="full", method="uniform", num_layers=2)],
                          ids=["selective", "uniform2"])
 def test_a_copied_model_recomputes_itself_and_is_freed(single, config):
-    """The wrappers refer to their module weakly; deepcopy and pickle re-point them at the copy
-    (a deep copy shares the process groups; pickling needs groups without one)."""
+    """deepcopy and pickle copy each Recompute with the module it holds (a deep copy shares the
+    process groups; pickling needs groups without one)."""
     import copy
     import pickle
 
@@ -316,11 +312,14 @@ def test_a_copied_model_recomputes_itself_and_is_freed(single, config):
 def _check_copy(model: torch.nn.Module, make) -> None:
     clone = make(model)
     assert clone.layers[0].up.state.tp == model.layers[0].up.state.tp  # the same group (deepcopy: itself)
-    wrapped = [m for m in clone.modules() if "forward" in m.__dict__]
-    assert wrapped and all(m.__dict__["forward"].module is m for m in wrapped)
-    group = clone.layers[0].__dict__["forward"].group if "forward" in clone.layers[0].__dict__ else None
-    if group is not None:
-        assert group.layers() == list(clone.layers[:2])
+    wrapped = [m for m in clone.modules() if isinstance(m, Recompute)]
+    params = {id(p) for p in clone.parameters()}
+    assert wrapped and all({id(p) for p in m.module.parameters()} <= params for m in wrapped)  # the copy's own
+    assert [name for name, _ in clone.named_parameters()] == [name for name, _ in model.named_parameters()]
+    group = None
+    if isinstance(clone.layers[0], Recompute) and clone.layers[0].span > 1:
+        group = [layer.span for layer in clone.layers[:2]]
+        assert group == [2, 0]
     clone(torch.randn(4, 2, 8)).sum().backward()  # gradients reach the copy's parameters only
     assert all(p.grad is not None for p in clone.parameters())
     assert all(p.grad is None for p in model.parameters())

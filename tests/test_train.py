@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import json
 import math
-import sys
-from types import SimpleNamespace
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -20,7 +19,8 @@ import torch
 from neuron_ckpt.data import write_packed
 from neuron_ckpt.train import CheckpointManager, LRSchedule, read_metrics
 
-from .tutorial_run import TINY, TUTORIAL
+from .helpers import TINY, patched
+from .tutorial_run import tiny_run_files, train_module
 from .tutorial_run import train as _train
 from .tutorial_run import train_error as _train_error
 
@@ -28,13 +28,7 @@ from .tutorial_run import train_error as _train_error
 @pytest.fixture(scope="module")
 def run_files(tmp_path_factory) -> tuple[Path, list[str]]:
     root = tmp_path_factory.mktemp("train")
-    (root / "tiny.json").write_text(json.dumps(TINY))
-    # Learnable: each block counts up from a random start (next token = this token + 1).
-    starts = np.random.default_rng(0).integers(0, 128, size=(64, 1))
-    blocks = (starts + np.arange(16)) % 128
-    write_packed(root / "train.safetensors", blocks, vocab_size=128, tokenizer="random")
-    common = [
-        "--model-config", str(root / "tiny.json"), "--data", str(root / "train.safetensors"),
+    common = tiny_run_files(root) + [
         "--tp", "2", "--sequence-parallel", "--recompute", "selective", "--global-batch-size", "8",
         "--max-steps", "4", "--warmup-steps", "1", "--lr", "1e-2", "--checkpoint-every", "0",
     ]  # fmt: skip
@@ -206,23 +200,16 @@ def test_recompute_auto_plans_per_layer_and_trains(world, run_files):
 
 def _open_and_count(path: str) -> int:
     """Child: open the corpus as train.py does; how many full checksum scans this rank ran."""
-    if str(TUTORIAL) not in sys.path:
-        sys.path.insert(0, str(TUTORIAL))
-    import train
-
     from neuron_ckpt.data import packed
     from neuron_ckpt.distributed import runtime
 
     scans = []
     real = packed._sha256
-    packed._sha256 = lambda rows: scans.append(1) or real(rows)
-    try:
+    with patched(packed, "_sha256", lambda rows: scans.append(1) or real(rows)):
         try:
-            train._open_dataset(path, runtime.get_runtime())
+            train_module().open_dataset(path, runtime.get_runtime())
         except ValueError as e:
             return -1 if "checksum" in str(e) else -2
-    finally:
-        packed._sha256 = real
     return len(scans)
 
 
@@ -307,10 +294,9 @@ def test_checkpoint_writes_model_once_per_tp_rank(world, run_files, tmp_path):
     assert old - new > 0.8 * model_bytes  # DP - 1 = 1 extra copy of every TP rank's model slice gone
 
 
-def _timed_save(directory: str, writers: int, delay: float) -> tuple[float, float]:
-    """Worker: TP 2 x DP 2 save with each file write slowed by ``delay`` s; this rank's write span."""
-    import time
-
+def _save_in_rounds(directory: str, log: str, writers: int) -> tuple[int, int]:
+    """Worker: TP 2 x DP 2 save; each file write appends "start <rank>" and "end <rank>" to
+    ``log`` (appends from all ranks land in the order they happen). This rank's rounds."""
     import neuron_ckpt as nc
     from neuron_ckpt.distributed import runtime
     from neuron_ckpt.train import checkpoint as ck
@@ -320,39 +306,33 @@ def _timed_save(directory: str, writers: int, delay: float) -> tuple[float, floa
     mgr = CheckpointManager(directory, 1, rt.rank, rt.world_size, parallel_state=state, writers=writers)
     real = ck.write_tensors
 
-    def slow(*args, **kwargs):
-        time.sleep(delay)
-        return real(*args, **kwargs)
+    def logged(*args, **kwargs):
+        with open(log, "a") as f:
+            f.write(f"start {rt.rank}\n")
+        result = real(*args, **kwargs)
+        with open(log, "a") as f:
+            f.write(f"end {rt.rank}\n")
+        return result
 
-    ck.write_tensors = slow
-    try:
+    with patched(ck, "write_tensors", logged):
         shard = {"model": {"w": torch.full((4,), float(state.tp_rank))}, "opt": torch.full((3,), float(rt.rank))}
         mgr.save(1, shard, {})
-    finally:
-        ck.write_tensors = real
-    assert mgr.rounds()[0] == (1 if writers == 0 else -(-4 // writers))
-    return mgr.write_spans[-1]
-
-
-def _max_overlap(spans: list[tuple[float, float]]) -> int:
-    events = sorted([(s, 1) for s, _ in spans] + [(e, -1) for _, e in spans], key=lambda x: (x[0], x[1]))
-    now = most = 0
-    for _, d in events:
-        now += d
-        most = max(most, now)
-    return most
+    return mgr.rounds()
 
 
 def test_checkpoint_writers_per_host_are_limited(world, tmp_path):
-    """Ranks write in rounds of ``writers`` local ranks (LocalWorld: local rank = rank). Every
-    write is slowed down, so ranks writing at once would overlap; with no limit they do."""
-    spans = {w: world(4).run(_timed_save, str(tmp_path / f"w{w}"), w, 0.3) for w in (1, 2, 0)}
-    print("\nwrite spans (start, end) per rank:", {w: [(round(a % 100, 2), round(b % 100, 2)) for a, b in s] for w, s in spans.items()})
-    one = spans[1]
-    assert all(one[r][1] <= one[r + 1][0] for r in range(3)), one  # one at a time, in local-rank order
-    two = spans[2]
-    assert _max_overlap(two) <= 2 and max(e for _, e in two[:2]) <= min(s for s, _ in two[2:]), two
-    assert _max_overlap(spans[0]) > 1, spans[0]  # the check can fail: unlimited writers overlap
+    """Ranks write in rounds of ``writers`` local ranks (LocalWorld: local rank = rank), one round
+    after the other: every write of round r ends before any write of round r + 1 starts."""
+    for writers in (1, 2, 0):
+        log = tmp_path / f"w{writers}.log"
+        rounds = world(4).run(_save_in_rounds, str(tmp_path / f"w{writers}"), str(log), writers)
+        count = -(-4 // writers) if writers else 1
+        assert rounds == [(count, r // writers if writers else 0) for r in range(4)], rounds
+        events = [line.split() for line in log.read_text().splitlines()]
+        assert {int(r) for _, r in events} == {0, 1, 2, 3}, events  # every rank wrote
+        if writers:
+            order = [int(r) // writers for _, r in events]
+            assert order == sorted(order), events
     loaded, _ = CheckpointManager(tmp_path / "w2").load(tmp_path / "w2" / "step_00000001", {"world_size": 4})
     assert torch.equal(loaded["model"]["w"], torch.zeros(4)) and torch.equal(loaded["opt"], torch.zeros(3))
 
@@ -482,18 +462,14 @@ def _save_failing_on_rank_2(directory: str) -> str:
     state = nc.initialize_model_parallel(2)
     rt = runtime.get_runtime()
     mgr = CheckpointManager(directory, 1, rt.rank, rt.world_size, parallel_state=state, writers=1)
-    real = ck.write_structure
-
     def full(path, obj):
         raise OSError(28, "No space left on device")
 
-    ck.write_structure = full if rt.rank == 2 else real
-    try:
-        mgr.save(1, {"model": {"w": torch.ones(2)}, "x": torch.ones(1)}, {})
-    except (OSError, RuntimeError) as e:
-        return f"{type(e).__name__}: {e}"
-    finally:
-        ck.write_structure = real
+    with patched(ck, "write_structure", full if rt.rank == 2 else ck.write_structure):
+        try:
+            mgr.save(1, {"model": {"w": torch.ones(2)}, "x": torch.ones(1)}, {})
+        except (OSError, RuntimeError) as e:
+            return f"{type(e).__name__}: {e}"
     return "saved"
 
 
@@ -547,21 +523,17 @@ def _train_with_env(argv: list[str], env: dict[str, str], nan: bool = False):
     """``main(argv)`` with ``env`` set (and, with ``nan``, every step's loss a NaN, as a compile-only
     run's placeholders may be); returns the summary, or the NonFiniteError's message."""
     import os
+    from unittest import mock
 
     from neuron_ckpt.train import NonFiniteError, loop
 
     real = loop.train_step
-    if nan:
-        loop.train_step = lambda *a: tuple(t * float("nan") for t in real(*a))
-    os.environ.update(env)
-    try:
-        return _train(argv)
-    except NonFiniteError as e:
-        return str(e)
-    finally:
-        loop.train_step = real
-        for key in env:
-            os.environ.pop(key)
+    step = (lambda *a: tuple(t * float("nan") for t in real(*a))) if nan else real
+    with patched(loop, "train_step", step), mock.patch.dict(os.environ, env):
+        try:
+            return _train(argv)
+        except NonFiniteError as e:
+            return str(e)
 
 
 def test_graphs_only_run_skips_the_nan_check_metrics_and_checkpoints(world, run_files, tmp_path):

@@ -1,5 +1,6 @@
-"""What the tests that run the tutorial's ``train.py`` share: the tiny model config, and
-``main(argv)`` wrapped as module-level functions (LocalWorld pickles them to its workers)."""
+"""What the tests that run the tutorial's ``train.py`` share: the tiny model config and corpus
+files, and ``main(argv)`` wrapped as module-level functions (LocalWorld pickles them to its
+workers)."""
 
 from __future__ import annotations
 
@@ -9,12 +10,9 @@ from pathlib import Path
 
 import numpy as np
 
+from .helpers import TINY
+
 TUTORIAL = Path(__file__).resolve().parents[1] / "tutorials" / "llama2_7b_tp_zero1"
-TINY = {
-    "vocab_size": 128, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
-    "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
-}  # fmt: skip
 
 
 def tiny_run_files(root: Path, blocks: np.ndarray | None = None) -> list[str]:

@@ -1,4 +1,5 @@
-"""Shared helpers of the torch-xla suite."""
+"""Shared helpers of the torch-xla suite (the relative errors are the main suite's:
+``tests.helpers.rel_norm``)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,6 @@ import torch
 # gradients). 1e-5 leaves 10x margin and is still five orders below what a wrong slice, a
 # dropped collective or a double-counted gradient gives (~1).
 TOL = 1e-5
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Relative error ``||a - b|| / ||b||`` of two tensors on any devices, computed in fp64 on CPU."""
-    a, b = a.detach().cpu().double(), b.detach().cpu().double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def hlo(*tensors: torch.Tensor) -> str:

@@ -23,7 +23,9 @@ import torch
 
 from neuron_ckpt.parallel import CoreAttention, flash
 
-from .helpers import TOL, hlo, rel
+from tests.helpers import rel_norm
+
+from .helpers import TOL, hlo
 
 S, B, HEADS, D = 2048, 1, 4, 8
 
@@ -118,7 +120,7 @@ def _forward_backward(implementation: str, kv_heads: int, device, seq: int = S):
 def test_flash_on_xla_calls_the_kernel_as_nxd_does(xla, kernel, kv_heads):
     got = _forward_backward("flash", kv_heads, xla.device)
     want = _forward_backward("flash", kv_heads, torch.device("cpu"))  # torch's SDPA flash kernel
-    errors = {name: rel(a, b) for name, a, b in zip(("out", "dq", "dk", "dv"), got, want)}
+    errors = {name: rel_norm(a, b) for name, a, b in zip(("out", "dq", "dk", "dv"), got, want)}
     assert max(errors.values()) < TOL, errors
     assert kernel.calls == [{"shape": (B, HEADS, D, S), "causal": True, "scale": 1 / math.sqrt(D), "dropout_p": 0.0,
                              "device": "xla", "lnc": 1}]

@@ -25,7 +25,9 @@ import torch_xla.debug.metrics as met
 from neuron_ckpt.parallel.attention import masked_score
 from neuron_ckpt.parallel.fused_ops import masked_softmax, rms_norm, swiglu
 
-from .helpers import TOL, hlo, rel
+from tests.helpers import rel_norm
+
+from .helpers import TOL, hlo
 
 pytestmark = pytest.mark.usefixtures("xla")
 S, B, H = 8, 2, 64
@@ -82,7 +84,7 @@ def test_fused_op_on_xla_equals_eager_cpu_and_lowers_without_fallback(xla, case)
     tol = TOL if all(t.dtype == torch.float32 for t in inputs) else BF16_TOL
     for name, a, b in zip(("out", "grad0", "grad1"), got, want):
         assert a.dtype == b.dtype, name
-        assert rel(a, b) <= tol, (name, rel(a, b))
+        assert rel_norm(a, b) <= tol, (name, rel_norm(a, b))
 
 
 def test_control_the_fallback_counter_sees_a_fallback(xla):

@@ -17,6 +17,8 @@ from neuron_ckpt.distributed import collectives as C
 from neuron_ckpt.distributed.local import run_local
 from neuron_ckpt.parallel import ColumnParallelLinear, RowParallelLinear
 
+from tests.helpers import rel_norm
+
 
 def test_shim_picks_the_names_this_torch_has():
     if hasattr(dist, "all_gather_single"):
@@ -56,14 +58,11 @@ def _sequence_parallel_mlp(world: int) -> float:
     out = row(F.relu(col(xl)))
     out.pow(2).sum().backward()
 
-    def rel(a, b):
-        return ((a - b).norm() / b.norm()).item()
-
     return max(
-        rel(out.detach(), dense.detach().chunk(world, 0)[st.tp_rank]),
-        rel(xl.grad, x.grad.chunk(world, 0)[st.tp_rank]),
-        rel(col.weight.grad, w1.grad.chunk(world, 0)[st.tp_rank]),
-        rel(row.weight.grad, w2.grad.chunk(world, 1)[st.tp_rank]),
+        rel_norm(out.detach(), dense.detach().chunk(world, 0)[st.tp_rank]),
+        rel_norm(xl.grad, x.grad.chunk(world, 0)[st.tp_rank]),
+        rel_norm(col.weight.grad, w1.grad.chunk(world, 0)[st.tp_rank]),
+        rel_norm(row.weight.grad, w2.grad.chunk(world, 1)[st.tp_rank]),
     )
 
 

@@ -28,7 +28,9 @@ import neuron_ckpt.parallel.attention as attention
 from neuron_ckpt.distributed.parallel_state import Group
 from neuron_ckpt.parallel import CoreAttention, vocab_parallel_cross_entropy
 
-from .helpers import TOL, hlo, rel
+from tests.helpers import rel_norm
+
+from .helpers import TOL, hlo
 
 pytestmark = pytest.mark.usefixtures("xla")
 
@@ -92,8 +94,8 @@ def test_cross_entropy_lowers_a_max_all_reduce_and_no_last_dim_collective(xla, a
     ref_logits = logits_cpu.clone().requires_grad_()
     ref = torch.nn.functional.cross_entropy(ref_logits.view(-1, V), target_cpu.view(-1), ignore_index=-100)
     ref.backward()
-    assert rel(loss, ref) < TOL
-    assert rel(logits.grad, ref_logits.grad) < TOL
+    assert rel_norm(loss, ref) < TOL
+    assert rel_norm(logits.grad, ref_logits.grad) < TOL
 
 
 def test_the_collective_check_sees_a_last_dim_gather(xla, always_all_reduce):
@@ -161,5 +163,5 @@ def test_finite_mask_attention_on_xla_equals_eager_cpu(xla):
         if device.type == "xla":
             torch_xla.sync()
         results.append([out.detach().cpu()] + [x.grad.cpu() for x in xs])
-    errors = {name: rel(a, b) for name, a, b in zip(("out", "dq", "dk", "dv"), *results)}
+    errors = {name: rel_norm(a, b) for name, a, b in zip(("out", "dq", "dk", "dv"), *results)}
     assert all(e < TOL for e in errors.values()), errors

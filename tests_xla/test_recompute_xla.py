@@ -30,7 +30,9 @@ import neuron_ckpt as nc
 from neuron_ckpt.parallel import CoreAttention, QKVParallelLinear, RMSNorm, RowParallelLinear
 from neuron_ckpt.recompute import RecomputeConfig, activation_checkpoint, apply_recompute, checkpoint, run_layers
 
-from .helpers import TOL, hlo, rel
+from tests.helpers import rel_norm
+
+from .helpers import TOL, hlo
 
 pytestmark = pytest.mark.usefixtures("xla")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -72,7 +74,7 @@ def test_checkpointed_gradients_equal_plain_ones(xla):
     _, plain = _backward_hlo(xla.device, use_checkpoint=False)
     _, recomputed = _backward_hlo(xla.device, use_checkpoint=True)
     for a, b in zip(recomputed, plain):
-        assert rel(a, b) < TOL
+        assert rel_norm(a, b) < TOL
 
 
 def test_barrier_keeps_xla_cse_from_merging_the_recompute(tmp_path):
@@ -135,7 +137,7 @@ def test_applied_recompute_replays_dropout_exactly_behind_the_barrier(xla, confi
     # The recomputed masks are the forward's: a different mask moves these gradients by percents
     # (seed 2 above). XLA fuses the fenced recompute graph differently from the plain one, and the
     # fused RMSNorm's backward reduces in a different order there: fp32 rounding, measured 9e-8.
-    assert max(rel(a, b) for a, b in zip(grads, base[1])) < 1e-6
+    assert max(rel_norm(a, b) for a, b in zip(grads, base[1])) < 1e-6
     assert "opt-barrier" in text  # the recompute is fenced off from the forward
 
 

@@ -25,7 +25,9 @@ from neuron_ckpt.distributed import collectives
 from neuron_ckpt.distributed.parallel_state import Group, ParallelState
 from neuron_ckpt.optim import Zero1Optimizer
 
-from .helpers import hlo, rel
+from tests.helpers import rel_norm
+
+from .helpers import hlo
 
 pytestmark = pytest.mark.usefixtures("xla")
 
@@ -178,7 +180,7 @@ def test_fp32_accumulation_hooks_on_xla(xla):
             torch_xla.sync()
         for e, p in zip(exact, model.parameters()):
             # fp32 sums of the same bf16 values in the same order as fp64 ones: ulps at most.
-            assert rel(opt.accumulated_grad(p), e) < 1e-6
+            assert rel_norm(opt.accumulated_grad(p), e) < 1e-6
         norm = opt.step()
         torch_xla.sync()
         xm.wait_device_ops()  # metrics are recorded when the graph finishes
@@ -189,10 +191,10 @@ def test_fp32_accumulation_hooks_on_xla(xla):
         ref_norm = torch.nn.utils.clip_grad_norm_(masters, 0.01)
         ref_opt.step()
         # fp32 step on XLA against eager fp32: summation order only (helpers.TOL rationale).
-        assert rel(norm, ref_norm) < 1e-5
+        assert rel_norm(norm, ref_norm) < 1e-5
         assert norm.item() > 0.01  # clipping was active
         mine = torch.cat([b.master.cpu() for b in opt.buckets])[:808]
-        assert rel(mine, torch.cat([m.detach().reshape(-1) for m in masters])) < 1e-5
+        assert rel_norm(mine, torch.cat([m.detach().reshape(-1) for m in masters])) < 1e-5
         # The bf16 parameters are the fp32 master weights rounded.
         assert torch.equal(torch.cat([p.cpu().reshape(-1) for p in model.parameters()]), mine.to(torch.bfloat16))
         twin.load_state_dict(model.state_dict())

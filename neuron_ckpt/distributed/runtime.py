@@ -43,9 +43,10 @@ class Runtime:
     local_rank: int
     device: torch.device
     host_group: dist.ProcessGroup | None = None
-    """On XLA, a gloo group of all ranks for host-side coordination (barriers): XLA's own
-    ``xm.rendezvous`` runs a device graph and reads its result back each time. None elsewhere, and
-    after :func:`neuron_ckpt.destroy_distributed`."""
+    """When the default group is not gloo (XLA, nccl, xccl, TorchNeuron's), a gloo group of all
+    ranks for host-side agreement (:mod:`.host`): on XLA, ``xm.rendezvous`` runs a device graph and
+    reads its result back each time; elsewhere a flag on the device would sync it. None on gloo
+    (the default group is the host group), and after :func:`neuron_ckpt.destroy_distributed`."""
 
 
 _RUNTIME: Runtime | None = None
@@ -175,7 +176,7 @@ def init_distributed(backend: str | None = None, timeout_s: float = 1800.0) -> R
     launcher needed). Calling it again returns the existing runtime.
 
     ``timeout_s``: how long a collective (and the rendezvous) may wait for the other ranks before
-    it raises; it applies to the default group and, on XLA, to ``host_group``
+    it raises; it applies to the default group and to ``host_group``
     (:func:`collective_timeout_s` returns it; :func:`~.parallel_state.initialize_model_parallel`
     gives the TP and DP groups the same).
     """
@@ -217,7 +218,7 @@ def init_distributed(backend: str | None = None, timeout_s: float = 1800.0) -> R
         world_size=dist.get_world_size(),
         local_rank=local_rank,
         device=_device_for(device_type, local_rank),
-        host_group=dist.new_group(backend="gloo", timeout=timeout) if backend == "xla" else None,
+        host_group=dist.new_group(backend="gloo", timeout=timeout) if dist.get_backend() != "gloo" else None,
     )
     return _RUNTIME
 
@@ -238,15 +239,6 @@ def get_runtime() -> Runtime:
 def is_xla() -> bool:
     """True when this process runs on torch-xla (NeuronCores or XLA:CPU)."""
     return _RUNTIME is not None and _RUNTIME.backend == "xla"
-
-
-def barrier() -> None:
-    """Wait for every rank, on the host: no device graph, no device-to-host read (on XLA through
-    the runtime's gloo ``host_group``). A no-op without a process group."""
-    if _RUNTIME is not None and _RUNTIME.host_group is not None:
-        dist.barrier(group=_RUNTIME.host_group)
-    elif dist.is_initialized():
-        dist.barrier()
 
 
 def destroy_runtime() -> None:

@@ -15,7 +15,8 @@ def destroy_distributed() -> None:
     Releases, in this order: the parallel state (:func:`~.parallel_state.destroy_model_parallel`),
     the process group of every :class:`~.parallel_state.Group` still alive (held by layers, a
     ``ParallelState`` the caller kept, autograd nodes), the runtime with its ``host_group`` (the
-    gloo group on XLA; a :class:`~.runtime.Runtime` the caller kept reads None afterwards), and
+    gloo group when the default group is not gloo; a :class:`~.runtime.Runtime` the caller kept
+    reads None afterwards), and
     then the process groups themselves (``destroy_process_group()``, WORLD included). The process
     groups are freed inside this call: with torch 2.13's gloo, one that outlives
     ``destroy_process_group()`` aborts the interpreter at exit about one run in five

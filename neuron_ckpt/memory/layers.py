@@ -17,6 +17,7 @@ import torch
 from ..distributed import initialize_model_parallel, model_parallel_manual_seed
 from ..parallel import CoreAttention
 from ..recompute import RecomputeConfig, apply_recompute, run_layers
+from ..recompute.module import unwrapped
 from .analytic import Recompute, resolve
 from .measure import SavedTensorRecorder
 from .shape import ModelShape, TrainingSetup
@@ -105,7 +106,7 @@ def measure_layers(
     model_parallel_manual_seed(seed)
     state = initialize_model_parallel(setup.tp)
     x = layer_input(model, setup, state.tp_rank, seed)
-    shared = [m.causal_mask(setup.seq_len, x.device) for m in layers.modules()
+    shared = [m.causal_mask(setup.seq_len, x.device) for m in map(unwrapped, layers.modules())
               if isinstance(m, CoreAttention) and m.implementation == "explicit"]
     with SavedTensorRecorder(exclude_modules=[layers], exclude_tensors=[*shared, *extra]) as rec:
         handles = rec.attach({LAYER_SCOPE.format(i): layer for i, layer in enumerate(layers)})

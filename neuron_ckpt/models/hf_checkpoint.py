@@ -240,19 +240,18 @@ def _index(rng: tuple[int, int, int] | None) -> tuple[slice, ...]:
     return (slice(None),) * dim + (slice(start, stop),)
 
 
-def load_hf_checkpoint(model: torch.nn.Module, path: str | Path, check_config: bool = True) -> None:
+def load_hf_checkpoint(model: torch.nn.Module, path: str | Path) -> None:
     """Copy this rank's slices of the ``transformers`` checkpoint at ``path`` into ``model``.
 
     ``path``: a ``save_pretrained`` directory or one weights file (see the module docstring).
-    Every rank calls it (no collective: each reads the files itself). ``check_config``: compare
-    ``model.args`` with the directory's ``config.json`` first. Raises before writing any
+    Every rank calls it (no collective: each reads the files itself). ``model.args`` is compared
+    with the directory's ``config.json`` first. Raises before writing any
     parameter: ``ValueError`` for a config mismatch, ``KeyError`` for missing/unexpected keys,
     ``ValueError`` listing every shape mismatch.
     """
-    if check_config:
-        hf_config = read_hf_config(path, notices=[])  # compared only; hf_config_for gave its notices
-        if hf_config is not None:
-            check_hf_config(model.args, hf_config, str(_config_path(path)))
+    hf_config = read_hf_config(path, notices=[])  # compared only; hf_config_for gave its notices
+    if hf_config is not None:
+        check_hf_config(model.args, hf_config, str(_config_path(path)))
     entries, loaded = _scan(weight_files(path))
     expected = hf_conversion.check_hf_shapes(model, {k: e.shape for k, e in entries.items()}, f"checkpoint {path}")
     tp = model.state.tp

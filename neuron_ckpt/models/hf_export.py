@@ -16,7 +16,7 @@ Who takes part (it is a collective, every rank calls it):
 
 * eager backends (gloo, nccl): the TP group of rank 0 gathers; the other DP replicas hold the
   same weights and only wait for the result (rank 0's error or none, shared with every rank, ends
-  the call: :func:`neuron_ckpt.paths.first_problem`);
+  the call: :func:`neuron_ckpt.distributed.host.first_problem`);
 * XLA: every rank runs the gathers, because an XLA collective is one op of the graph every
   rank executes (``replica_groups`` names all TP groups). A layer's gathers are one graph (one
   ``mark_step``; the same graph for every layer, so it compiles once), then rank 0 copies the
@@ -43,8 +43,9 @@ import torch
 from safetensors.torch import save_file
 
 from ..distributed import runtime
+from ..distributed.host import first_problem, rank
 from ..files import fsync_dir, write_atomic
-from ..paths import dir_problem, first_problem, rank
+from ..paths import dir_problem
 from . import hf_conversion
 from .hf_checkpoint import CONFIG_NAME, SAFE_INDEX_NAME, SAFE_WEIGHTS_NAME, check_hf_config
 from .llama_args import LlamaArgs

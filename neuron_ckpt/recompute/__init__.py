@@ -16,8 +16,9 @@ The contract for models is in :mod:`.apply`; the activation checkpoint function 
 """
 
 from .activation_checkpoint import checkpoint
-from .apply import apply_recompute, remove_recompute, run_layers
+from .apply import apply_recompute, remove_recompute
 from .config import GRANULARITIES, METHODS, MODULES, PRESETS, RecomputeConfig
+from .module import Recompute, run_layers, unwrapped
 from .module_map import DEFAULT_MODULE_MAP
 
 __all__ = [
@@ -26,9 +27,11 @@ __all__ = [
     "METHODS",
     "MODULES",
     "PRESETS",
+    "Recompute",
     "RecomputeConfig",
     "apply_recompute",
     "checkpoint",
     "remove_recompute",
     "run_layers",
+    "unwrapped",
 ]

@@ -23,37 +23,36 @@ Contract for models (ours and yours)::
   checkpoint (only the group's input is kept). A model whose forward loops over its layers
   itself still gets selective, ``block`` and ``uniform`` with ``num_layers=1`` recompute; with
   grouped ``uniform`` its layers raise a clear error telling it to use :func:`run_layers`.
+  Whole layers are replaced in their ``nn.ModuleList``, so full recompute needs the model or
+  its ``ModuleList``, not a plain list of layers.
 * ``apply_recompute`` also takes a per-layer list (one ``RecomputeConfig | None`` per layer, as
   the memory planner produces): each entry is applied to its own layer by the strategy it names,
   so any loop over the layers works.
-* Nothing is renamed or re-parented: recompute replaces the ``forward`` of the chosen module
-  instances (an instance attribute), so ``state_dict`` keys, ``isinstance`` checks and
-  parameters are the same with or without recompute, and saved checkpoints load either way.
-  :func:`remove_recompute` undoes it.
+* Each recomputed module is replaced, where it stands, by a :class:`~.module.Recompute` holding
+  it (``print(model)`` shows them); parameter names and ``state_dict`` keys are the same with or
+  without recompute, and saved checkpoints load either way. :func:`remove_recompute` puts the
+  modules back.
 
 Which submodule a selective name means (``module_map``) is in :mod:`.module_map`.
 
 Inside: one function per strategy (``_selective``, ``_full_block``, ``_full_uniform``; and
 ``_per_layer``, which applies them one layer at a time) lists the units to recompute, changing
-nothing; once every check has passed each unit is installed: a module's forward replaced by a
-``_Recomputed``, or the layers of a group tied to one ``_Group`` that :func:`run_layers` runs as
-a single activation checkpoint.
+nothing; once every check has passed each unit is installed: its module (or each layer of a
+group) replaced by a :class:`~.module.Recompute` in every place the model holds it.
 """
 
 from __future__ import annotations
 
-import functools
-import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence, Union
+from typing import Sequence, Union
 
 import torch
 
 from ..parallel import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from ..parallel.norms import LayerNorm, RMSNorm
 from . import hf
-from .activation_checkpoint import checkpoint
 from .config import RecomputeConfig, validate_per_layer
+from .module import Recompute, unwrapped
 from .module_map import Patterns, resolve_module_map, selected_modules
 
 Layers = Union[torch.nn.Module, Sequence[torch.nn.Module]]  # a model with .layers, or the layers
@@ -97,8 +96,26 @@ def apply_recompute(
     """
     if hf.is_transformers_model(model):  # its layers, core attention and KV cache: see .hf
         layers, generic, finish = hf.prepare(model, config, module_map, sequence_parallel)
-        return apply_recompute(layers, generic, module_map, sequence_parallel) + finish()
-    layers = _as_layer_list(model)
+        return _apply(model, layers, generic, module_map, sequence_parallel) + finish()
+    return _apply(_container(model), _as_layer_list(model), config, module_map, sequence_parallel)
+
+
+def remove_recompute(model: Layers) -> None:
+    """Undo :func:`apply_recompute` on ``model``: every :class:`~.module.Recompute` is replaced by
+    the module it holds."""
+    if hf.is_transformers_model(model):
+        hf.undo(model)
+    roots = [model] if isinstance(model, torch.nn.Module) else list(model)
+    for root in roots:
+        for parent in list(root.modules()):
+            for name, child in list(parent._modules.items()):
+                if isinstance(child, Recompute):
+                    parent._modules[name] = child.module
+
+
+def _apply(root, layers: Modules, config, module_map, sequence_parallel: bool | None) -> list[str]:
+    """Validate, list the units (changing nothing), then replace each unit's module in ``root``
+    (a module holding the layers, or None for a plain list of them)."""
     if sequence_parallel is None:
         sequence_parallel = _runs_sequence_parallel(layers)
     patterns = resolve_module_map(module_map)
@@ -114,42 +131,16 @@ def apply_recompute(
         raise TypeError(
             f"config must be a RecomputeConfig, a per-layer list of them or None, got {type(config).__name__}"
         )
-    remove_recompute(layers)
+    if root is None and any(m is layer for unit in units for m in unit.modules for layer in layers):
+        raise TypeError(
+            "full recompute replaces whole layers where the model holds them: pass the model or its "
+            "nn.ModuleList of layers, not a plain list"
+        )
+    remove_recompute(root if root is not None else layers)
+    slots = _slots(root if root is not None else layers)
     for unit in units:
-        unit.install()
+        unit.install(slots)
     return [unit.name for unit in units]
-
-
-def run_layers(layers: Sequence[torch.nn.Module], hidden_states: Any, *args: Any, **kwargs: Any) -> Any:
-    """``for layer in layers: hidden_states = layer(hidden_states, *args, **kwargs)``, running each
-    group set up by full ``uniform`` recompute as one activation checkpoint."""
-    i = 0
-    while i < len(layers):
-        wrapper = layers[i].__dict__.get("forward")
-        group = wrapper.group if isinstance(wrapper, _Recomputed) else None
-        if group is not None and group.starts_with(layers[i]):
-            hidden_states = group(hidden_states, *args, **kwargs)
-            i += len(group)
-        else:
-            hidden_states = layers[i](hidden_states, *args, **kwargs)
-            i += 1
-    return hidden_states
-
-
-def remove_recompute(model: Layers) -> None:
-    """Undo :func:`apply_recompute` on ``model``'s layers (and every submodule)."""
-    if hf.is_transformers_model(model):
-        hf.undo(model)
-        model = hf.decoder_layers(model)
-    for layer in _as_layer_list(model):
-        for module in layer.modules():
-            wrapper = module.__dict__.get("forward")
-            while isinstance(wrapper, _Recomputed):
-                if wrapper.previous is None:
-                    del module.__dict__["forward"]
-                else:
-                    module.__dict__["forward"] = wrapper.previous
-                wrapper = module.__dict__.get("forward")
 
 
 # --------------------------------------------------------------------------------------------
@@ -166,15 +157,13 @@ class _Unit:
     config: RecomputeConfig
     distribute: bool  # keep a 1/t slice of the (replicated) input
 
-    def install(self) -> None:
-        if len(self.modules) > 1:
-            group = _Group(self.modules, self.config)
-            for layer in self.modules:
-                layer.forward = _Recomputed(layer, self.config, False, group)
-            return
-        module = self.modules[0]
-        if not isinstance(module.__dict__.get("forward"), _Recomputed):  # a module shared by layers: once
-            module.forward = _Recomputed(module, self.config, self.distribute)
+    def install(self, slots: dict[int, list[tuple[torch.nn.Module, str]]]) -> None:
+        k = len(self.modules)
+        for j, module in enumerate(self.modules):
+            span = 1 if k == 1 else (k if j == 0 else 0)
+            wrapper = Recompute(module, self.config, self.distribute and k == 1, span)
+            for parent, name in slots[id(module)]:  # a module held in two places: one wrapper
+                parent._modules[name] = wrapper
 
 
 def _units(layers: Modules, config: RecomputeConfig, patterns: Patterns, first: int = 0) -> list[_Unit]:
@@ -225,118 +214,6 @@ def _per_layer(layers: Modules, configs: Sequence[RecomputeConfig | None], patte
 
 
 # --------------------------------------------------------------------------------------------
-# Instance-level forward replacements.
-
-
-class _Recomputed:
-    """``module.forward`` replaced: the module's own forward, run through :func:`checkpoint`, or,
-    for a layer of a :class:`_Group`, run plainly inside the group's activation checkpoint.
-
-    The wrapper lives in ``module.__dict__`` and refers back to ``module`` only weakly, so a model
-    with recompute applied holds no reference cycle: it is freed as soon as its last user drops
-    it, not at the next cycle collection (a model kept alive that long keeps its parallel state
-    and process groups alive too). A call hands :func:`checkpoint` a function holding the module
-    strongly, so a pending backward still recomputes after the model is dropped.
-    """
-
-    def __init__(self, module: torch.nn.Module, config: RecomputeConfig, distribute: bool, group: _Group | None = None):
-        self.previous = module.__dict__.get("forward")  # an earlier instance-level forward, if any
-        self._module = weakref.ref(module)
-        self.config, self.distribute, self.group = config, distribute, group
-
-    # copy.deepcopy and pickle follow the module (a copied model's wrapper runs the copy).
-    def __getstate__(self) -> dict:
-        return {**self.__dict__, "_module": self._module()}
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state, _module=weakref.ref(state["_module"]))
-
-    @property
-    def module(self) -> torch.nn.Module:
-        module = self._module()
-        if module is None:
-            raise RuntimeError("the module this recompute wrapper belonged to was freed")
-        return module
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        module = self.module
-        forward = functools.partial(_own_forward, module, self.previous)
-        if self.group is None:
-            return checkpoint(
-                forward,
-                *args,
-                fence=(module,),
-                use_reentrant=self.config.use_reentrant,
-                distribute_saved_activations=self.distribute,
-                **kwargs,
-            )
-        if not self.group.running:
-            raise RuntimeError(
-                f"full recompute with method='uniform' and num_layers={self.config.num_layers} checkpoints "
-                "groups of layers, so the stack must run through "
-                "neuron_ckpt.recompute.run_layers(layers, hidden_states, *extra_args); this layer was "
-                "called directly"
-            )
-        return forward(*args, **kwargs)
-
-
-def _own_forward(module: torch.nn.Module, previous: Callable[..., Any] | None, *args: Any, **kwargs: Any) -> Any:
-    # Looked up at call time, so class-level patches (profilers, counters) still apply.
-    if previous is not None:
-        return previous(*args, **kwargs)
-    return type(module).forward(module, *args, **kwargs)
-
-
-class _Group:
-    """Consecutive layers run as one activation checkpoint by :func:`run_layers`. Their wrappers
-    refer to it; it refers to them weakly (no cycle). ``running`` is True while the group runs
-    its layers (forward or recompute): only then do they run."""
-
-    def __init__(self, layers: Sequence[torch.nn.Module], config: RecomputeConfig):
-        self._layers, self.config, self.running = [weakref.ref(layer) for layer in layers], config, False
-
-    def __getstate__(self) -> dict:
-        return {"config": self.config, "layers": self.layers()}
-
-    def __setstate__(self, state: dict) -> None:
-        self.__init__(state["layers"], state["config"])
-
-    def __len__(self) -> int:
-        return len(self._layers)
-
-    def layers(self) -> Modules:
-        layers = [ref() for ref in self._layers]
-        if any(layer is None for layer in layers):
-            raise RuntimeError("a layer of this recompute group was freed")
-        return layers
-
-    def starts_with(self, layer: torch.nn.Module) -> bool:
-        return self._layers[0]() is layer
-
-    def __call__(self, hidden: Any, *args: Any, **kwargs: Any) -> Any:
-        layers = self.layers()
-        return checkpoint(
-            functools.partial(_run_group, self, layers),
-            hidden,
-            *args,
-            fence=layers,
-            use_reentrant=self.config.use_reentrant,
-            distribute_saved_activations=self.config.distribute_saved_activations,
-            **kwargs,
-        )
-
-
-def _run_group(group: _Group, layers: Modules, hidden: Any, *args: Any, **kwargs: Any) -> Any:
-    outer, group.running = group.running, True
-    try:
-        for layer in layers:
-            hidden = layer(hidden, *args, **kwargs)
-    finally:
-        group.running = outer
-    return hidden
-
-
-# --------------------------------------------------------------------------------------------
 # Helpers.
 
 
@@ -352,7 +229,7 @@ def _as_layer_list(model: Layers) -> Modules:
                 f"layers must be an nn.ModuleList, a sequence of modules or a module with a .layers "
                 f"attribute; got {type(model).__name__} without .layers"
             )
-    layers = list(layers)
+    layers = [unwrapped(layer) for layer in layers]
     for i, layer in enumerate(layers):
         if not isinstance(layer, torch.nn.Module):
             raise TypeError(f"layers[{i}] must be an nn.Module, got {type(layer).__name__}")
@@ -361,7 +238,24 @@ def _as_layer_list(model: Layers) -> Modules:
     return layers
 
 
+def _container(model: Layers) -> torch.nn.Module | None:
+    """The module whose tree holds the layers: the model, a ModuleList, or None for a plain list."""
+    return model if isinstance(model, torch.nn.Module) else None
+
+
+def _slots(roots: torch.nn.Module | Sequence[torch.nn.Module]) -> dict[int, list[tuple[torch.nn.Module, str]]]:
+    """``id(module) -> [(parent, child name), ...]``: every place the tree holds each module."""
+    slots: dict[int, list[tuple[torch.nn.Module, str]]] = {}
+    for root in [roots] if isinstance(roots, torch.nn.Module) else roots:
+        for parent in root.modules():
+            for name, child in parent._modules.items():
+                if child is not None:
+                    slots.setdefault(id(child), []).append((parent, name))
+    return slots
+
+
 def _runs_sequence_parallel(layers: Modules) -> bool:
     return any(
-        m.sequence_parallel for layer in layers for m in layer.modules() if isinstance(m, _SEQUENCE_PARALLEL_LAYERS)
-    )
+        unwrapped(m).sequence_parallel for layer in layers for m in layer.modules()
+        if isinstance(unwrapped(m), _SEQUENCE_PARALLEL_LAYERS)
+    )  # fmt: skip

@@ -32,6 +32,7 @@ import torch
 
 from .activation_checkpoint import checkpoint
 from .config import RecomputeConfig, validate_per_layer
+from .module import unwrapped
 
 PREFIX = "recompute_"
 _MARK = "_neuron_ckpt_core_attn"  # on the modules of a layer whose core attention is recomputed
@@ -49,7 +50,7 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     layers: list[torch.nn.Module] = []
-    for module in model.modules():
+    for module in map(unwrapped, model.modules()):
         if isinstance(module, GradientCheckpointingLayer) and not any(module in set(l.modules()) for l in layers):
             layers.append(module)
     if not layers:
@@ -192,6 +193,6 @@ def _disable_cache_in_training(model: torch.nn.Module, layers: Sequence[torch.nn
     owners: dict[int, torch.nn.Module] = {}  # layer -> the innermost PreTrainedModel holding it
     for m in model.modules():
         if isinstance(m, PreTrainedModel):
-            owners.update({id(sub): m for sub in m.modules()})
+            owners.update({id(unwrapped(sub)): m for sub in m.modules()})
     for owner in {id(owners[id(l)]): owners[id(l)] for l in layers}.values():
         owner.__dict__[_HOOK] = owner.register_forward_pre_hook(_CacheOffInTraining(owner), with_kwargs=True)

@@ -21,6 +21,8 @@ from typing import Any, Sequence, Union
 
 import torch
 
+from .module import unwrapped
+
 from ..parallel.attention import CoreAttention
 from ..parallel.norms import LayerNorm, RMSNorm
 from .config import MODULE_ALIASES, MODULES
@@ -79,7 +81,7 @@ def _children_without_forward(layer: torch.nn.Module) -> list[str]:
     lists in its ``weights_only_children`` (it uses their parameters directly)."""
     idle = []
     for q, m in layer.named_modules():
-        for child in getattr(m, "weights_only_children", ()):
+        for child in getattr(unwrapped(m), "weights_only_children", ()):
             idle.append(f"{q}.{child}" if q else child)
     return idle
 
@@ -92,12 +94,13 @@ def selected_modules(
     found: dict[str, tuple[torch.nn.Module, bool]] = {}
     idle = _children_without_forward(layer)
     for name in names:
-        hits = [(q, m) for q, m in layer.named_modules() if q and _matches(q, m, patterns[name])]
+        modules = [(q, unwrapped(m)) for q, m in layer.named_modules() if q]  # as without recompute
+        hits = [(q, m) for q, m in modules if _matches(q, m, patterns[name])]
         if not hits:
             raise ValueError(
                 f"modules: {name!r} matched no submodule of layer {index} ({type(layer).__name__}) with "
                 f"pattern {patterns[name]!r}; pass module_map={{{name!r}: <attribute name or class>}}. "
-                f"Submodules: {[q for q, _ in layer.named_modules() if q][:20]}"
+                f"Submodules: {[q for q, _ in modules][:20]}"
             )
         for q, m in hits:
             owner = next((o for o in idle if q == o or q.startswith(o + ".")), None)

@@ -63,7 +63,8 @@ from typing import Any, Callable
 
 import torch
 
-from .rounds import DEFAULT_WRITERS, WriterRounds, agree, all_max
+from ..distributed.host import agree, all_max
+from .rounds import DEFAULT_WRITERS, WriterRounds
 from ..files import fsync_dir, write_atomic
 from .tensor_files import group_files, join, read_structure, read_tensors, split, write_structure, write_tensors
 
@@ -165,9 +166,6 @@ class CheckpointManager:
         self.chunk_bytes = max(1, int(chunk_mb * 2**20))
         self.shared_keys = tuple(shared_keys)
         self.log = log
-        self.write_spans: list[tuple[float, float]] = []
-        """(start, end) of this rank's writing in each save, ``time.monotonic()`` (the same
-        clock for every process of a host)."""
         self.last_save: SaveReport | None = None
         self.saved: list[str] = []
         """Names (``step_...``) of the checkpoints this manager saved, in order: never pruned in
@@ -231,7 +229,6 @@ class CheckpointManager:
         agree(error, f"creating {tmp}")
 
         def write() -> None:
-            began = time.monotonic()
             info = {"rank": str(self.rank), "tp_rank": str(self.tp_rank), "dp_rank": str(self.dp_rank)}
             structure, own = {}, {}
             for key, value in shard.items():
@@ -244,7 +241,6 @@ class CheckpointManager:
                     structure[key] = split(value, str(key), own)
             write_tensors(tmp, rank_prefix(self.rank), own, info, self.chunk_bytes)
             write_structure(tmp / f"{rank_prefix(self.rank)}.pt", structure)
-            self.write_spans.append((began, time.monotonic()))
 
         self._rounds.run(write, f"writing checkpoint {tmp}")
         report, error = SaveReport(final, step, 0.0, rounds=self.rounds()[0]), None

@@ -19,11 +19,11 @@ left waiting in a collective.
 before preempting a job or at its time limit (and ``scancel``, and torchrun passing its own
 SIGTERM on); SIGINT is Ctrl-C. Either one asks the run to stop: the current step is finished,
 all ranks agree to stop after the same step (each step, a MAX all-reduce of the signal number on
-the host: over the default group on gloo, over ``Runtime.host_group`` on XLA so that no device
-graph changes, over a gloo group of its own on nccl), a checkpoint of that step is written when
-there is a checkpoint manager, and :class:`Interrupted` is raised. Its ``exit_code`` is
-``128 + signal number`` (143 for SIGTERM, 130 for SIGINT): what a shell reports for a process
-ended by that signal, so a scheduler or script sees an interrupted job, not a finished one.
+the host group, :func:`neuron_ckpt.distributed.host.all_max`: no device graph on XLA, no device
+sync on nccl), a checkpoint of that step is written when there is a checkpoint manager, and
+:class:`Interrupted` is raised. Its ``exit_code`` is ``128 + signal number`` (143 for SIGTERM,
+130 for SIGINT): what a shell reports for a process ended by that signal, so a scheduler or
+script sees an interrupted job, not a finished one.
 ``--resume latest`` continues from the checkpoint.
 
 The handlers are installed only when :func:`fit` runs in the main thread, and the previous ones
@@ -60,7 +60,6 @@ import threading
 import time
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from ..distributed import runtime
@@ -192,26 +191,22 @@ class StopSignals:
 
 
 class Coordinator:
-    """What the ranks of one :func:`fit` agree on, on the host: stopping, progress, who is silent.
+    """Who stopped answering when a collective of one :func:`fit` fails: each rank's progress, kept
+    in the default store.
 
-    Without an initialised process group every method is local (nothing to agree with).
+    Without an initialised process group every method is local (nothing to compare with).
     """
 
     def __init__(self, timeout_s: float | None = None):
         global _RUNS
         self.active = dist.is_available() and dist.is_initialized()
         self.rank, self.world_size = (dist.get_rank(), dist.get_world_size()) if self.active else (0, 1)
-        self.group, self._own_group, self.store = None, False, None
+        self.store = None
         if not self.active:
             self.timeout_s, self.grace_s = timeout_s, 0.0
             return
         _RUNS += 1
         self.prefix = f"neuron_ckpt/fit{_RUNS}"
-        try:
-            rt = runtime.get_runtime()
-            backend, host_group = rt.backend, rt.host_group
-        except RuntimeError:
-            backend, host_group = dist.get_backend(), None
         try:
             self.store = dist.distributed_c10d._get_default_store()
         except Exception:  # noqa: BLE001  no store: no heartbeats, the rest works
@@ -222,24 +217,6 @@ class Coordinator:
             timeout_s = self.store.timeout.total_seconds()  # the store shares init's timeout
         self.timeout_s = timeout_s
         self.grace_s = min(60.0, max(3.0, 0.05 * (timeout_s or 0.0)))
-        if host_group is not None:
-            self.group = host_group
-        elif backend != "gloo":  # nccl: CPU flags need a gloo group (a collective: every rank is here)
-            timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else None
-            self.group, self._own_group = dist.new_group(backend="gloo", timeout=timeout), True
-
-    def close(self) -> None:
-        if self._own_group and self.group is not None:
-            dist.destroy_process_group(self.group)
-        self.group = None
-
-    def agree_stop(self, signum: int) -> int:
-        """The largest signal number any rank received (0: none): a host-side collective."""
-        if not self.active:
-            return signum
-        flag = torch.tensor([signum], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        return int(flag.item())
 
     def beat(self, step: int) -> None:
         """Record that this rank finished ``step`` (a store write; skipped at world size 1)."""

@@ -20,15 +20,15 @@ Faults (:mod:`neuron_ckpt.train.faults`): a NaN or Inf loss or gradient norm rai
 :class:`~.faults.NonFiniteError` where the values reach the host (logged and checkpoint steps),
 before that step's metrics line or checkpoint is written (not in a graphs-only run, whose values
 are placeholders: :attr:`FitOptions.graphs_only`). SIGTERM / SIGINT finish the current
-step, all ranks agree to stop after it (a host-side all-reduce of a flag each step: no device
-graph), save a checkpoint of it and raise :class:`~.faults.Interrupted`. Each rank keeps its last
-finished step in the default store; when a collective fails, :class:`~.faults.CollectiveTimeoutError`
-names the ranks that stopped answering.
+step, all ranks agree to stop after it (a host-side all-reduce of a flag each step,
+:func:`~neuron_ckpt.distributed.host.all_max`: no device graph), save a checkpoint of it and
+raise :class:`~.faults.Interrupted`. Each rank keeps its last finished step in the default store;
+when a collective fails, :class:`~.faults.CollectiveTimeoutError` names the ranks that stopped
+answering.
 """
 
 from __future__ import annotations
 
-import contextlib
 import signal
 import time
 from dataclasses import dataclass
@@ -36,7 +36,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..distributed import collectives, runtime
+from ..distributed import collectives, host, runtime
 from ..distributed.parallel_state import ParallelState
 from . import faults
 from .checkpoint import CheckpointManager
@@ -94,15 +94,12 @@ class FitOptions:
     """Model FLOPs per token (:meth:`neuron_ckpt.memory.ModelShape.flops_per_token`) for MFU."""
     peak_tflops_per_rank: float
     checkpoint_every: int = 0
-    """Save every N steps (0: never, except ``save_at_end``)."""
-    save_at_end: bool = True
+    """Save every N steps (0: only at the end; the last step is always saved)."""
     log_every: int = 1
     """Bring the loss and gradient norm to the host and log them every N steps (and on the last
     and checkpoint steps); the step time logged is the mean over the interval. On XLA every
     logged step waits for the device, so keep it above 1 there (the tutorial uses 10). These are
     also the steps whose values are checked for NaN / Inf."""
-    handle_signals: bool = True
-    """SIGTERM / SIGINT stop the run after the current step, with a checkpoint (main thread only)."""
     predicted_peak_bytes: int | None = None
     """The planner's peak memory for the job, logged next to the device's measured peak."""
     graphs_only: bool = False
@@ -190,7 +187,7 @@ def fit(
     if options.graphs_only:
         checkpoints = None  # placeholder values: nothing worth saving
     coordinator = faults.Coordinator()
-    signals = faults.StopSignals() if options.handle_signals else contextlib.nullcontext()
+    signals = faults.StopSignals()  # SIGTERM / SIGINT: stop after the step, with a checkpoint
     last_saved, current = None, start_step + 1  # current: the step being run (for error messages)
     try:
         with signals:
@@ -203,7 +200,7 @@ def fit(
                 logger.step_done()
                 coordinator.beat(done)
                 # Every rank stops after the same step: the largest signal number any rank got.
-                stop = coordinator.agree_stop(getattr(signals, "received", 0))
+                stop = host.all_max(getattr(signals, "received", 0))
                 last = done == options.max_steps
                 interrupt = bool(stop) and not last  # a stop at the last step is just the end
                 save = checkpoints is not None and (
@@ -229,7 +226,7 @@ def fit(
                 if interrupt:
                     raise faults.Interrupted(stop, done, str(saved) if save else None)
             end = max(options.max_steps, start_step)
-            if checkpoints is not None and options.save_at_end and last_saved != end and end > start_step:
+            if checkpoints is not None and last_saved != end and end > start_step:
                 current = end
                 checkpoints.save(end, *checkpoint_payload(end))
     except (faults.NonFiniteError, faults.Interrupted):
@@ -239,8 +236,6 @@ def fit(
         if faults.is_collective_failure(e):
             raise coordinator.diagnose(current, e) from e
         raise
-    finally:
-        coordinator.close()
     _settle(xla)
     return logger.records
 
@@ -250,4 +245,4 @@ def _settle(xla: bool) -> None:
         # Let every queued graph finish and every rank arrive before the caller tears the
         # process group down (otherwise: "Broken pipe" from ranks still running at exit).
         _xm().wait_device_ops()
-        runtime.barrier()
+        host.barrier()

@@ -3,61 +3,24 @@
 Rounds: a trn1.32xlarge host runs 32 ranks. All of them copying their state to host memory and
 writing (or, when resuming, reading) at once would hold 32 ranks' data in host memory and
 contend for the filesystem together, so at most ``writers`` ranks per host work at a time: in
-rounds by local rank (round ``local_rank // writers``), separated by :func:`runtime.barrier`
-(on XLA a host-side gloo barrier, no device graph). The default, 8, is NxD's
+rounds by local rank (round ``local_rank // writers``), separated by host barriers
+(:func:`~neuron_ckpt.distributed.host.barrier`: no device graph). The default, 8, is NxD's
 (``neuronx_distributed`` ``save_checkpoint(num_workers=8)``): 4 rounds on that host.
 ``writers=0``: every rank at once.
 
 Agreement: a rank whose work fails still takes part in every round's barrier; then all ranks
-all-reduce a failure flag, the failing rank raises its own error and every other rank a
-RuntimeError, so no rank is left waiting in a collective that will never come.
+agree on the outcome (:func:`~neuron_ckpt.distributed.host.agree`): the failing rank raises its
+own error and every other rank a RuntimeError, so no rank is left waiting in a collective that
+will never come.
 """
 
 from __future__ import annotations
 
 from typing import Callable
 
-import torch
-import torch.distributed as dist
-
-from ..distributed import runtime
+from ..distributed import host, runtime
 
 DEFAULT_WRITERS = 8
-
-
-def all_max(value: int) -> int:
-    """The max of ``value`` over all ranks, on the host (XLA: through the runtime's gloo group)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return value
-    group, device = _flag_group_and_device()
-    t = torch.tensor([value], dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return int(t.item())
-
-
-def _flag_group_and_device() -> tuple[dist.ProcessGroup | None, torch.device]:
-    """The group and device for a host value's collective: XLA's gloo host group on the CPU, else
-    the default group on the runtime's device (the CPU on gloo; the accelerator on its backend:
-    nccl, xccl, TorchNeuron's)."""
-    try:
-        rt = runtime.get_runtime()
-    except RuntimeError:  # torch.distributed initialised by someone else
-        acc = runtime.accelerator_type()
-        if acc is None or dist.get_backend() == "gloo":
-            return None, torch.device("cpu")
-        return None, torch.device(acc, torch.accelerator.current_device_index())
-    if rt.host_group is not None:
-        return rt.host_group, torch.device("cpu")
-    return None, rt.device
-
-
-def agree(error: BaseException | None, what: str) -> None:
-    """A collective: raise ``error`` here, or a RuntimeError if it failed on another rank."""
-    failed = all_max(1 if error is not None else 0)
-    if error is not None:
-        raise error
-    if failed:
-        raise RuntimeError(f"{what} failed on another rank (its error is in that rank's output)")
 
 
 class WriterRounds:
@@ -80,7 +43,7 @@ class WriterRounds:
         if self.writers == 0:
             return 1, 0
         if self._count is None:
-            local_ranks = all_max(self.local_rank) + 1  # ranks on the fullest host
+            local_ranks = host.all_max(self.local_rank) + 1  # ranks on the fullest host
             self._count = -(-local_ranks // self.writers)
         return self._count, self.local_rank // self.writers
 
@@ -92,8 +55,8 @@ class WriterRounds:
             if r == mine:
                 try:
                     work()
-                except BaseException as e:  # noqa: BLE001  re-raised by agree, after every round
+                except BaseException as e:  # noqa: BLE001  re-raised by host.agree, after every round
                     error = e
             if r < rounds - 1:
-                runtime.barrier()
-        agree(error, what)
+                host.barrier()
+        host.agree(error, what)

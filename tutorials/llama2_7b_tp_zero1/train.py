@@ -27,7 +27,8 @@ import torch
 
 import neuron_ckpt as nc
 from neuron_ckpt.data import DataParallelBatches, PackedDataset
-from neuron_ckpt.distributed.runtime import backends, barrier, collective_timeout_s, detect_backend, get_runtime
+from neuron_ckpt.distributed import host
+from neuron_ckpt.distributed.runtime import backends, collective_timeout_s, detect_backend, get_runtime
 from neuron_ckpt.memory import ModelShape
 from neuron_ckpt.models import (
     LlamaForCausalLM,
@@ -304,10 +305,10 @@ def _predicted_peak(cfg: TrainConfig, config, state, seq_len: int, dtype: torch.
         return None
 
 
-def _open_dataset(path: str, rt) -> PackedDataset:
+def open_dataset(path: str, rt) -> PackedDataset:
     """Open the packed corpus; its full scans (checksum, id range) run on one rank per host.
 
-    That rank leaves a stamp beside the file which the host's other ranks find after the
+    That rank leaves a stamp beside the file which the host's other ranks find after the host
     barrier, so they skip the scans. If the scan fails there, there is no stamp: every rank
     scans and raises the same error, and no rank waits in a collective for a failed one.
     """
@@ -317,7 +318,7 @@ def _open_dataset(path: str, rt) -> PackedDataset:
             dataset = PackedDataset(path)
         except ValueError as e:
             error = e
-    barrier()
+    host.barrier()
     if error is not None:
         raise error
     return dataset or PackedDataset(path)
@@ -363,7 +364,7 @@ def _print(message: str) -> None:
     print(message, flush=True)
 
 
-def _check_seq_len(seq_len: int, config, cfg: TrainConfig, notices: list[str]):
+def check_seq_len(seq_len: int, config, cfg: TrainConfig, notices: list[str]):
     """The config whose positions hold the corpus' blocks: a ``max_position_embeddings`` below the
     block length is raised to it with a notice, as NxD's get_model does; refused (ValueError) where
     that would change the RoPE tables."""
@@ -410,9 +411,9 @@ def main(argv: list[str] | None = None) -> dict:
     config = config or load_llama_config("configs/tiny.json", notices)
     if cfg.export_hf:
         check_writable(cfg.export_hf)  # every rank, now: not after the run
-    dataset = _open_dataset(cfg.data, rt)
+    dataset = open_dataset(cfg.data, rt)
     seq_len = dataset.block_len
-    config = _check_seq_len(seq_len, config, cfg, notices)
+    config = check_seq_len(seq_len, config, cfg, notices)
     for notice in dict.fromkeys(notices) if is_main else ():
         print(f"note: {notice}", flush=True)
     if dataset.info.vocab_size > config.vocab_size:

@@ -1,0 +1,142 @@
+"""``Recompute``: a module that runs the module it holds as one activation checkpoint, standing in
+the model where that module stood, and :func:`run_layers`, which runs grouped layers as one.
+
+``apply_recompute`` puts one in place of each recomputed module, so ``print(model)`` shows what is
+recomputed::
+
+    (core_attn): Recompute[CoreAttention](selective; explicit, heads 4 of 4, ...)
+    (0): Recompute[LlamaDecoderLayer](full, layers 0-1; ...)
+
+Names do not change. A ``Recompute`` holds its module's own tables of parameters, buffers and
+submodules (the same dicts, not copies) and hands state-dict saving and loading to it, so parameter
+names, state-dict keys, ``.to()``, ``.train()`` and hooks on the submodules are exactly those of
+the model without recompute; checkpoints load either way. Attributes it does not have are read
+from the module it holds. What it does not share is the held module's identity: ``isinstance``
+on the wrapper sees ``Recompute`` (:func:`unwrapped` gives the held module), and hooks registered
+on the wrapper run around the whole checkpoint.
+
+Grouped full recompute (``method="uniform"``, ``num_layers=k > 1``) checkpoints ``k`` consecutive
+layers as one: the first layer's ``Recompute`` has ``span=k``, the others ``span=0``.
+:func:`run_layers` reads that and runs the group's layers inside one checkpoint; a grouped layer
+called any other way raises (its model must loop through ``run_layers``).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+from typing import Any, Sequence
+
+import torch
+
+from .activation_checkpoint import checkpoint
+from .config import RecomputeConfig
+
+# The module's own tables, shared with the wrapper (the same dict objects).
+_SHARED = (
+    "_parameters", "_buffers", "_non_persistent_buffers_set", "_modules",
+    "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks",
+)  # fmt: skip
+
+# True while run_layers runs a group's layers inside its checkpoint (forward and recompute).
+_IN_GROUP: contextvars.ContextVar[bool] = contextvars.ContextVar("neuron_ckpt_recompute_group", default=False)
+
+
+class Recompute(torch.nn.Module):
+    """``module`` run through :func:`checkpoint` (``config``'s ``use_reentrant``; ``distribute``:
+    keep a 1/t slice of its replicated input). ``span``: 1 for one module; for grouped layers
+    ``k`` on the first of ``k`` (run by :func:`run_layers`) and 0 on the others."""
+
+    def __init__(self, module: torch.nn.Module, config: RecomputeConfig, distribute: bool = False, span: int = 1):
+        super().__init__()
+        if isinstance(module, Recompute):
+            raise TypeError("Recompute: the module is already a Recompute")
+        object.__setattr__(self, "module", module)  # not registered as a child: its contents are ours
+        for name in _SHARED:
+            self.__dict__[name] = module.__dict__[name]
+        self.config, self.distribute, self.span = config, distribute, span
+        self.training = module.training
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.span == 1:
+            return checkpoint(
+                self.module, *args, use_reentrant=self.config.use_reentrant,
+                distribute_saved_activations=self.distribute, **kwargs,
+            )  # fmt: skip
+        if not _IN_GROUP.get():
+            raise RuntimeError(
+                f"full recompute with method='uniform' and num_layers={self.config.num_layers} checkpoints "
+                "groups of layers, so the stack must run through "
+                "neuron_ckpt.recompute.run_layers(layers, hidden_states, *extra_args); this layer was "
+                "called directly"
+            )
+        return self.module(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)  # parameters, buffers, submodules (the module's own)
+        except AttributeError:
+            module = self.__dict__.get("module")
+            if module is None:  # half-built (unpickling)
+                raise
+            return getattr(module, name)
+
+    def train(self, mode: bool = True) -> "Recompute":
+        self.module.training = mode
+        return super().train(mode)
+
+    def _save_to_state_dict(self, *args: Any) -> None:
+        self.module._save_to_state_dict(*args)
+
+    def _load_from_state_dict(self, *args: Any) -> None:
+        self.module._load_from_state_dict(*args)
+
+    def _get_name(self) -> str:
+        return f"Recompute[{type(self.module).__name__}]"
+
+    def extra_repr(self) -> str:
+        c = self.config
+        what = c.granularity if c.granularity == "selective" else f"full, {c.method}"
+        if self.span > 1:
+            what += f", first of {self.span} layers in one checkpoint"
+        elif self.span == 0:
+            what += ", in the previous layers' checkpoint"
+        inner = self.module.extra_repr()
+        return f"{what}; {inner}" if inner else what
+
+
+def unwrapped(module: torch.nn.Module) -> torch.nn.Module:
+    """The module a :class:`Recompute` holds, or ``module`` itself."""
+    return module.module if isinstance(module, Recompute) else module
+
+
+def run_layers(layers: Sequence[torch.nn.Module], hidden_states: Any, *args: Any, **kwargs: Any) -> Any:
+    """``for layer in layers: hidden_states = layer(hidden_states, *args, **kwargs)``, running each
+    group set up by full ``uniform`` recompute (a :class:`Recompute` with ``span > 1`` and the
+    layers after it) as one activation checkpoint."""
+    i = 0
+    while i < len(layers):
+        layer = layers[i]
+        span = layer.span if isinstance(layer, Recompute) else 1
+        if span > 1:
+            group = list(layers[i : i + span])
+            c = layer.config
+            hidden_states = checkpoint(
+                functools.partial(_run_group, group), hidden_states, *args, fence=[unwrapped(g) for g in group],
+                use_reentrant=c.use_reentrant, distribute_saved_activations=c.distribute_saved_activations, **kwargs,
+            )  # fmt: skip
+            i += span
+        else:
+            hidden_states = layer(hidden_states, *args, **kwargs)
+            i += 1
+    return hidden_states
+
+
+def _run_group(group: list[torch.nn.Module], hidden: Any, *args: Any, **kwargs: Any) -> Any:
+    token = _IN_GROUP.set(True)
+    try:
+        for layer in group:
+            hidden = layer(hidden, *args, **kwargs)
+    finally:
+        _IN_GROUP.reset(token)
+    return hidden
