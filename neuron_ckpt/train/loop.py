@@ -158,7 +158,7 @@ def fit(
     batches: Any,
     schedule: LRSchedule,
     options: FitOptions,
-    state: ParallelState,
+    parallel_state: ParallelState,
     device: torch.device,
     metrics: MetricsWriter,
     start_step: int = 0,
@@ -182,7 +182,7 @@ def fit(
     # loading a checkpoint left pending, so that step 1's graph is the steady-state step.
     _mark_step()
     logger = _Logger(
-        options, metrics, state.tp_size * state.dp_size, start_step * options.global_batch * options.seq_len, device
+        options, metrics, parallel_state.tp_size * parallel_state.dp_size, start_step * options.global_batch * options.seq_len, device
     )
     if options.graphs_only:
         checkpoints = None  # placeholder values: nothing worth saving
@@ -209,14 +209,14 @@ def fit(
                 # Mean loss over DP (every TP rank of a replica holds the same loss). Every step, logged
                 # or not, so that every step traces the same graph; ``values`` stays alive until the
                 # mark_step below, which keeps it in that graph.
-                values = torch.stack([collectives.all_reduce(loss, state.dp) / state.dp_size, grad_norm.float()])
+                values = torch.stack([collectives.all_reduce(loss, parallel_state.dp) / parallel_state.dp_size, grad_norm.float()])
                 if done % options.log_every == 0 or last or save:
                     if xla:
                         _xm().add_step_closure(logger.log, args=(values, done, lr))
                     else:
                         logger.log(values, done, lr)  # raises NonFiniteError before writing anything
                 _mark_step()  # XLA: runs the closure, so a NaN raises here, before the save below
-                if interrupt and state.dp.rank == 0 and state.tp.rank == 0:
+                if interrupt and parallel_state.dp.rank == 0 and parallel_state.tp.rank == 0:
                     faults.say(f"{signal.Signals(stop).name} received: stopping after step {done}"
                                + (", saving a checkpoint first" if save else " (no checkpoint directory: nothing saved)"))
                 if save:

@@ -260,7 +260,7 @@ def _attention(cfg: TrainConfig, config, seq_len: int, device_type: str) -> tupl
     return "explicit", f"explicit ({asked} {why})"
 
 
-def _auto_recompute(cfg: TrainConfig, config, state, seq_len: int, dtype: torch.dtype, device_type: str,
+def _auto_recompute(cfg: TrainConfig, config, parallel, seq_len: int, dtype: torch.dtype, device_type: str,
                     attention: str):
     """``--recompute auto``: the per-layer recompute with the least recompute FLOPs that fits
     (neuron_ckpt.memory.planner, the same plan ``neuron-ckpt plan`` prints)."""
@@ -269,18 +269,18 @@ def _auto_recompute(cfg: TrainConfig, config, state, seq_len: int, dtype: torch.
     memory = cfg.device_memory or {"xla": "trn1"}.get(device_type)
     if memory is None and device_type == "cpu":
         raise ValueError("--recompute auto on CPU needs --device-memory (GiB one rank may use)")
-    return plan_recompute(ModelShape.from_llama(config), _setup(cfg, state, seq_len, dtype, attention), memory)
+    return plan_recompute(ModelShape.from_llama(config), _setup(cfg, parallel, seq_len, dtype, attention), memory)
 
 
-def _setup(cfg: TrainConfig, state, seq_len: int, dtype: torch.dtype, attention: str):
+def _setup(cfg: TrainConfig, parallel, seq_len: int, dtype: torch.dtype, attention: str):
     """The job as the memory planner sees it."""
     from neuron_ckpt.memory import TrainingSetup
 
     return TrainingSetup(
         seq_len=seq_len,
         micro_batch=cfg.micro_batch_size,
-        tp=state.tp_size,
-        dp=state.dp_size,
+        tp=parallel.tp_size,
+        dp=parallel.dp_size,
         dtype={torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype],
         sequence_parallel=cfg.sequence_parallel,
         zero1=True,
@@ -288,7 +288,7 @@ def _setup(cfg: TrainConfig, state, seq_len: int, dtype: torch.dtype, attention:
     )
 
 
-def _predicted_peak(cfg: TrainConfig, config, state, seq_len: int, dtype: torch.dtype, attention: str,
+def _predicted_peak(cfg: TrainConfig, config, parallel, seq_len: int, dtype: torch.dtype, attention: str,
                     recompute, plan) -> Optional[int]:
     """The planner's peak bytes per rank for this job (logged next to the device's measured peak),
     or None where the recompute is not one the planner models (e.g. full recompute in groups)."""
@@ -300,7 +300,7 @@ def _predicted_peak(cfg: TrainConfig, config, state, seq_len: int, dtype: torch.
     if layers is None:
         return None
     try:
-        return memory_budget(ModelShape.from_llama(config), _setup(cfg, state, seq_len, dtype, attention), layers).total_bytes
+        return memory_budget(ModelShape.from_llama(config), _setup(cfg, parallel, seq_len, dtype, attention), layers).total_bytes
     except ValueError:
         return None
 
@@ -388,7 +388,7 @@ def main(argv: list[str] | None = None) -> dict:
     graphs_only = os.environ.get("NEURON_EXTRACT_GRAPHS_ONLY", "") not in ("", "0")
     timeout = cfg.collective_timeout or (7200.0 if (cfg.backend or detect_backend()) == "xla" else 1800.0)
     rt = nc.init_distributed(backend=cfg.backend, timeout_s=timeout)
-    state = nc.initialize_model_parallel(cfg.tp)
+    parallel = nc.initialize_model_parallel(cfg.tp)
     is_main = rt.rank == 0
     if cfg.collective_timeout and collective_timeout_s() != cfg.collective_timeout and is_main:
         print(f"--collective-timeout {cfg.collective_timeout:g} not applied: torch.distributed was initialised "
@@ -398,7 +398,7 @@ def main(argv: list[str] | None = None) -> dict:
     _check_output_paths(cfg)  # every rank, before any work: not at the first save / logged step
     dtype = DTYPES[cfg.dtype] if cfg.dtype != "auto" else (torch.float32 if rt.device.type == "cpu" else torch.bfloat16)
     checkpoints = CheckpointManager(
-        cfg.checkpoint_dir or ".", cfg.keep_last, rt.rank, rt.world_size, parallel_state=state,
+        cfg.checkpoint_dir or ".", cfg.keep_last, rt.rank, rt.world_size, parallel_state=parallel,
         local_rank=rt.local_rank, writers=cfg.checkpoint_writers, log=_print if is_main else None,
     )  # fmt: skip
     if cfg.checkpoint_dir and not cfg.resume:
@@ -418,11 +418,11 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"note: {notice}", flush=True)
     if dataset.info.vocab_size > config.vocab_size:
         raise ValueError(f"{cfg.data}: tokenizer vocab {dataset.info.vocab_size} > model vocab_size {config.vocab_size}")
-    per_step = cfg.micro_batch_size * state.dp_size
+    per_step = cfg.micro_batch_size * parallel.dp_size
     if cfg.global_batch_size % per_step:
         raise ValueError(
             f"--global-batch-size {cfg.global_batch_size} must be a multiple of micro_batch_size x DP "
-            f"= {cfg.micro_batch_size} x {state.dp_size}"
+            f"= {cfg.micro_batch_size} x {parallel.dp_size}"
         )
     grad_accum = cfg.global_batch_size // per_step
 
@@ -435,7 +435,7 @@ def main(argv: list[str] | None = None) -> dict:
             print("note: selective recompute of flash attention reruns the kernel to drop only its fp32 log-sum-exp "
                   "(no s x s tensor to save); --recompute none keeps nearly the same memory", flush=True)
     if cfg.recompute == "auto":
-        plan = _auto_recompute(cfg, config, state, seq_len, dtype, rt.device.type, attention)
+        plan = _auto_recompute(cfg, config, parallel, seq_len, dtype, rt.device.type, attention)
         recompute = plan.recompute
         if is_main:
             print(
@@ -444,7 +444,7 @@ def main(argv: list[str] | None = None) -> dict:
                 flush=True,
             )
     nc.model_parallel_manual_seed(cfg.seed)
-    model = LlamaForCausalLM(config, cfg.sequence_parallel, attention, dtype, parallel_state=state)
+    model = LlamaForCausalLM(config, cfg.sequence_parallel, attention, dtype, parallel_state=parallel)
     apply_recompute(model, recompute)  # checked against the model first (e.g. --recompute-num-layers)
     model.to(rt.device)
     if cfg.init_hf:
@@ -452,7 +452,7 @@ def main(argv: list[str] | None = None) -> dict:
     optimizer = Zero1Optimizer(
         param_groups(model, cfg.weight_decay, RECIPES[cfg.recipe].no_decay),
         torch.optim.AdamW,
-        parallel_state=state,
+        parallel_state=parallel,
         grad_clip_norm=cfg.grad_clip or None,
         lr=cfg.lr,
         betas=(cfg.beta1, cfg.beta2),
@@ -462,12 +462,12 @@ def main(argv: list[str] | None = None) -> dict:
         cfg.lr, cfg.warmup_steps, cfg.max_steps, cfg.decay, cfg.min_lr_ratio, RECIPES[cfg.recipe].warmup_from_zero
     )
     batches = DataParallelBatches(
-        dataset, cfg.micro_batch_size, state.dp_rank, state.dp_size, cfg.seed, grad_accum=grad_accum,
+        dataset, cfg.micro_batch_size, parallel.dp_rank, parallel.dp_size, cfg.seed, grad_accum=grad_accum,
         shuffle=cfg.data_order == "shuffled",
     )
 
     train_state = TrainState(model, optimizer, batches)
-    layout = {"tp_size": state.tp_size, "dp_size": state.dp_size, "model": _model_fields(config), "dtype": str(dtype)}
+    layout = {"tp_size": parallel.tp_size, "dp_size": parallel.dp_size, "model": _model_fields(config), "dtype": str(dtype)}
     resumed = train_state.resume(checkpoints, cfg.resume, layout) if cfg.resume else None
     start_step = resumed[1]["step"] if resumed else 0
     if is_main and cfg.resume:
@@ -477,13 +477,13 @@ def main(argv: list[str] | None = None) -> dict:
     device_kind = cfg.device_kind or detect_device_kind(rt.backend)
     peak = cfg.peak_tflops or peak_tflops(device_kind, dtype)
     fpt = ModelShape.from_llama(config).flops_per_token(seq_len)
-    predicted = _predicted_peak(cfg, config, state, seq_len, dtype, attention, recompute, plan)
+    predicted = _predicted_peak(cfg, config, parallel, seq_len, dtype, attention, recompute, plan)
     if is_main:
         n_params = sum(p.numel() for p in model.parameters())
         print(
-            f"world {rt.world_size} ({rt.backend}) = TP {state.tp_size} x DP {state.dp_size} | "
+            f"world {rt.world_size} ({rt.backend}) = TP {parallel.tp_size} x DP {parallel.dp_size} | "
             f"sequence parallel {cfg.sequence_parallel} | recompute {cfg.recompute} | dtype {dtype} | "
-            f"seq {seq_len} | micro-batch {cfg.micro_batch_size} x accum {grad_accum} x DP {state.dp_size} = "
+            f"seq {seq_len} | micro-batch {cfg.micro_batch_size} x accum {grad_accum} x DP {parallel.dp_size} = "
             f"global batch {cfg.global_batch_size} | params/rank {n_params / 1e6:.2f} M | "
             f"{fpt / 1e9:.3f} GFLOP/token | peak {peak} TFLOP/s per rank ({device_kind}) | recipe {cfg.recipe}"
             + (f" | planned memory peak {predicted / 2**30:.2f} GiB per rank" if predicted else ""),
@@ -502,7 +502,7 @@ def main(argv: list[str] | None = None) -> dict:
     env = {k: v for k, v in sorted(os.environ.items()) if k.startswith(("NEURON", "XLA"))}
     metrics.write_header(
         env, dataclasses.asdict(cfg), start_step=start_step, world_size=rt.world_size, backend=rt.backend,
-        tp=state.tp_size, dp=state.dp_size, seq_len=seq_len, grad_accum=grad_accum, dtype=str(dtype),
+        tp=parallel.tp_size, dp=parallel.dp_size, seq_len=seq_len, grad_accum=grad_accum, dtype=str(dtype),
         attention=attention, predicted_peak_bytes=predicted,
     )  # fmt: skip
     options = FitOptions(
@@ -512,7 +512,7 @@ def main(argv: list[str] | None = None) -> dict:
     t_fit = time.perf_counter()
     try:
         records = fit(
-            torch.compile(model, backend=compile_with) if compile_with else model, optimizer, iter(batches), schedule, options, state, rt.device, metrics,
+            torch.compile(model, backend=compile_with) if compile_with else model, optimizer, iter(batches), schedule, options, parallel, rt.device, metrics,
             start_step=start_step, checkpoints=checkpoints if cfg.checkpoint_dir else None,
             checkpoint_payload=lambda step: (train_state.state_dict(), {**layout, "train_config": dataclasses.asdict(cfg)}),
         )  # fmt: skip
