@@ -241,6 +241,21 @@ def is_xla() -> bool:
     return _RUNTIME is not None and _RUNTIME.backend == "xla"
 
 
+def step_boundary(wait: bool = False) -> None:
+    """On XLA, end the graph traced so far here and run it (``torch_xla.sync``; ``mark_step`` on
+    older torch-xla); ``wait``: also wait until the device is done. A no-op on eager backends,
+    where every op has already run. The training step, checkpoint loading and the HF export cut
+    their graphs through this one function."""
+    if not is_xla():
+        return
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    (getattr(torch_xla, "sync", None) or xm.mark_step)()
+    if wait:
+        xm.wait_device_ops()
+
+
 def destroy_runtime() -> None:
     """Forget the runtime, drop its ``host_group``, then ``destroy_process_group()`` (WORLD included).
 

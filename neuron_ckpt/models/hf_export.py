@@ -172,12 +172,6 @@ def _replace_dir(tmp: Path, directory: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _xla_sync() -> None:
-    import torch_xla.core.xla_model as xm
-
-    xm.mark_step()
-
-
 def save_hf_checkpoint(
     model: torch.nn.Module,
     directory: str | Path,
@@ -226,8 +220,7 @@ def save_hf_checkpoint(
             with torch.no_grad():
                 full = [(key, hf_conversion.gather(p.detach(), p, tp)) for key, p in group]
                 full = [(key, t if dtype is None else t.to(dtype)) for key, t in full]
-            if runtime.is_xla():
-                _xla_sync()  # the layer's gathers as one graph, on every rank
+            runtime.step_boundary()  # XLA: the layer's gathers as one graph, on every rank
             if writer and error is None:
                 try:
                     for key, tensor in full:

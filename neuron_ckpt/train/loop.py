@@ -50,11 +50,6 @@ def _xm():
     return xm
 
 
-def _mark_step() -> None:
-    if runtime.is_xla():
-        _xm().mark_step()
-
-
 def train_step(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -76,7 +71,7 @@ def train_step(
         loss = model(ids, labels=ids).loss
         (loss * scale).backward()
         total = total + loss.detach().float() * scale
-        _mark_step()  # XLA: one graph per micro-batch, so graph size does not grow with accumulation
+        runtime.step_boundary()  # XLA: one graph per micro-batch, so graph size does not grow with accumulation
     grad_norm = optimizer.step()
     return total, grad_norm
 
@@ -180,7 +175,7 @@ def fit(
     xla = runtime.is_xla()
     # Run what building the model and optimizer (ZeRO-1's flattening of every parameter) or
     # loading a checkpoint left pending, so that step 1's graph is the steady-state step.
-    _mark_step()
+    runtime.step_boundary()
     logger = _Logger(
         options, metrics, parallel_state.tp_size * parallel_state.dp_size, start_step * options.global_batch * options.seq_len, device
     )
@@ -215,7 +210,7 @@ def fit(
                         _xm().add_step_closure(logger.log, args=(values, done, lr))
                     else:
                         logger.log(values, done, lr)  # raises NonFiniteError before writing anything
-                _mark_step()  # XLA: runs the closure, so a NaN raises here, before the save below
+                runtime.step_boundary()  # XLA: runs the closure, so a NaN raises here, before the save below
                 if interrupt and parallel_state.dp.rank == 0 and parallel_state.tp.rank == 0:
                     faults.say(f"{signal.Signals(stop).name} received: stopping after step {done}"
                                + (", saving a checkpoint first" if save else " (no checkpoint directory: nothing saved)"))

@@ -66,7 +66,7 @@ class TrainState:
             self.batches.load_state_dict(state["data"])
         set_rng_state(state["rng"]["default"])
         self.rng_tracker.set_states(state["rng"]["tracker"])
-        _xla_sync()
+        runtime.step_boundary(wait=True)
 
     def save(self, manager: CheckpointManager, step: int, meta: dict[str, Any]) -> Path:
         """A collective: checkpoint this state as step ``step`` (``meta`` goes to meta.json)."""
@@ -83,15 +83,5 @@ class TrainState:
             return None
         # XLA: run what is pending (building the model and optimizer, which may hold collectives)
         # on every rank now, so that each reader round's graph holds only its own local copies.
-        _xla_sync()
+        runtime.step_boundary(wait=True)
         return path, manager.restore(path, expect, self.load_state_dict)
-
-
-def _xla_sync() -> None:
-    """On XLA: run the pending graph and wait for it (nothing elsewhere)."""
-    if runtime.is_xla():
-        import torch_xla
-        import torch_xla.core.xla_model as xm
-
-        (getattr(torch_xla, "sync", None) or xm.mark_step)()
-        xm.wait_device_ops()
