@@ -535,7 +535,7 @@ def _one_rank() -> ParallelState:
 @pytest.mark.parametrize(
     "options, message",
     [
-        ({"bucket_cap_mb": 0}, "bucket_cap_mb must be None (no cap) or a number > 0 (MiB), got 0"),
+        ({"bucket_cap_mb": 0}, "bucket_cap_mb must be None (no cap), 'auto' (the backend's) or a number > 0 (MiB), got 0"),
         ({"bucket_cap_mb": "128"}, "bucket_cap_mb must be None"),
         ({"bucket_cap_mb": True}, "bucket_cap_mb must be None"),
         ({"bucket_cap_mb": 2 / 2**20}, "bucket_cap_mb=1.9073486328125e-06 holds 0 torch.float32 elements, fewer than dp"),

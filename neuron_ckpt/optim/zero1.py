@@ -15,13 +15,15 @@ slice alone. A step is
 
 Layout. The parameters of one (user param group, dtype) are laid end to end in one *flat*
 sequence, padded at its end to a multiple of DP. The flat is cut into *buckets* of exactly
-``bucket_cap_mb`` worth of elements of the dtype the gradients are reduced in, rounded down to a
-multiple of DP (the last bucket is shorter), so every bucket divides by DP and only the last one
-of a flat carries padding. A parameter that straddles a cut is split between two
-buckets, and one larger than the cap spans several: the cap bounds every collective, whatever the
-parameter sizes (Neuron produces NaN within a few steps for collectives above ~140 MB, and an
-embedding at TP 1 is 262 MB in bf16). Each bucket has its own fp32 master slice (the rank's
-``1/dp`` of it), which is one parameter of the inner optimizer.
+``bucket_cap_mb`` worth of elements of the dtype the gradients are reduced in (by default the
+cap :func:`~neuron_ckpt.distributed.collectives.default_bucket_cap_mb` gives the DP group's
+backend: 128 MiB on XLA, 8 MiB on gloo), rounded down to a multiple of DP (the last bucket is
+shorter), so every bucket divides by DP and only the last one of a flat carries padding. A
+parameter that straddles a cut is split between two buckets, and one larger than the cap spans
+several: the cap bounds every collective, whatever the parameter sizes (Neuron produces NaN
+within a few steps for collectives above ~140 MB, and an embedding at TP 1 is 262 MB in bf16).
+Each bucket has its own fp32 master slice (the rank's ``1/dp`` of it), which is one parameter of
+the inner optimizer.
 
 fp32 gradient accumulation (``accumulate_fp32``; on by default for 16-bit parameters). Each flat
 owns a persistent fp32 gradient buffer in the flat layout. A post-accumulate-grad hook adds every
@@ -46,7 +48,7 @@ from __future__ import annotations
 import bisect
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, NamedTuple
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -66,19 +68,29 @@ _SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 _HOOK_OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
+class _Piece(NamedTuple):
+    """The run of one parameter inside a range of a flat: its elements ``[first, last)`` sit at
+    ``offset`` from the start of the range."""
+
+    index: int  # into the flat's params
+    first: int
+    last: int
+    offset: int
+
+
 @dataclass
 class _Bucket:
     """Elements ``[start, end)`` of a flat; ``end - start`` divides by DP.
 
-    ``pieces`` are ``(param index, first, last, offset in bucket)`` runs of the parameters it
-    holds; ``norm_segments`` are ``(start, end, weight)`` ranges of this rank's slice with the
+    ``pieces`` are the runs of the parameters it holds (offsets from ``start``);
+    ``norm_segments`` are ``(start, end, weight)`` ranges of this rank's slice with the
     1/duplicates weight of the parameter they cover, so the norm needs no per-element weights.
     """
 
     start: int
     end: int
     master: torch.Tensor
-    pieces: list[tuple[int, int, int, int]]
+    pieces: list[_Piece]
     norm_segments: list[tuple[int, int, float]]
 
 
@@ -96,15 +108,15 @@ class _Flat:
     grad: torch.Tensor | None = None  # fp32 accumulation buffer, ``padded`` long
     buckets: list[_Bucket] = field(default_factory=list)
 
-    def pieces(self, lo: int, hi: int) -> list[tuple[int, int, int, int]]:
-        """Runs of parameters inside flat elements ``[lo, hi)``: ``(index, first, last, offset - lo)``."""
+    def pieces(self, lo: int, hi: int) -> list[_Piece]:
+        """Runs of parameters inside flat elements ``[lo, hi)``, offsets from ``lo``."""
         out = []
         i = max(bisect.bisect_right(self.offsets, lo) - 1, 0)
         while i < len(self.params) and self.offsets[i] < hi:
             off, n = self.offsets[i], self.params[i].numel()
             a, b = max(lo, off), min(hi, off + n)
             if a < b:
-                out.append((i, a - off, b - off, a - lo))
+                out.append(_Piece(i, a - off, b - off, a - lo))
             i += 1
         return out
 
@@ -113,10 +125,13 @@ class _Flat:
         zeros) as a new 1-D ``dtype`` tensor; padding reads as zeros."""
         device = self.params[0].device
         parts, covered = [], 0
-        for i, a, b, _ in self.pieces(lo, hi):
-            t = tensors[i]
-            parts.append(torch.zeros(b - a, dtype=dtype, device=device) if t is None else t.reshape(-1)[a:b].to(dtype))
-            covered += b - a
+        for piece in self.pieces(lo, hi):
+            t, n = tensors[piece.index], piece.last - piece.first
+            parts.append(
+                torch.zeros(n, dtype=dtype, device=device) if t is None
+                else t.reshape(-1)[piece.first : piece.last].to(dtype)
+            )  # fmt: skip
+            covered += n
         if covered < hi - lo:
             parts.append(torch.zeros(hi - lo - covered, dtype=dtype, device=device))
         return torch.cat(parts)
@@ -147,8 +162,15 @@ def _bucket_numel(cap_mb: float | None, dtype: torch.dtype, dp: int, padded: int
 
 
 def _build_flat(
-    group: int, params: list[torch.Tensor], ps: ParallelState, cap_mb: float | None, accumulate: bool
+    group: int,
+    params: list[torch.Tensor],
+    ps: ParallelState,
+    cap_mb: float | None,
+    accumulate: bool,
+    grad: torch.Tensor | None = None,
 ) -> _Flat:
+    """The flat of ``params``, cut at ``cap_mb``; with ``accumulate``, its fp32 gradient buffer is
+    ``grad`` (one of the same flat, kept when the flat is cut again) or a new one of zeros."""
     dp, r = ps.dp_size, ps.dp_rank
     offsets = [0]
     for p in params[:-1]:
@@ -169,19 +191,21 @@ def _build_flat(
             norm = _norm_segments(flat, lo, lo + shard, ps.tp_size)
             flat.buckets.append(_Bucket(start, end, master, flat.pieces(start, end), norm))
         if accumulate:
-            flat.grad = torch.zeros(flat.padded, dtype=reduce_dtype, device=params[0].device)
+            device = params[0].device
+            flat.grad = grad if grad is not None else torch.zeros(flat.padded, dtype=reduce_dtype, device=device)
     return flat
 
 
 def _norm_segments(flat: _Flat, lo: int, hi: int, tp_size: int) -> list[tuple[int, int, float]]:
     """Where each parameter falls inside this rank's slice ``[lo, hi)`` of the flat."""
     segments: list[tuple[int, int, float]] = []
-    for i, a, b, at in flat.pieces(lo, hi):
-        weight = 1.0 / tensor_parallel_duplicates(flat.params[i], tp_size)
-        if segments and segments[-1][1] == at and segments[-1][2] == weight:
-            segments[-1] = (segments[-1][0], at + b - a, weight)
+    for piece in flat.pieces(lo, hi):
+        weight = 1.0 / tensor_parallel_duplicates(flat.params[piece.index], tp_size)
+        end = piece.offset + piece.last - piece.first
+        if segments and segments[-1][1] == piece.offset and segments[-1][2] == weight:
+            segments[-1] = (segments[-1][0], end, weight)
         else:
-            segments.append((at, at + b - a, weight))
+            segments.append((piece.offset, end, weight))
     return segments
 
 
@@ -238,8 +262,11 @@ class Zero1Optimizer(torch.optim.Optimizer):
     is treated as having a zero gradient (unlike torch optimizers, which skip it: weight decay
     still applies and the moments still decay, the same on every rank).
 
-    ``bucket_cap_mb`` (MiB, default 128; None: one bucket per param group and dtype) bounds the
-    bytes of every reduce-scatter and all-gather, counted in the dtype gradients are reduced in.
+    ``bucket_cap_mb`` (MiB; None: one bucket per param group and dtype) bounds the bytes of every
+    reduce-scatter and all-gather, counted in the dtype gradients are reduced in. ``"auto"`` (the
+    default) takes the DP group's backend's cap
+    (:data:`~neuron_ckpt.distributed.collectives.DEFAULT_BUCKET_CAP_MB`: 128 on XLA, 8 on gloo),
+    and then adopts the cap a loaded state was saved with. ``bucket_cap_mb`` reads the number used.
     ``accumulate_fp32`` (None: for bf16/fp16 parameters only) accumulates gradients in fp32
     buffers through post-accumulate-grad hooks, which leave ``p.grad`` None after backward (see
     :meth:`accumulated_grad`) and reduce in fp32. The hooks are removed when the optimizer is
@@ -257,22 +284,28 @@ class Zero1Optimizer(torch.optim.Optimizer):
         optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW,
         parallel_state: ParallelState | None = None,
         grad_clip_norm: float | None = None,
-        bucket_cap_mb: float | None = 128,
+        bucket_cap_mb: float | None | str = "auto",
         accumulate_fp32: bool | None = None,
         **defaults: Any,
     ) -> None:
         if grad_clip_norm is not None and not grad_clip_norm > 0:
             raise ValueError(f"grad_clip_norm must be None or > 0, got {grad_clip_norm!r}")
         cap_ok = isinstance(bucket_cap_mb, (int, float)) and not isinstance(bucket_cap_mb, bool) and bucket_cap_mb > 0
-        if bucket_cap_mb is not None and not cap_ok:
-            raise ValueError(f"bucket_cap_mb must be None (no cap) or a number > 0 (MiB), got {bucket_cap_mb!r}")
+        if bucket_cap_mb not in (None, "auto") and not cap_ok:
+            raise ValueError(
+                "bucket_cap_mb must be None (no cap), 'auto' (the backend's) or a number > 0 (MiB), "
+                f"got {bucket_cap_mb!r}"
+            )
         if not (accumulate_fp32 is None or isinstance(accumulate_fp32, bool)):
             raise ValueError(
                 f"accumulate_fp32 must be None (auto: for bf16/fp16 parameters), True or False, got {accumulate_fp32!r}"
             )
         self.parallel_state = parallel_state or get_parallel_state()
         self.grad_clip_norm = grad_clip_norm
-        self.bucket_cap_mb = bucket_cap_mb
+        self._auto_cap = bucket_cap_mb == "auto"
+        if self._auto_cap:
+            bucket_cap_mb = collectives.default_bucket_cap_mb(self.parallel_state.dp)
+        self.bucket_cap_mb: float | None = bucket_cap_mb
         self.last_grad_norm: torch.Tensor | None = None
         self._flats: list[_Flat] = []
         inner_groups = []
@@ -478,10 +511,35 @@ class Zero1Optimizer(torch.optim.Optimizer):
         dtypes, parameter shapes, bucket boundaries with the bucket cap that made them) before
         touching any state. A version-1 state (before bucketing) loads into an optimizer with one
         bucket per param group and dtype (``bucket_cap_mb=None``), whose layout is the same.
+        With ``bucket_cap_mb="auto"`` the optimizer first takes the cap the state was saved with
+        (a state saved under another backend's default, or before the defaults were per backend,
+        loads), if its layout then matches.
         Model parameters are not changed: load them from the model checkpoint.
         """
         if not isinstance(state_dict, dict) or not {"inner", "master", "meta"} <= state_dict.keys():
             raise ValueError("Zero1Optimizer.load_state_dict: expected keys 'version', 'inner', 'master', 'meta'")
+        try:
+            problems = self._mismatches(state_dict)
+        except ValueError:
+            if not self._adopt_saved_cap(state_dict):
+                raise
+            problems = []
+        if problems and self._adopt_saved_cap(state_dict):
+            problems = []
+        if problems:
+            mismatch = "; ".join(problems)
+            raise ValueError(f"Zero1Optimizer.load_state_dict: checkpoint does not match: {mismatch}")
+        self.inner.load_state_dict(state_dict["inner"])
+        # torch's Optimizer.load_state_dict builds new param_groups: share them again, or an LR
+        # scheduler attached to this optimizer would stop reaching the inner one.
+        self.param_groups, self.state = self.inner.param_groups, self.inner.state
+        with torch.no_grad():
+            for b, m in zip(self.buckets, state_dict["master"]):
+                b.master.copy_(m)
+
+    def _mismatches(self, state_dict: dict[str, Any]) -> list[str]:
+        """What differs between the layout ``state_dict`` was saved with and this one (ValueError
+        for a version this optimizer does not read, or a version-1 state it cannot hold)."""
         version = state_dict.get("version", 1)
         if version == 1:
             saved = self._meta_from_v1(state_dict["meta"])
@@ -495,16 +553,33 @@ class Zero1Optimizer(torch.optim.Optimizer):
         problems = _meta_mismatches(saved, self._meta())
         if not problems and len(state_dict["master"]) != len(self.buckets):
             problems = [f"master slices: checkpoint {len(state_dict['master'])}, here {len(self.buckets)}"]
-        if problems:
-            mismatch = "; ".join(problems)
-            raise ValueError(f"Zero1Optimizer.load_state_dict: checkpoint does not match: {mismatch}")
-        self.inner.load_state_dict(state_dict["inner"])
-        # torch's Optimizer.load_state_dict builds new param_groups: share them again, or an LR
-        # scheduler attached to this optimizer would stop reaching the inner one.
-        self.param_groups, self.state = self.inner.param_groups, self.inner.state
+        return problems
+
+    def _adopt_saved_cap(self, state_dict: dict[str, Any]) -> bool:
+        """With an ``"auto"`` cap, cut the flats at the cap ``state_dict`` was saved with, if the
+        layout then matches; True when it did. The masters, overwritten by the load, are read
+        from the parameters; the accumulated gradients are kept (the buffers do not depend on
+        the cuts)."""
+        version = state_dict.get("version", 1)
+        cap = None if version == 1 else state_dict["meta"].get("bucket_cap_mb", "absent")
+        cap_ok = cap is None or (isinstance(cap, (int, float)) and not isinstance(cap, bool) and cap > 0)
+        if not self._auto_cap or not cap_ok or cap == self.bucket_cap_mb or version not in (1, LAYOUT_VERSION):
+            return False
+        ps, before = self.parallel_state, (self._flats, self.bucket_cap_mb)
         with torch.no_grad():
-            for b, m in zip(self.buckets, state_dict["master"]):
-                b.master.copy_(m)
+            self._flats = [_build_flat(f.group, f.params, ps, cap, f.grad is not None, f.grad) for f in self._flats]
+        self.bucket_cap_mb = cap
+        try:
+            fits = not self._mismatches(state_dict)
+        except ValueError:
+            fits = False
+        if not fits:
+            self._flats, self.bucket_cap_mb = before
+            return False
+        # The inner optimizer's parameters are the masters: point each group at the new ones.
+        for i, group in enumerate(self.inner.param_groups):
+            group["params"] = [b.master for f in self._flats if f.group == i for b in f.buckets]
+        return True
 
     def _meta_from_v1(self, old: dict[str, Any]) -> dict[str, Any]:
         """Version 1 (one flat buffer per (group, dtype), sliced over DP) is this layout with one
@@ -528,12 +603,12 @@ class Zero1Optimizer(torch.optim.Optimizer):
 
 def _copy_into_params(flat: _Flat, b: _Bucket, gathered: collectives.Pending) -> None:
     full = gathered.wait()
-    for i, first, last, at in b.pieces:
-        p, src = flat.params[i], full[at : at + last - first]
-        if last - first == p.numel():
+    for piece in b.pieces:
+        p, src = flat.params[piece.index], full[piece.offset : piece.offset + piece.last - piece.first]
+        if piece.last - piece.first == p.numel():
             p.copy_(src.view_as(p))
         else:  # the part of a parameter split between buckets that lies in this one
-            p.view(-1)[first:last].copy_(src)
+            p.view(-1)[piece.first : piece.last].copy_(src)
 
 
 def _numel(shape: Iterable[int]) -> int:
