@@ -146,11 +146,15 @@ def _loss_parallel_head(model: torch.nn.Module, targets: list[tuple[str, torch.n
 def _tied_pairs(model: torch.nn.Module, targets: list[tuple[str, torch.nn.Module, str]]) -> list[tuple[str, str]]:
     """(LM head, embedding) names sharing one weight: both planned, both split by vocabulary rows."""
     planned = {name: style for name, _, style in targets}
+    holders: dict[int, list[str]] = {}  # id(weight) -> the modules holding it, one pass over the model
+    for other, m in model.named_modules():
+        if isinstance(getattr(m, "weight", None), torch.Tensor):
+            holders.setdefault(id(m.weight), []).append(other)
     pairs = []
     for name, module, style in targets:
         weight = getattr(module, "weight", None)
-        for other, m in model.named_modules():
-            if m is module or weight is None or getattr(m, "weight", None) is not weight:
+        for other in holders.get(id(weight), []) if isinstance(weight, torch.Tensor) else []:
+            if other == name:
                 continue
             if other not in planned:
                 raise ValueError(
