@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import copy
 import io
+import math
 import re
+import weakref
 
 import pytest
 import torch
@@ -21,8 +23,10 @@ from torch import nn
 import neuron_ckpt as nc
 from neuron_ckpt.distributed.collectives import all_reduce
 from neuron_ckpt.distributed.parallel_state import Group, ParallelState
-from neuron_ckpt.optim.zero1 import Zero1Optimizer
+from neuron_ckpt.optim import Zero1Optimizer
 from neuron_ckpt.parallel.params import set_tensor_parallel_attributes
+
+from .helpers import rel_norm
 
 LR, WD = 1e-2, 0.1
 CLIP = 0.05  # small enough that every step clips (norms here are ~0.3-1)
@@ -235,10 +239,9 @@ def test_per_rank_state_is_one_dp_th(world, cap_mb):
         assert numel == 3 * -(-full // dp)
 
 
-def _resume_matches(total: int, split: int, dtype: torch.dtype, cap_mb: float | None, v1: bool = False) -> bool:
+def _resume_matches(total: int, split: int, dtype: torch.dtype, cap_mb: float | None) -> bool:
     """Train ``total`` steps straight, and ``split`` steps + save + load into a fresh model and
-    optimizer + the rest; the parameters must be bit-identical. ``v1``: save in the version-1
-    layout (:func:`_as_v1`) instead."""
+    optimizer + the rest; the parameters must be bit-identical."""
     ps = nc.initialize_model_parallel(1)
     options = {"grad_clip_norm": CLIP, "lr": LR, "weight_decay": WD, "bucket_cap_mb": cap_mb}
     straight = _mlp(dtype)
@@ -249,7 +252,7 @@ def _resume_matches(total: int, split: int, dtype: torch.dtype, cap_mb: float | 
     opt = Zero1Optimizer(first.parameters(), **options)
     _train_zero1(first, opt, range(split), ps.dp_rank)
     buf = io.BytesIO()
-    torch.save({"model": first.state_dict(), "optim": _as_v1(opt) if v1 else opt.state_dict()}, buf)
+    torch.save({"model": first.state_dict(), "optim": opt.state_dict()}, buf)
 
     buf.seek(0)
     ckpt = torch.load(buf)
@@ -273,8 +276,8 @@ def test_state_dict_round_trip_continues_identically(world, dtype, cap_mb):
 
 
 def _as_v1(opt: Zero1Optimizer) -> dict:
-    """What the unbucketed optimizer saved before versioning (layout version 1): no "version"
-    key, one "buffers" entry per (param group, dtype). Only an unbucketed optimizer has it."""
+    """What the unbucketed optimizer saved in development versions before bucketing (layout
+    version 1): no "version" key, one "buffers" entry per (param group, dtype)."""
     sd = opt.state_dict()
     assert all(len(f["buckets"]) == 1 for f in sd["meta"]["flats"])
     buffers = [
@@ -284,10 +287,6 @@ def _as_v1(opt: Zero1Optimizer) -> dict:
     ]  # fmt: skip
     meta = {k: sd["meta"][k] for k in ("dp_size", "dp_rank", "tp_size", "tp_rank")}
     return {"inner": sd["inner"], "master": sd["master"], "meta": {**meta, "buffers": buffers}}
-
-
-def test_version_1_state_loads_unbucketed_and_continues_identically(world):
-    assert all(world(2).run(_resume_matches, 5, 3, torch.float32, None, v1=True))
 
 
 def _saved_state(cap_mb: float | None = 128, v1: bool = False) -> dict:
@@ -331,16 +330,21 @@ def test_load_state_dict_rejects_another_bucket_cap(world):
     assert "first difference at bucket 0: checkpoint (0, 16), here (0, 58)" in msg
 
 
-def test_load_state_dict_versions(world):
+def test_load_state_dict_reads_version_2_only(world):
+    """Version 1 (before bucketing) is refused, even where its layout would match (unbucketed, the
+    same model), in one line that names the field, what is read and what to do."""
     w2 = world(2)
     v1 = w2.run(_saved_state, None, True)[0]
-    msg = w2.run(_load_error, v1, 1, 3, TINY_CAP_MB)[0]  # v1 into a bucketed optimizer: refused
-    assert "version: checkpoint 1 (saved before bucketing" in msg
-    assert "bucket_cap_mb=None" in msg  # says what to do
-    msg = w2.run(_load_error, {**v1, "version": 3}, 1, 3)[0]
-    assert "version: checkpoint 3, this optimizer reads 1 and 2" in msg
-    msg = w2.run(_load_error, v1, 1, 4, None)[0]  # v1 is validated like v2 once converted
-    assert "parameter 2 shape: checkpoint (3, 6), here (4, 6)" in msg
+    for cap_mb in (None, TINY_CAP_MB):
+        msg = w2.run(_load_error, v1, 1, 3, cap_mb)[0]
+        assert msg == (
+            "Zero1Optimizer.load_state_dict: version: checkpoint 1 (before bucketing), this optimizer reads 2 "
+            "only: start the optimizer state fresh, or load it with the neuron_ckpt version that wrote it"
+        )
+    v2 = w2.run(_saved_state, None)[0]
+    msg = w2.run(_load_error, {**v2, "version": 3}, 1, 3, None)[0]
+    assert msg.startswith("Zero1Optimizer.load_state_dict: version: checkpoint 3, this optimizer reads 2 only: ")
+    assert "\n" not in msg
 
 
 # ---- dtypes, frozen and unused parameters, LR scheduler ------------------------------------
@@ -407,6 +411,7 @@ def _scheduler_sets_lr() -> list[float]:
     ps = nc.initialize_model_parallel(1)
     model = _mlp()
     opt = Zero1Optimizer(model.parameters(), lr=1.0)
+    assert isinstance(opt, torch.optim.Optimizer)  # what torch's schedulers require
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.1 * (step + 1))
     lrs = []
     for step in range(3):
@@ -423,7 +428,7 @@ def test_lambda_lr_scheduler_drives_the_inner_optimizer(world):
         assert lrs == pytest.approx([0.1, 0.2, 0.3])
 
 
-def _scheduler_survives_load_state_dict() -> list[float]:
+def _scheduler_survives_load_state_dict() -> tuple[list[float], bool]:
     ps = nc.initialize_model_parallel(1)
     torch.manual_seed(0)
     model = _mlp()
@@ -437,13 +442,15 @@ def _scheduler_survives_load_state_dict() -> list[float]:
     for _ in range(2):
         sched.step()
         lrs.append(opt.inner.param_groups[0]["lr"])
-    return lrs
+    shared = opt.param_groups is opt.inner.param_groups and opt.state is opt.inner.state
+    return lrs, shared and opt.defaults is opt.inner.defaults
 
 
 def test_scheduler_still_drives_the_inner_optimizer_after_load_state_dict(world):
-    """torch's load_state_dict replaces param_groups; the wrapper must share the new list."""
-    for lrs in world(2).run(_scheduler_survives_load_state_dict):
+    """torch's load_state_dict replaces param_groups; the wrapper's are the inner's, read through."""
+    for lrs, shared in world(2).run(_scheduler_survives_load_state_dict):
         assert lrs == pytest.approx([0.25, 0.125])
+        assert shared
 
 
 # ---- fp32 gradient accumulation of bf16 parameters -----------------------------------------
@@ -463,10 +470,6 @@ def _micro(i: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _flat64(tensors) -> torch.Tensor:
     return torch.cat([t.detach().double().reshape(-1) for t in tensors])
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).norm() / b.norm()).item()
 
 
 def _accumulation_errors() -> dict:
@@ -498,9 +501,9 @@ def _accumulation_errors() -> dict:
     norm = float(opt.step())
     opt.zero_grad()
     return {
-        "fp32_accum": _rel(accumulated, ref),
-        "bf16_accum": _rel(_flat64(bf16_sum), ref),
-        "bf16_compute": _rel(ref, _flat64(p.grad for p in fp32.parameters())),
+        "fp32_accum": rel_norm(accumulated, ref),
+        "bf16_accum": rel_norm(_flat64(bf16_sum), ref),
+        "bf16_compute": rel_norm(ref, _flat64(p.grad for p in fp32.parameters())),
         "grads_none": all(g is None for g in grads_after_backward),
         "norm_rel": abs(norm - mean.norm().item()) / mean.norm().item(),
         "zeroed": all(not opt.accumulated_grad(p).any() for p in model.parameters()),
@@ -562,10 +565,14 @@ def test_fp32_accumulation_is_auto_for_16_bit_params_and_hooks_are_exclusive():
     opt.zero_grad()
     _mse(bf16, *_data(0, 0)).backward()
     assert all(p.grad is None for p in bf16.parameters()) and again.accumulated_grad(bf16[0].weight).any()
-    # Dropping an optimizer removes its hooks: the next backward leaves p.grad in place.
+    # Dropping an optimizer frees its fp32 buffer and removes its hooks, while the model lives on:
+    # the next backward leaves p.grad in place, and a new optimizer may take the parameters.
+    buffer = weakref.ref(again.accumulated_grad(bf16[0].weight)._base)  # the view's base: the buffer
     del again
+    assert buffer() is None  # at once: nothing (no hook) keeps the optimizer or its buffer alive
     _mse(bf16, *_data(0, 0)).backward()
     assert all(p.grad is not None for p in bf16.parameters())
+    Zero1Optimizer(bf16.parameters(), parallel_state=ps)
 
 
 def _shared_parameter_slots() -> tuple[list[int], int, int, str]:
@@ -579,7 +586,9 @@ def _shared_parameter_slots() -> tuple[list[int], int, int, str]:
         error = ""
     except ValueError as e:
         error = str(e)
-    return [len(f.params) for f in opt._flats], sum(f.numel for f in opt._flats), sum(len(f.params) for f in same._flats), error
+    shapes = [f["shapes"] for f in opt.state_dict()["meta"]["flats"]]  # one flat per (group, dtype)
+    same_slots = sum(len(f["shapes"]) for f in same.state_dict()["meta"]["flats"])
+    return [len(s) for s in shapes], sum(math.prod(t) for s in shapes for t in s), same_slots, error
 
 
 def test_a_shared_parameter_gets_one_slot_and_conflicting_groups_are_refused(world):

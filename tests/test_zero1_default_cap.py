@@ -1,7 +1,8 @@
 """ZeRO-1's bucket cap by default: the DP group's backend's (8 MiB on gloo, 128 on XLA), recorded
 as a number; and a state saved at another cap (the 128 MiB every backend had before, another
-backend's default, a version-1 state) loads into a default-cap optimizer, which takes that cap, and
-continues bit for bit as the run that saved it would have.
+backend's default) loads into a default-cap optimizer, which takes that cap, and continues bit for
+bit as the run that saved it would have. A version-1 state (unbucketed, from development versions
+before bucketing) is refused, not adopted.
 
 Checks run on gloo worker processes. To make the default cut the tiny model into several buckets,
 some set the gloo default to 64 bytes inside the worker (restored after).
@@ -17,7 +18,7 @@ from torch import nn
 
 import neuron_ckpt as nc
 from neuron_ckpt.distributed import collectives as C
-from neuron_ckpt.optim.zero1 import Zero1Optimizer
+from neuron_ckpt.optim import Zero1Optimizer
 
 from .test_zero1 import CLIP, LR, TINY_CAP_MB, WD, _as_v1, _mlp, _train_zero1
 
@@ -48,7 +49,7 @@ def test_default_cap_is_the_backends_and_is_saved_as_a_number(world):
         assert caps == {"default": (8.0, 8.0), "auto": (8.0, 8.0), "128": (128, 128), "None": (None, None)}
 
 
-def _resume_at_saved_cap(dtype: torch.dtype, saved_cap: float | None, v1: bool) -> dict[str, object]:
+def _resume_at_saved_cap(dtype: torch.dtype, saved_cap: float | None) -> dict[str, object]:
     """Train 5 steps at ``saved_cap``; and 3 steps at it, save, load into a default-cap optimizer
     (the gloo default set to 64 bytes: several buckets) and 2 more steps."""
     ps = nc.initialize_model_parallel(1)
@@ -61,7 +62,7 @@ def _resume_at_saved_cap(dtype: torch.dtype, saved_cap: float | None, v1: bool) 
     opt = Zero1Optimizer(first.parameters(), bucket_cap_mb=saved_cap, **options)
     _train_zero1(first, opt, range(3), ps.dp_rank)
     buf = io.BytesIO()
-    torch.save({"model": first.state_dict(), "optim": _as_v1(opt) if v1 else opt.state_dict()}, buf)
+    torch.save({"model": first.state_dict(), "optim": opt.state_dict()}, buf)
     buf.seek(0)
     ckpt = torch.load(buf)
 
@@ -86,20 +87,23 @@ def test_a_state_saved_at_another_cap_loads_into_the_default_and_continues_ident
     w2 = world(2)
     # 128 MiB (the old default everywhere, Neuron's now): one bucket for this model, 4 here.
     for dtype in (torch.float32, torch.bfloat16):  # bf16: fp32 accumulation hooks on the new flats
-        for r in w2.run(_resume_at_saved_cap, dtype, 128.0, False):
+        for r in w2.run(_resume_at_saved_cap, dtype, 128.0):
             assert r == {"before": (TINY_CAP_MB, 4), "after": (128.0, 1), "inner params are the masters": True,
                          "identical": True}, dtype  # fmt: skip
-    # Version 1 (before bucketing) is the unbucketed layout: the default-cap optimizer takes None.
-    for r in w2.run(_resume_at_saved_cap, torch.float32, None, True):
+    # Unbucketed (None) is a cap too.
+    for r in w2.run(_resume_at_saved_cap, torch.float32, None):
         assert r["before"] == (TINY_CAP_MB, 4) and r["after"] == (None, 1) and r["identical"]
 
 
-def _other_model_error() -> dict[str, object]:
+def _other_state_error(v1: bool) -> dict[str, object]:
+    """Load a state of another model (the last layer 6->4), or a version-1 state of this one (an
+    unbucketed layout, which a state at cap None would be adopted for), into a default-cap
+    optimizer: the error, and whether the optimizer kept its own layout."""
     nc.initialize_model_parallel(1)
-    opt = Zero1Optimizer(_mlp().parameters(), lr=LR, bucket_cap_mb=128)
-    saved = opt.state_dict()
+    opt = Zero1Optimizer(_mlp().parameters(), lr=LR, bucket_cap_mb=None if v1 else 128)
+    saved = _as_v1(opt) if v1 else opt.state_dict()
     torch.manual_seed(0)
-    other = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 4))
+    other = _mlp() if v1 else nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 4))
     with _gloo_default(TINY_CAP_MB):
         opt = Zero1Optimizer(other.parameters(), lr=LR)
     masters = [b.master for b in opt.buckets]
@@ -117,6 +121,12 @@ def _other_model_error() -> dict[str, object]:
 
 
 def test_a_state_of_another_model_is_still_refused_with_the_default_cap(world):
-    for r in world(2).run(_other_model_error):
+    for r in world(2).run(_other_state_error, False):
         assert "parameter 2 shape: checkpoint (3, 6), here (4, 6)" in r["message"]
+        assert r["layout kept"]
+
+
+def test_a_version_1_state_is_refused_not_adopted_with_the_default_cap(world):
+    for r in world(2).run(_other_state_error, True):
+        assert r["message"].startswith("Zero1Optimizer.load_state_dict: version: checkpoint 1 (before bucketing), ")
         assert r["layout kept"]

@@ -20,7 +20,7 @@ from torch import nn
 
 import neuron_ckpt as nc
 from neuron_ckpt.distributed.parallel_state import Group, ParallelState
-from neuron_ckpt.optim.zero1 import Zero1Optimizer
+from neuron_ckpt.optim import Zero1Optimizer
 
 from .test_zero1 import LR, TINY_CAP_MB, _data, _mlp, _mse
 
@@ -100,3 +100,5 @@ def test_bucket_pieces_are_named():
     assert first.pieces[0]._asdict() == {"index": 0, "first": 0, "last": 16, "offset": 0}
     assert second.pieces[0]._asdict() == {"index": 0, "first": 16, "last": 30, "offset": 0}
     assert second.pieces[1]._asdict() == {"index": 1, "first": 0, "last": 2, "offset": 14}
+    # dp 1: this rank's slice is the whole bucket; one segment per run of equal norm weight (TP 1: 1).
+    assert [s._asdict() for s in second.norm_segments] == [{"start": 0, "end": 16, "weight": 1.0}]
