@@ -23,7 +23,6 @@ NKI kernel is Neuron-only and on XLA:CPU ``CoreAttention`` falls back to explici
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import os
 import shutil
@@ -95,8 +94,7 @@ def capture(args: argparse.Namespace, out: Path, dump: Path) -> tuple[list[Run],
     runs = []
     for preset in args.presets:
         for layers in args.layers:
-            cfg = copy.deepcopy(config)
-            cfg.num_hidden_layers = layers
+            cfg = dataclasses.replace(config, num_hidden_layers=layers)
             torch.manual_seed(0)
             model = LlamaForCausalLM(cfg, False, "explicit", dtype)
             apply_recompute(model, RecomputeConfig.preset(preset))

@@ -1,8 +1,9 @@
 """Nothing is silently lost: model config typos, options that do not apply, and the
 ``neuron-ckpt`` promise (every error: one line on stderr, exit status 2).
 
-- ``load_llama_config``: unknown keys (with the closest valid name), missing shape keys, wrong
-  types, invalid JSON (file and line) are ValueErrors; real Hugging Face configs load.
+- ``load_llama_config``: unknown keys (with the closest valid name), missing required keys, wrong
+  types, what the model does not build, invalid JSON (file and line) are ValueErrors; real Hugging
+  Face configs load, into the ``LlamaArgs`` that transformers' reading of the same file gives.
 - NxD's example configs load: their training options are dropped with one notice naming them.
 - ``train.py``: the data's block length against ``max_position_embeddings`` (raised with a
   notice, as NxD does, unless that changes the RoPE tables); options given
@@ -22,7 +23,7 @@ import numpy as np
 import pytest
 import transformers
 
-from neuron_ckpt.models import load_llama_config
+from neuron_ckpt.models import LlamaArgs, load_llama_config
 from neuron_ckpt.models.config_file import PRESETS_DIR
 
 from .helpers import TINY, neuron_ckpt_cli, tiny_config
@@ -74,6 +75,10 @@ def test_an_unknown_key_without_a_near_name(tmp_path):
     ("max_position_embeddings", None, "max_position_embeddings must be a positive integer"),
     ("model_type", "mistral", "model_type is 'mistral'"),
     ("num_key_value_heads", 3, "num_key_value_heads (3) must divide num_attention_heads (4)"),
+    ("hidden_act", "gelu", "hidden_act must be 'silu' (SwiGLU), got 'gelu'"),
+    ("pretraining_tp", 2, "pretraining_tp must be 1"),
+    ("rope_scaling", {"rope_type": "linear"}, "transformers.LlamaConfig refuses it"),  # no factor
+    ("bos_token_id", "1", "bos_token_id must be a token id"),
 ])  # fmt: skip
 def test_wrong_types_and_values_name_the_key(tmp_path, key, value, needle):
     assert needle in _error(_write(tmp_path, TINY | {key: value}))
@@ -98,10 +103,28 @@ def test_a_missing_file_is_a_value_error_naming_it(tmp_path):
     assert str(tmp_path / "nope.json") in _error(tmp_path / "nope.json")
 
 
+def _as_transformers_reads_it(path: Path) -> None:
+    args, hf = load_llama_config(path), transformers.LlamaConfig.from_json_file(str(path))
+    assert isinstance(args, LlamaArgs) and args == LlamaArgs.from_hf(hf)
+    for token in ("bos_token_id", "eos_token_id", "pad_token_id"):  # not compared by ==, written to exports
+        assert getattr(args, token) == getattr(hf, token)
+
+
 @pytest.mark.parametrize("path", [TUTORIAL / "configs" / "tiny.json", *sorted(PRESETS_DIR.glob("*.json"))],
                          ids=lambda p: p.name)
 def test_the_tutorial_and_preset_configs_load_as_transformers_reads_them(path):
-    assert load_llama_config(path).to_dict() == transformers.LlamaConfig.from_json_file(str(path)).to_dict()
+    _as_transformers_reads_it(path)
+
+
+def test_absent_optional_keys_mean_what_transformers_reads(tmp_path):
+    """LlamaArgs' defaults are LlamaConfig's (rms_norm_eps 1e-6, 2048 positions, token ids 1 and 2),
+    and the 4.x RoPE spelling with a llama3 variant takes its original length as 5.x does."""
+    _as_transformers_reads_it(_write(tmp_path, {k: TINY[k] for k in ("vocab_size", "hidden_size", "intermediate_size",
+                                                                      "num_hidden_layers", "num_attention_heads")}))
+    assert load_llama_config(tmp_path / "config.json").rms_norm_eps == 1e-6
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    _as_transformers_reads_it(_write(tmp_path, TINY | {"rope_theta": 500000.0, "rope_scaling": llama3}, "4x.json"))
+    assert load_llama_config(tmp_path / "4x.json").rope_parameters["original_max_position_embeddings"] == 64
 
 
 def test_hugging_face_metadata_keys_are_accepted(tmp_path):
@@ -114,12 +137,11 @@ def test_hugging_face_metadata_keys_are_accepted(tmp_path):
         "mlp_bias": False, "head_dim": 16,
     }  # fmt: skip
     config = load_llama_config(_write(tmp_path, hub))
-    assert config.num_hidden_layers == 2 and config.hidden_size == 64
-    # what transformers itself writes loads too
-    config.to_json_file(str(tmp_path / "saved.json"))
-    saved = load_llama_config(tmp_path / "saved.json").to_dict()
-    assert {k: v for k, v in saved.items() if k != "_name_or_path"} == {
-        k: v for k, v in config.to_dict().items() if k != "_name_or_path"}  # to_json_file drops the name
+    assert config.num_hidden_layers == 2 and config.hidden_size == 64 and config.rope_parameters["rope_theta"] == 1e4
+    # what transformers itself writes (5.x names: rope_parameters, dtype) loads too, as the same model
+    config.to_hf().to_json_file(str(tmp_path / "saved.json"))
+    saved = load_llama_config(tmp_path / "saved.json")
+    assert saved == config and (saved.bos_token_id, saved.eos_token_id) == (1, 2)
 
 
 def test_a_directory_or_a_preset_name_reads_strictly(tmp_path):

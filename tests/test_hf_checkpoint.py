@@ -39,33 +39,16 @@ from neuron_ckpt.models import (
     save_hf_checkpoint,
 )
 
+from .helpers import TINY, patched, rel_max, tiny_config
+
 WORLD = 4
-VOCAB, SEQ, BATCH = 128, 16, 2
+VOCAB, SEQ, BATCH = TINY["vocab_size"], 16, 2
 TOL = 1e-5
 SHARD = "40KB"  # the tiny model is ~310 KB: several shards
 
 
-def tiny_config() -> transformers.LlamaConfig:
-    return transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-        attn_implementation="eager",
-    )
-
-
 def ids() -> torch.Tensor:
     return torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
-
-
-def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((ours.double() - ref.double()).abs().max() / ref.double().abs().max())
 
 
 def hf_logits(directory: Path) -> torch.Tensor:
@@ -129,7 +112,7 @@ def results(world, hf_dir, tmp_path_factory) -> dict:
 @pytest.mark.parametrize("t", [1, 2, 4])
 def test_save_pretrained_loads_at_any_tp(results, hf_dir, t):
     for rank_out in results[t]:
-        assert rel_err(rank_out["loaded"], hf_dir[1]) < TOL
+        assert rel_max(rank_out["loaded"], hf_dir[1]) < TOL
 
 
 @pytest.mark.parametrize("t", [2, 4])
@@ -144,7 +127,7 @@ def test_export_loads_in_transformers(results, t):
     assert index["metadata"]["total_size"] == sum(v.numel() * v.element_size() for v in sd.values())
     assert json.loads((directory / "config.json").read_text())["dtype"] == "float32"
     assert not [p for p in directory.parent.iterdir() if p.name.startswith(".")]  # no temp dirs left
-    assert rel_err(hf_logits(directory), results[t][0]["exported_logits"]) < TOL
+    assert rel_max(hf_logits(directory), results[t][0]["exported_logits"]) < TOL
 
 
 @pytest.mark.parametrize("t, source", [(4, 2), (1, 4)])
@@ -183,13 +166,11 @@ def _errors(files: dict[str, str]) -> dict:
 
     gathers = []
     real_gather = hf_conversion.gather
-    hf_conversion.gather = lambda *a: gathers.append(1) or real_gather(*a)
-    try:
-        save_hf_checkpoint(model, files["unwritable"])
-    except OSError as e:
-        out["unwritable"] = str(e)
-    finally:
-        hf_conversion.gather = real_gather
+    with patched(hf_conversion, "gather", lambda *a: gathers.append(1) or real_gather(*a)):
+        try:
+            save_hf_checkpoint(model, files["unwritable"])
+        except OSError as e:
+            out["unwritable"] = str(e)
     out["gathers"] = len(gathers)
     try:
         check_writable(files["unwritable"])
@@ -198,14 +179,11 @@ def _errors(files: dict[str, str]) -> dict:
 
     from neuron_ckpt.models import hf_export
 
-    real_save = hf_export._save_shard
-    hf_export._save_shard = lambda *a: (_ for _ in ()).throw(OSError(28, "No space left on device"))
-    try:
-        save_hf_checkpoint(model, files["export"])  # rank 0 fails mid-way: every rank raises, none hangs
-    except OSError as e:
-        out["write_failed"] = str(e)
-    finally:
-        hf_export._save_shard = real_save
+    with patched(hf_export, "_save_shard", lambda *a: (_ for _ in ()).throw(OSError(28, "No space left on device"))):
+        try:
+            save_hf_checkpoint(model, files["export"])  # rank 0 fails mid-way: every rank raises, none hangs
+        except OSError as e:
+            out["write_failed"] = str(e)
     for _ in range(2):  # written, then replaced
         save_hf_checkpoint(model, files["export"], max_shard_size=SHARD)
     return out
@@ -240,7 +218,8 @@ def test_clear_errors_before_anything_is_written(world, hf_dir, tmp_path):
         assert "k_proj.weight" in out["shape"] and "(64, 64)" in out["shape"] and "(32, 64)" in out["shape"]
         for message in (out["config"], out["config_for"]):
             assert "rms_norm_eps: model config 1e-05" in message and "1e-06" in message
-            assert "rope_theta: model config 10000.0" in message and "500000.0" in message
+            assert "rope_parameters: model config {'rope_theta': 10000.0}" in message  # the entries that differ
+            assert "{'rope_theta': 500000.0}" in message and "rope_type" not in message
             assert "hidden_size" not in message
         assert out["untouched"] and out["bin_equal"]
         assert "a_file" in out["unwritable"] and out["gathers"] == 0  # refused before any gather
@@ -375,8 +354,7 @@ def test_tied_checkpoint_round_trips_through_transformers(world, tmp_path):
     logits; our export writes no lm_head.weight either, and from_pretrained gives our logits."""
     from safetensors import safe_open
 
-    config = tiny_config()
-    config.tie_word_embeddings = True
+    config = tiny_config(tie_word_embeddings=True)
     torch.manual_seed(0)
     ref = transformers.LlamaForCausalLM(config).float()
     src = tmp_path / "tied"
@@ -388,21 +366,20 @@ def test_tied_checkpoint_round_trips_through_transformers(world, tmp_path):
     for t in (1, 2):
         dst = tmp_path / f"export{t}"
         for r in world(2).run(_tied_export, t, str(src), str(dst)):
-            assert r["tied"] and rel_err(r["loaded"], want) < TOL
+            assert r["tied"] and rel_max(r["loaded"], want) < TOL
         written = set().union(*(safe_open(str(f), framework="pt").keys() for f in dst.glob("*.safetensors")))
         assert written == keys, written ^ keys
         assert json.loads((dst / "config.json").read_text())["tie_word_embeddings"] is True
         back = transformers.LlamaForCausalLM.from_pretrained(dst, attn_implementation="eager")
         assert back.lm_head.weight.data_ptr() == back.model.embed_tokens.weight.data_ptr()
         with torch.no_grad():
-            assert rel_err(back(input_ids=ids()).logits, r["ours"]) < TOL
+            assert rel_max(back(input_ids=ids()).logits, r["ours"]) < TOL
 
 
 def test_tied_and_untied_checkpoints_do_not_mix(tmp_path):
     """The model config and config.json must agree on tie_word_embeddings (it changes the model)."""
     from neuron_ckpt.models import check_hf_config
 
-    tied = tiny_config()
-    tied.tie_word_embeddings = True
+    tied = tiny_config(tie_word_embeddings=True)
     with pytest.raises(ValueError, match="tie_word_embeddings: model config True"):
         check_hf_config(tied, tiny_config())

@@ -8,6 +8,7 @@ hand-made (its manifest says so): it exercises pages, cores, the control and the
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -72,8 +73,7 @@ def test_layer_state_is_weights_gradients_master_and_moments_sharded_by_zero1():
 
 
 def _recorded(layers: int, preset: str) -> int:
-    config = load_llama_config(TINY)
-    config.num_hidden_layers = layers
+    config = dataclasses.replace(load_llama_config(TINY), num_hidden_layers=layers)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config, attention_implementation="explicit", dtype=torch.bfloat16).train()
     if preset != "none":

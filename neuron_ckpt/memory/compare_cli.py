@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 from ..parallel.attention import ATTENTION
 from ..recompute import PRESETS

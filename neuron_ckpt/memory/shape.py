@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ..checks import require_positive_int
 from ..parallel.attention import ATTENTION
 
 if TYPE_CHECKING:
@@ -20,11 +21,6 @@ KINDS = ("llama", "gpt")
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 DEFAULT_VOCAB = 51200  # the paper's GPT vocabulary
 _FP32 = 4
-
-
-def _require_positive_int(name: str, value: object) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
 def default_ffn(kind: str, hidden: int) -> int:
@@ -65,12 +61,12 @@ class ModelShape:
         if self.kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
         for name in ("hidden", "heads", "kv_heads", "ffn", "layers", "vocab"):
-            _require_positive_int(name, getattr(self, name))
+            require_positive_int(name, getattr(self, name))
         if self.head_dim is None:
             if self.hidden % self.heads:
                 raise ValueError(f"hidden ({self.hidden}) must be a multiple of heads ({self.heads})")
             object.__setattr__(self, "head_dim", self.hidden // self.heads)
-        _require_positive_int("head_dim", self.head_dim)
+        require_positive_int("head_dim", self.head_dim)
         if self.heads % self.kv_heads:
             raise ValueError(f"kv_heads ({self.kv_heads}) must divide heads ({self.heads})")
         for name in ("attention_bias", "mlp_bias", "tie_word_embeddings"):
@@ -213,7 +209,7 @@ class TrainingSetup:
         if self.attention not in ATTENTION:
             raise ValueError(f"attention must be one of {ATTENTION}, got {self.attention!r}")
         for name in ("seq_len", "micro_batch", "tp", "dp", "microbatches_in_flight"):
-            _require_positive_int(name, getattr(self, name))
+            require_positive_int(name, getattr(self, name))
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"dtype must be one of {tuple(DTYPE_BYTES)}, got {self.dtype!r}")
         if self.bucket_cap_mb is not None and not self.bucket_cap_mb > 0:

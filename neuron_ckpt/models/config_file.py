@@ -1,4 +1,4 @@
-"""Reading a Llama model config JSON strictly: :func:`load_llama_config`.
+"""Reading a Llama model config JSON strictly into :class:`~.llama_args.LlamaArgs`: :func:`load_llama_config`.
 
 It takes a file, a directory holding ``config.json``, or the name of a config shipped with the
 package (:data:`PRESET_NAMES`: ``llama2-7b``, ``llama3-8b``, the JSON files in ``presets/``).
@@ -11,9 +11,12 @@ the same files and refuses, with a ``ValueError`` naming the file and the key:
 - a key that is neither a ``LlamaConfig`` field (everything ``LlamaConfig().to_dict()`` holds)
   nor one of the metadata keys Hugging Face ``config.json`` files carry (:data:`METADATA_KEYS`);
   the closest valid name is suggested (difflib);
-- a missing shape key (:data:`SHAPE_KEYS`);
+- a missing required key (a ``LlamaArgs`` field without a default: the five sizes);
 - a value of the wrong type or range (a string ``hidden_size``, ``rms_norm_eps: 0``), heads that
-  do not divide the width, a ``model_type`` other than ``llama``;
+  do not divide the width (``LlamaArgs`` checks its fields), a ``model_type`` other than
+  ``llama``, what the model does not build (``hidden_act`` other than ``silu``, ``pretraining_tp``
+  other than 1), and what ``transformers.LlamaConfig`` itself refuses (a token id of the wrong
+  type, RoPE parameters its ``rope_type`` needs), so the file also loads there;
 - invalid JSON (file, line and column), non-finite numbers (``NaN``, ``Infinity``), a key given
   twice, anything but a JSON object at the top.
 
@@ -31,14 +34,14 @@ import copy
 import dataclasses
 import difflib
 import json
-import math
 import warnings
 from pathlib import Path
 from typing import Any
 
+from .llama_args import LlamaArgs
+
 PRESETS_DIR = Path(__file__).with_name("presets")
 PRESET_NAMES = tuple(sorted(p.stem for p in PRESETS_DIR.glob("*.json")))
-SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 # Keys a Hugging Face config.json may hold beyond LlamaConfig().to_dict() of the installed
 # transformers: names older or newer versions use (rope_theta / rope_scaling in 4.x, torch_dtype
@@ -70,21 +73,6 @@ NXD_KEYS = frozenset({
     "sequence_parallel_enabled", "selective_checkpoint_enabled", "move_model_to_device",
     "kv_shared_group_size", "qkv_linear", "fuse_qkv", "use_flash_attention", "transpose_nki_inputs",
 })  # fmt: skip
-
-_POSITIVE_INTS = (*SHAPE_KEYS, "max_position_embeddings")
-_OPTIONAL_POSITIVE_INTS = ("num_key_value_heads", "head_dim", "pretraining_tp")
-_OPTIONAL_TOKEN_IDS = ("bos_token_id", "pad_token_id")
-_BOOLS = ("attention_bias", "mlp_bias", "tie_word_embeddings", "use_cache")
-# name: (lowest, lowest allowed itself?, highest or None)
-_NUMBERS = {
-    "rms_norm_eps": (0.0, False, None),
-    "initializer_range": (0.0, True, None),
-    "attention_dropout": (0.0, True, 1.0),
-    "rope_theta": (0.0, False, None),
-}
-_STRINGS = ("hidden_act", "model_type")
-_OPTIONAL_DICTS = ("rope_scaling", "rope_parameters")
-
 
 def valid_keys() -> frozenset[str]:
     """Every key :func:`load_llama_config` accepts: the installed ``LlamaConfig``'s fields and
@@ -138,83 +126,55 @@ def read_json_object(path: str | Path) -> dict:
     return data
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+def _required_keys() -> tuple[str, ...]:
+    """The ``LlamaArgs`` fields without a default: a file must give them."""
+    return tuple(f.name for f in dataclasses.fields(LlamaArgs)
+                 if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)  # fmt: skip
 
 
-def _type_errors(data: dict) -> list[str]:
-    errors = []
-    for key in _POSITIVE_INTS + _OPTIONAL_POSITIVE_INTS:
-        if key not in data or (data[key] is None and key in _OPTIONAL_POSITIVE_INTS):
-            continue
-        if not _is_int(data[key]) or data[key] < 1:
-            errors.append(f"{key} must be a positive integer, got {data[key]!r} ({_kind(data[key])})")
-    for key in _OPTIONAL_TOKEN_IDS:
-        if data.get(key) is not None and (not _is_int(data[key]) or data[key] < 0):
-            errors.append(f"{key} must be a token id (an integer >= 0) or null, got {data[key]!r}")
-    eos = data.get("eos_token_id")
-    ids = eos if isinstance(eos, list) else [eos]
-    if eos is not None and not all(_is_int(i) and i >= 0 for i in ids):
-        errors.append(f"eos_token_id must be a token id, a list of them or null, got {eos!r}")
-    for key in _BOOLS:
-        if key in data and not isinstance(data[key], bool):
-            errors.append(f"{key} must be true or false, got {data[key]!r} ({_kind(data[key])})")
-    for key, (low, low_ok, high) in _NUMBERS.items():
-        if key not in data:
-            continue
-        value = data[key]
-        number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-        if not number or value < low or (value == low and not low_ok) or (high is not None and value > high):
-            where = f"{'>=' if low_ok else '>'} {low:g}" + (f" and <= {high:g}" if high is not None else "")
-            errors.append(f"{key} must be a number {where}, got {value!r} ({_kind(value)})")
-    for key in _STRINGS:
-        if key in data and not isinstance(data[key], str):
-            errors.append(f"{key} must be a string, got {data[key]!r} ({_kind(data[key])})")
-    for key in _OPTIONAL_DICTS:
-        if data.get(key) is not None and not isinstance(data[key], dict):
-            errors.append(f"{key} must be an object or null, got {data[key]!r} ({_kind(data[key])})")
-    if isinstance(data.get("model_type"), str) and data["model_type"] != "llama":
-        errors.append(f"model_type is {data['model_type']!r}: this reads Llama configs (model_type 'llama') only")
-    return errors
-
-
-def _shape_errors(data: dict) -> list[str]:
-    """Head counts against the width (only when the keys involved passed the type checks)."""
-    ok = lambda k: _is_int(data.get(k)) and data[k] >= 1  # noqa: E731
-    errors = []
-    if ok("hidden_size") and ok("num_attention_heads") and data.get("head_dim") is None:
-        if data["hidden_size"] % data["num_attention_heads"]:
-            errors.append(f"hidden_size ({data['hidden_size']}) must be a multiple of num_attention_heads "
-                          f"({data['num_attention_heads']}), or give head_dim")
-    if ok("num_attention_heads") and ok("num_key_value_heads"):
-        if data["num_attention_heads"] % data["num_key_value_heads"]:
-            errors.append(f"num_key_value_heads ({data['num_key_value_heads']}) must divide num_attention_heads "
-                          f"({data['num_attention_heads']})")
-    return errors
-
-
-def check_llama_config_dict(data: dict, source: str = "the model config") -> None:
-    """Raise one ``ValueError`` listing every problem of ``data`` (a parsed config.json): unknown
-    keys with the closest valid name, missing shape keys, wrong types and ranges."""
+def _key_problems(data: dict) -> list[str]:
+    """Unknown keys with the closest valid name, missing required keys, a ``model_type`` other than llama."""
     import transformers
 
     valid = valid_keys()
-    defaults = transformers.LlamaConfig().to_dict()
     unknown = [k for k in data if k not in valid]
-    errors = []
+    problems = []
     for key in unknown:
         guess = _closest(key, valid)
-        errors.append(f"unknown key {key!r}" + (f" (did you mean {guess!r}?)" if guess else " (not a LlamaConfig field)"))
-    for key in SHAPE_KEYS:
+        hint = f" (did you mean {guess!r}?)" if guess else " (not a LlamaConfig field)"
+        problems.append(f"unknown key {key!r}{hint}")
+    defaults = transformers.LlamaConfig().to_dict()
+    for key in _required_keys():
         if key not in data:
             typo = _closest(key, unknown)
             hint = f"; is {typo!r} a misspelling of it?" if typo else ""
-            errors.append(f"missing key {key!r} (LlamaConfig would silently use Llama-7B's {defaults[key]}{hint})")
-    errors += _type_errors(data)
-    if not errors:
-        errors += _shape_errors(data)
-    if errors:
-        raise ValueError(f"{source}: " + "; ".join(errors))
+            problems.append(f"missing key {key!r} (LlamaConfig would silently use Llama-7B's {defaults[key]}{hint})")
+    model_type = data.get("model_type", "llama")
+    if model_type != "llama":
+        problems.append(f"model_type is {model_type!r}: this reads Llama configs (model_type 'llama') only")
+    return problems
+
+
+def _llama_args(data: dict, source: str = "the model config") -> LlamaArgs:
+    """The :class:`~.llama_args.LlamaArgs` of ``data`` (a parsed config.json), or one ``ValueError``
+    starting with ``source`` and listing every problem: unknown keys with the closest valid name,
+    missing required keys, the field checks of ``LlamaArgs``, what ``transformers`` refuses."""
+    import transformers
+
+    problems = _key_problems(data)
+    args = None
+    if not any(p.startswith("missing key") for p in problems):
+        try:
+            args = LlamaArgs.from_dict(data)
+        except ValueError as exc:
+            problems.append(str(exc))
+    if problems:
+        raise ValueError(f"{source}: " + "; ".join(problems))
+    try:  # its own checks too (strict field types, the keys each rope_type needs): the file loads there
+        transformers.LlamaConfig.from_dict(copy.deepcopy(data))
+    except Exception as exc:
+        raise ValueError(f"{source}: transformers.LlamaConfig refuses it: {' '.join(str(exc).split())}") from None
+    return args
 
 
 def config_path(path_or_name: str | Path) -> Path:
@@ -248,29 +208,21 @@ def drop_nxd_keys(data: dict, source: str, notices: list[str] | None = None) -> 
     return {k: v for k, v in data.items() if k not in NXD_KEYS}
 
 
-def load_llama_config(path_or_name: str | Path, notices: list[str] | None = None) -> Any:
-    """A ``transformers.LlamaConfig`` from a JSON file, a directory holding ``config.json`` or a
+def load_llama_config(path_or_name: str | Path, notices: list[str] | None = None) -> LlamaArgs:
+    """The :class:`~.llama_args.LlamaArgs` of a JSON file, a directory holding ``config.json`` or a
     preset name (:func:`config_path`), checked as the module docstring says; a ``ValueError``
     naming the file and every problem otherwise.
 
     ``notices``: where the one-line notice about dropped NxD keys (:data:`NXD_KEYS`) goes, for the
     caller to print once; None: a ``UserWarning``.
     """
-    import transformers
-
     path = config_path(path_or_name)
-    data = drop_nxd_keys(read_json_object(path), str(path), notices)
-    check_llama_config_dict(data, str(path))
-    try:
-        return transformers.LlamaConfig.from_dict(data)
-    except Exception as exc:  # transformers' own validation (strict dataclass fields, rope checks)
-        raise ValueError(f"{path}: transformers.LlamaConfig refuses it: {' '.join(str(exc).split())}") from None
+    return _llama_args(drop_nxd_keys(read_json_object(path), str(path), notices), str(path))
 
 
 def _rope_tables(config: Any) -> list:
     import torch
 
-    from .llama_args import LlamaArgs
     from .rotary import inverse_frequencies, longrope_long_frequencies
 
     args = LlamaArgs.from_hf(config)
@@ -312,5 +264,5 @@ def fit_positions(config: Any, seq_len: int, source: str = "the model config") -
                     "as NxD's get_model does (the RoPE tables are unchanged)")
 
 
-__all__ = ["METADATA_KEYS", "NXD_KEYS", "PRESET_NAMES", "SHAPE_KEYS", "check_llama_config_dict", "config_path",
-           "drop_nxd_keys", "fit_positions", "load_llama_config", "read_json_object", "valid_keys"]
+__all__ = ["METADATA_KEYS", "NXD_KEYS", "PRESET_NAMES", "config_path", "drop_nxd_keys", "fit_positions",
+           "load_llama_config", "read_json_object", "valid_keys"]

@@ -17,14 +17,14 @@ Keys and full shapes are checked against the model from the file headers, before
 is written (``KeyError`` for missing/unexpected keys, ``ValueError`` for shapes), as
 :func:`.hf_conversion.load_hf_state_dict` does. The directory's ``config.json``, when there is
 one, is checked against ``model.args`` on the fields that define the model
-(:data:`MODEL_FIELDS`); :func:`hf_config_for` reads it, or checks a given config against it.
+(:func:`config_differences`); :func:`hf_config_for` reads it, or checks a given config against it.
 """
 
 from __future__ import annotations
 
 import json
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -40,57 +40,46 @@ TORCH_WEIGHTS_NAME = "pytorch_model.bin"
 TORCH_INDEX_NAME = "pytorch_model.bin.index.json"
 TORCH_SUFFIXES = (".bin", ".pt", ".pth")
 
-MODEL_FIELDS = (
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "rms_norm_eps",
-    "rope_theta",
-    "rope_scaling",
-    "max_position_embeddings",
-    "tie_word_embeddings",
-)
-"""The fields compared by :func:`check_hf_config`: those that change the weights' shapes or the
-function the model computes, as :class:`~.llama_args.LlamaArgs` resolves them (``head_dim``,
-``num_key_value_heads`` and the RoPE parameters of ``transformers`` 4.x or 5.x; ``rope_scaling``
-is the RoPE parameters other than ``rope_theta``, None for plain RoPE). A config ``LlamaArgs``
-refuses (another activation) is an error of its own. A model config with more positions than the
-checkpoint's is accepted when that leaves the RoPE tables as they are
-(:func:`.config_file.fit_positions`: the training blocks are longer than the checkpoint's
-``max_position_embeddings``, raised as NxD's ``get_model`` does)."""
+# LlamaArgs fields a checkpoint's config.json may differ on: how new weights are drawn and the
+# training-time dropout change neither the weights' shapes nor the function the loaded weights
+# compute. (Nor do the token ids, which LlamaArgs' == leaves out.)
+_NOT_COMPARED = ("initializer_range", "attention_dropout")
+_ABSENT = object()
 
 
 # --- config.json ----------------------------------------------------------------------------
 
 
-def _field(args: LlamaArgs, name: str) -> Any:
-    if name in ("rope_theta", "rope_scaling"):
-        rope = dict(args.rope_parameters)
-        theta = rope.pop("rope_theta")
-        return theta if name == "rope_theta" else (None if rope == {"rope_type": "default"} else rope)
-    return getattr(args, name)
-
-
 def config_differences(config: Any, other: Any) -> dict[str, tuple[Any, Any]]:
-    """``{field: (config's value, other's value)}`` for every :data:`MODEL_FIELDS` entry that differs.
+    """``{field: (config's value, other's value)}`` for every :class:`~.llama_args.LlamaArgs`
+    field that differs (``rope_parameters`` is one field), except the initialisation's
+    ``initializer_range`` and the training's ``attention_dropout``.
 
     ``config`` and ``other``: :class:`~.llama_args.LlamaArgs` or ``transformers`` Llama configs."""
     a, b = LlamaArgs.from_hf(config), LlamaArgs.from_hf(other)
     out = {}
-    for name in MODEL_FIELDS:
-        x, y = _field(a, name), _field(b, name)
-        if x != y:
-            out[name] = (x, y)
+    for f in fields(LlamaArgs):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if f.compare and f.name not in _NOT_COMPARED and x != y:
+            out[f.name] = (x, y)
     return out
+
+
+def _shown(x: Any, y: Any) -> tuple[Any, Any]:
+    """Two dicts (RoPE parameters) cut to the entries that differ; other values as they are."""
+    if isinstance(x, dict) and isinstance(y, dict):
+        keys = sorted(k for k in x.keys() | y.keys() if x.get(k, _ABSENT) != y.get(k, _ABSENT))
+        return {k: x[k] for k in keys if k in x}, {k: y[k] for k in keys if k in y}
+    return x, y
 
 
 def check_hf_config(config: Any, hf_config: Any, source: str = "the checkpoint's config.json") -> None:
     """Raise ``ValueError`` naming every model-defining field where ``config`` and ``hf_config`` differ
-    (or what ``hf_config`` holds that this library does not build)."""
+    (:func:`config_differences`, with both values; of the RoPE parameters the entries that differ),
+    or what ``hf_config`` holds that this library does not build. A ``config`` with more positions
+    than the checkpoint's is accepted when that leaves the RoPE tables as they are
+    (:func:`.config_file.fit_positions`: training blocks longer than the checkpoint's
+    ``max_position_embeddings``, raised as NxD's ``get_model`` does)."""
     try:
         hf_args = LlamaArgs.from_hf(hf_config)
     except ValueError as e:
@@ -99,7 +88,8 @@ def check_hf_config(config: Any, hf_config: Any, source: str = "the checkpoint's
     if "max_position_embeddings" in diff and _raised_positions(*diff["max_position_embeddings"], hf_args):
         del diff["max_position_embeddings"]
     if diff:
-        lines = "\n  ".join(f"{k}: model config {a!r}, {source} {b!r}" for k, (a, b) in diff.items())
+        shown = {k: _shown(a, b) for k, (a, b) in diff.items()}
+        lines = "\n  ".join(f"{k}: model config {a!r}, {source} {b!r}" for k, (a, b) in shown.items())
         raise ValueError(f"the model config does not match {source} on {len(diff)} field(s):\n  {lines}")
 
 
@@ -121,8 +111,8 @@ def _config_path(path: str | Path) -> Path | None:
     return path / CONFIG_NAME if path.is_dir() and (path / CONFIG_NAME).is_file() else None
 
 
-def read_hf_config(path: str | Path, notices: list[str] | None = None):
-    """The ``transformers.LlamaConfig`` of a checkpoint directory (its ``config.json``); None when
+def read_hf_config(path: str | Path, notices: list[str] | None = None) -> LlamaArgs | None:
+    """The :class:`~.llama_args.LlamaArgs` of a checkpoint directory (its ``config.json``); None when
     ``path`` is a file or a directory without one. ``notices``: as :func:`.config_file.load_llama_config`."""
     config_file = _config_path(path)
     if config_file is None:
@@ -136,7 +126,8 @@ def hf_config_for(path: str | Path, config: Any = None, notices: list[str] | Non
     """The config to build the model with before loading ``path``.
 
     ``config`` given: checked against ``path``'s ``config.json`` when there is one (``ValueError``
-    naming each differing field), and returned. ``config`` None: read from ``config.json``; a
+    naming each differing field), and returned. ``config`` None: read from ``config.json`` (a
+    :class:`~.llama_args.LlamaArgs`); a
     ``ValueError`` when ``path`` has none (a bare weights file: pass a config). ``notices``: as
     :func:`.config_file.load_llama_config`.
     """
@@ -254,7 +245,7 @@ def load_hf_checkpoint(model: torch.nn.Module, path: str | Path) -> None:
         check_hf_config(model.args, hf_config, str(_config_path(path)))
     entries, loaded = _scan(weight_files(path))
     expected = hf_conversion.check_hf_shapes(model, {k: e.shape for k, e in entries.items()}, f"checkpoint {path}")
-    tp = model.state.tp
+    tp = model.parallel_state.tp
     files = list(dict.fromkeys(e.file for e in entries.values()))
     order = sorted(expected, key=lambda k: files.index(entries[k].file))  # file by file, model order within
     with torch.no_grad():

@@ -181,8 +181,9 @@ def save_hf_checkpoint(
 ) -> Path | None:
     """Write ``model`` as a ``transformers`` checkpoint directory (collective: every rank calls it).
 
-    ``config``: the ``transformers.LlamaConfig`` for ``config.json`` (default
-    ``model.args.to_hf()``; checked against ``model.args``). ``max_shard_size``: bytes or
+    ``config``: what ``config.json`` holds, a :class:`~.llama_args.LlamaArgs` (written through
+    ``to_hf()``, token ids included) or a ``transformers.LlamaConfig`` (as it is); default
+    ``model.args``; checked against ``model.args``. ``max_shard_size``: bytes or
     ``"5GB"``-style.
     ``dtype``: the weights' dtype on disk (default: the parameters'). Returns the directory on
     global rank 0, None elsewhere. Raises the same error on every rank when the location is not
@@ -190,7 +191,7 @@ def save_hf_checkpoint(
     """
     config = model.args.to_hf() if config is None else config
     check_hf_config(model.args, config, "the config given")
-    state = model.state
+    state = model.parallel_state
     tp = state.tp
     groups = _groups(model)
     entries = []

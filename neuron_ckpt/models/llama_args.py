@@ -2,38 +2,36 @@
 
 A ``transformers.LlamaConfig`` carries a hundred attributes, most of them for generation, and
 code that reads it with ``getattr(config, name, default)`` silently takes a default when a
-field is misspelt or absent. :meth:`LlamaArgs.from_hf` reads the fields that define the model
-once, resolves the ones ``transformers`` derives (``head_dim``, ``num_key_value_heads``, the
-RoPE parameters of 4.x and 5.x), refuses what the model does not implement, and the model and
-the memory tools take the result. Field names are ``transformers``' so a reader of either knows
-them.
+field is misspelt or absent. :meth:`LlamaArgs.from_dict` reads the fields that define the model
+from a ``config.json`` object (:func:`.config_file.load_llama_config` reads files strictly into
+it), :meth:`LlamaArgs.from_hf` from a ``transformers`` config; both resolve the RoPE parameters
+of ``transformers`` 4.x and 5.x and refuse what the model does not implement, and the model and
+the memory tools take the result. Field names and defaults are ``transformers``' so a reader of
+either knows them, and a ``config.json`` means the same model here and there.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Mapping
 
+from ..checks import is_int, positive_int_problem
 
-def _rope_parameters(config: Any) -> dict[str, Any]:
-    """``rope_type``, ``rope_theta`` and any scaling factors of a ``transformers`` 5.x or 4.x config."""
-    params = dict(getattr(config, "rope_parameters", None) or {})
-    if not params:  # transformers 4.x: rope_theta and rope_scaling are separate fields
-        params = dict(getattr(config, "rope_scaling", None) or {})
-        params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
-    params.setdefault("rope_type", params.pop("type", "default"))
-    params.pop("type", None)
-    params["rope_theta"] = float(params["rope_theta"])
-    original = getattr(config, "original_max_position_embeddings", None)  # a top-level field of some configs
-    if params["rope_type"] != "default" and original is not None:
-        params.setdefault("original_max_position_embeddings", original)
-    return params
+PARAMETER_SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                          "num_attention_heads", "num_key_value_heads")  # fmt: skip
+"""The sizes that fix the parameters' shapes, in the order training checkpoints record them
+(``meta.json``'s ``"model"``, compared on resume; checkpoints already written hold these six).
+``head_dim``, the biases and ``tie_word_embeddings`` shape parameters too, and are not in it."""
+
+_SCALED_FROM_ORIGINAL = ("llama3", "yarn", "longrope")  # RoPE variants with an original length
 
 
 @dataclass(frozen=True)
 class LlamaArgs:
     """One Llama model's shape and numerics (Llama-2 / Llama-3 architecture: RMSNorm, GQA, RoPE,
-    SwiGLU; embeddings tied or not). Every field is checked at construction."""
+    SwiGLU; embeddings tied or not). Every field is checked at construction: one ``ValueError``
+    naming every field that is wrong and what it allows."""
 
     vocab_size: int
     hidden_size: int
@@ -45,8 +43,8 @@ class LlamaArgs:
     """Key/value heads (grouped-query attention); None means ``num_attention_heads`` (MHA)."""
     head_dim: int | None = None
     """None means ``hidden_size // num_attention_heads`` (which must then divide exactly)."""
-    max_position_embeddings: int = 4096
-    rms_norm_eps: float = 1e-5
+    max_position_embeddings: int = 2048
+    rms_norm_eps: float = 1e-6
     initializer_range: float = 0.02
     """Standard deviation of the normal initialisation of every weight matrix."""
     attention_dropout: float = 0.0
@@ -58,59 +56,108 @@ class LlamaArgs:
     """``rope_type`` ("default", or a static scaled variant of ``transformers``: "linear",
     "llama3", "yarn", ...), ``rope_theta`` and the variant's own factors, as ``transformers`` 5.x
     spells them."""
+    bos_token_id: int | None = field(default=1, compare=False)
+    """The tokenizer's ids, carried to an exported ``config.json`` (``transformers``' generation
+    reads them). They do not change the model: ``==`` does not compare them."""
+    eos_token_id: int | list[int] | None = field(default=2, compare=False)
+    pad_token_id: int | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "max_position_embeddings"):
-            _require_positive_int(name, getattr(self, name))
+        problems = self._type_problems()
+        if not problems:
+            problems = self._resolve()
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    def _type_problems(self) -> list[str]:
+        problems = [positive_int_problem(name, getattr(self, name)) for name in (
+            "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "max_position_embeddings")]  # fmt: skip
+        problems += [positive_int_problem(name, getattr(self, name)) for name in ("num_key_value_heads", "head_dim")
+                     if getattr(self, name) is not None]  # fmt: skip
+        problems += [
+            _number_problem("rms_norm_eps", self.rms_norm_eps, above=0.0),
+            _number_problem("initializer_range", self.initializer_range, at_least=0.0),
+            _number_problem("attention_dropout", self.attention_dropout, at_least=0.0, below=1.0),
+        ]
+        for name in ("attention_bias", "mlp_bias", "tie_word_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                problems.append(f"{name} must be true or false, got {value!r} ({type(value).__name__})")
+        for name in ("bos_token_id", "pad_token_id", "eos_token_id"):
+            value = getattr(self, name)
+            ids = value if name == "eos_token_id" and isinstance(value, list) else [value]
+            if value is not None and not all(is_int(i) and i >= 0 for i in ids):
+                some = ", a list of them" if name == "eos_token_id" else ""
+                problems.append(f"{name} must be a token id (an integer >= 0){some} or None, got {value!r}")
+        rope = self.rope_parameters
+        if not isinstance(rope, dict) or not isinstance(rope.get("rope_type"), str):
+            problems.append(f"rope_parameters must be a dict with a rope_type string and rope_theta, got {rope!r}")
+        else:
+            problems.append(_number_problem("rope_theta", rope.get("rope_theta"), above=0.0))
+            if rope["rope_type"] == "dynamic":
+                problems.append("rope_type='dynamic' (length-dependent RoPE scaling) is not supported; "
+                                "use a static variant")
+        return [p for p in problems if p]
+
+    def _resolve(self) -> list[str]:
+        """Fill the derived fields (kv heads, head_dim) and check the head counts against the width."""
         heads = self.num_attention_heads
         if self.num_key_value_heads is None:
             object.__setattr__(self, "num_key_value_heads", heads)
-        _require_positive_int("num_key_value_heads", self.num_key_value_heads)
         if heads % self.num_key_value_heads:
-            raise ValueError(
-                f"num_key_value_heads ({self.num_key_value_heads}) must divide num_attention_heads ({heads})"
-            )
+            return [f"num_key_value_heads ({self.num_key_value_heads}) must divide num_attention_heads ({heads})"]
         if self.head_dim is None:
             if self.hidden_size % heads:
-                raise ValueError(
-                    f"hidden_size ({self.hidden_size}) must be a multiple of num_attention_heads ({heads}) "
-                    "when head_dim is not given"
-                )
+                return [f"hidden_size ({self.hidden_size}) must be a multiple of num_attention_heads ({heads}) "
+                        "when head_dim is not given"]
             object.__setattr__(self, "head_dim", self.hidden_size // heads)
-        _require_positive_int("head_dim", self.head_dim)
         if self.head_dim % 2:
-            raise ValueError(f"head_dim must be even (RoPE rotates pairs), got {self.head_dim}")
-        if not (isinstance(self.rms_norm_eps, (int, float)) and self.rms_norm_eps > 0):
-            raise ValueError(f"rms_norm_eps must be a number > 0, got {self.rms_norm_eps!r}")
-        if not (isinstance(self.initializer_range, (int, float)) and self.initializer_range >= 0):
-            raise ValueError(f"initializer_range must be a number >= 0, got {self.initializer_range!r}")
-        if not (isinstance(self.attention_dropout, (int, float)) and 0 <= self.attention_dropout < 1):
-            raise ValueError(f"attention_dropout must be in [0, 1), got {self.attention_dropout!r}")
-        for name in ("attention_bias", "mlp_bias", "tie_word_embeddings"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        rope = dict(self.rope_parameters)
-        if "rope_type" not in rope or "rope_theta" not in rope:
-            raise ValueError(f"rope_parameters must hold rope_type and rope_theta, got {rope!r}")
-        if rope["rope_type"] == "dynamic":
-            raise ValueError("rope_type='dynamic' (length-dependent RoPE scaling) is not supported; use a static variant")
-        object.__setattr__(self, "rope_parameters", rope)
+            return [f"head_dim must be even (RoPE rotates pairs), got {self.head_dim}"]
+        object.__setattr__(self, "rope_parameters", {**self.rope_parameters,
+                                                     "rope_theta": float(self.rope_parameters["rope_theta"])})
+        if isinstance(self.eos_token_id, list):
+            object.__setattr__(self, "eos_token_id", list(self.eos_token_id))
+        return []
 
     @classmethod
-    def from_hf(cls, config: Any) -> "LlamaArgs":
-        """The args of a ``transformers.LlamaConfig`` (4.x or 5.x); refuses what is not built here:
-        an activation other than SiLU, ``pretraining_tp`` other than 1."""
+    def from_dict(cls, data: Mapping[str, Any]) -> LlamaArgs:
+        """The args of a ``config.json`` object (``transformers`` 4.x or 5.x names): the fields by
+        name (absent: the defaults), the RoPE parameters from ``rope_parameters`` (5.x) or
+        ``rope_theta`` and ``rope_scaling`` (4.x). Keys that are not fields are not read, except
+        what is refused because it is not built here: ``hidden_act`` other than ``silu``,
+        ``pretraining_tp`` other than 1. One ``ValueError`` naming every problem."""
+        problems = []
+        act = data.get("hidden_act", "silu")
+        if act != "silu":
+            problems.append(f"hidden_act must be 'silu' (SwiGLU), got {act!r}")
+        tp = data.get("pretraining_tp")
+        if tp is not None and not (is_int(tp) and tp == 1):
+            problems.append(f"pretraining_tp must be 1 (the sliced-matmul emulation is not reproduced), got {tp!r}")
+        values = {f.name: data[f.name] for f in fields(cls) if f.name in data and f.name != "rope_parameters"}
+        try:
+            values["rope_parameters"] = _rope_parameters(data, values.get("max_position_embeddings", 2048))
+        except ValueError as e:
+            problems.append(str(e))
+        args = None
+        try:
+            args = cls(**values)
+        except ValueError as e:
+            problems.append(str(e))
+        if problems:
+            raise ValueError("; ".join(problems))
+        return args
+
+    @classmethod
+    def from_hf(cls, config: Any) -> LlamaArgs:
+        """The args of a ``transformers.LlamaConfig`` (4.x or 5.x; any object with its attributes),
+        through :meth:`from_dict`; a ``LlamaArgs`` as it is."""
         if isinstance(config, LlamaArgs):
             return config
-        act = getattr(config, "hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"hidden_act must be 'silu' (SwiGLU), got {act!r}")
-        if (getattr(config, "pretraining_tp", 1) or 1) != 1:
-            raise ValueError("pretraining_tp must be 1 (the sliced-matmul emulation is not reproduced)")
-        values = {f.name: getattr(config, f.name, None) for f in fields(cls) if f.name != "rope_parameters"}
-        values = {k: v for k, v in values.items() if v is not None}
-        return cls(**values, rope_parameters=_rope_parameters(config))
+        names = [f.name for f in fields(cls)] + ["hidden_act", "pretraining_tp", "original_max_position_embeddings"]
+        if not getattr(config, "rope_parameters", None):  # transformers 4.x (5.x aliases rope_scaling)
+            names += ["rope_theta", "rope_scaling"]
+        return cls.from_dict({name: getattr(config, name) for name in names if hasattr(config, name)})
 
     def to_hf(self):
         """The equivalent ``transformers.LlamaConfig`` (for exports and ``transformers``' RoPE init)."""
@@ -127,6 +174,35 @@ class LlamaArgs:
         return config
 
 
-def _require_positive_int(name: str, value: object) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
+def _number_problem(name: str, value: Any, above: float | None = None, at_least: float | None = None,
+                    below: float | None = None) -> str | None:
+    """Why ``value`` is not a finite number in the range (None when it is)."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if number and (above is None or value > above) and (at_least is None or value >= at_least) and (
+            below is None or value < below):
+        return None
+    bounds = [f"> {above:g}" if above is not None else None, f">= {at_least:g}" if at_least is not None else None,
+              f"< {below:g}" if below is not None else None]  # fmt: skip
+    return f"{name} must be a number {' and '.join(b for b in bounds if b)}, got {value!r} ({type(value).__name__})"
+
+
+def _rope_parameters(data: Mapping[str, Any], max_position_embeddings: Any) -> dict[str, Any]:
+    """``rope_type``, ``rope_theta`` and the scaling factors of a 5.x (``rope_parameters``) or 4.x
+    (``rope_theta``, ``rope_scaling``) config, standardised as ``transformers`` 5.x does (``type``
+    is ``rope_type``; llama3 / yarn / longrope take their original length from
+    ``max_position_embeddings`` when none is given)."""
+    given = {k: data[k] for k in ("rope_parameters", "rope_scaling") if data.get(k) is not None}
+    for key, value in given.items():
+        if not isinstance(value, dict):
+            raise ValueError(f"{key} must be an object (a dict) or null, got {value!r} ({type(value).__name__})")
+    if len(given) == 2 and given["rope_parameters"] != given["rope_scaling"]:
+        raise ValueError("rope_parameters (transformers 5.x) and rope_scaling (4.x) differ: give one of them")
+    params = dict(next(iter(given.values()), {}))
+    params.setdefault("rope_theta", data.get("rope_theta", 10000.0))
+    params.setdefault("rope_type", params.pop("type", "default"))
+    params.pop("type", None)
+    if params["rope_type"] in _SCALED_FROM_ORIGINAL:
+        original = data.get("original_max_position_embeddings")  # a top-level field of some configs
+        params.setdefault("original_max_position_embeddings",
+                          max_position_embeddings if original is None else original)
+    return params
