@@ -190,7 +190,7 @@ def test_destroy_distributed_leaves_no_group_reachable(single):
     assert _reachable_from_package((ParallelState, dist.ProcessGroup, runtime.Runtime)) == []
     assert not any(isinstance(o, Group) and not o.released for o in _reachable_from_package((Group,)))
     # What the caller kept lets go of its groups, and says so if used.
-    assert state.tp.released and kept.state.dp.released and rt.host_group is None
+    assert state.tp.released and kept.parallel_state.dp.released and rt.host_group is None
     with pytest.raises(RuntimeError, match="not initialised"):
         runtime.get_runtime()  # forgotten (and reachable from no module: checked above)
     with pytest.raises(RuntimeError, match="released by neuron_ckpt.destroy_distributed"):
@@ -311,7 +311,7 @@ def test_a_copied_model_recomputes_itself_and_is_freed(single, config):
 
 def _check_copy(model: torch.nn.Module, make) -> None:
     clone = make(model)
-    assert clone.layers[0].up.state.tp == model.layers[0].up.state.tp  # the same group (deepcopy: itself)
+    assert clone.layers[0].up.parallel_state.tp == model.layers[0].up.parallel_state.tp  # the same group (deepcopy: itself)
     wrapped = [m for m in clone.modules() if isinstance(m, Recompute)]
     params = {id(p) for p in clone.parameters()}
     assert wrapped and all({id(p) for p in m.module.parameters()} <= params for m in wrapped)  # the copy's own

@@ -128,7 +128,7 @@ def check_hf_shapes(
     Raises ``KeyError`` listing every missing and unexpected key, then ``ValueError`` listing
     every shape mismatch: the caller writes no parameter before this returns.
     """
-    tp_size = model.state.tp.size
+    tp_size = model.parallel_state.tp.size
     expected = expected_hf_keys(model)
     given = {k for k in shapes if not k.endswith(_IGNORED_SUFFIXES)}
     if _tied(model) and TIED_HEAD_KEY in given:  # the same tensor as the table: checked, not loaded
@@ -158,7 +158,7 @@ def load_hf_state_dict(model: torch.nn.Module, state_dict: dict[str, torch.Tenso
     Raises ``KeyError`` listing missing and unexpected keys, ``ValueError`` listing every shape
     mismatch, before any parameter is written.
     """
-    tp = model.state.tp
+    tp = model.parallel_state.tp
     expected = check_hf_shapes(model, {k: tuple(v.shape) for k, v in state_dict.items()}, "state dict")
     head = state_dict.get(TIED_HEAD_KEY) if _tied(model) else None
     if head is not None and not torch.equal(head, state_dict[TIED_TABLE_KEY]):
@@ -175,7 +175,7 @@ def hf_state_dict(model: torch.nn.Module, grads: bool = False) -> dict[str, torc
     Holds the whole model on every rank's host: for checkpoints of real models use
     :func:`neuron_ckpt.models.hf_export.save_hf_checkpoint` (one layer at a time, rank 0 only).
     """
-    tp = model.state.tp
+    tp = model.parallel_state.tp
     out = {}
     for name, p in model.named_parameters():
         local = p.detach()

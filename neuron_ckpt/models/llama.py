@@ -243,7 +243,7 @@ class LlamaForCausalLM(torch.nn.Module):
         self.rotary = RotaryEmbedding(args)
 
     @property
-    def state(self) -> ParallelState:
+    def parallel_state(self) -> ParallelState:
         """``options.parallel_state``, named as on the parallel layers."""
         return self.options.parallel_state
 
@@ -274,11 +274,11 @@ class LlamaForCausalLM(torch.nn.Module):
         loss = None
         if labels is not None:
             target = F.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:].t()  # [s, b], next token
-            loss = vocab_parallel_cross_entropy(logits, target, IGNORE_INDEX, group=self.state.tp)
+            loss = vocab_parallel_cross_entropy(logits, target, IGNORE_INDEX, group=self.parallel_state.tp)
         if return_logits is None:
             return_logits = "local" if labels is None else None
         if return_logits == "full":
-            logits = gather_from_tensor_parallel_region(logits, self.state.tp).transpose(0, 1)
+            logits = gather_from_tensor_parallel_region(logits, self.parallel_state.tp).transpose(0, 1)
         return CausalLMOutput(loss=loss, logits=logits if return_logits else None)
 
     @property

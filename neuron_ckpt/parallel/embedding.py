@@ -53,8 +53,8 @@ class VocabParallelEmbedding(torch.nn.Module):
     ):
         super().__init__()
         check_sizes(num_embeddings=num_embeddings, embedding_dim=embedding_dim)
-        self.state = resolve_parallel_state(parallel_state)
-        t, r = self.state.tp_size, self.state.tp_rank
+        self.parallel_state = resolve_parallel_state(parallel_state)
+        t, r = self.parallel_state.tp_size, self.parallel_state.tp_rank
         check_divisible(num_embeddings, "num_embeddings", t)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.sequence_parallel = sequence_parallel
@@ -72,7 +72,7 @@ class VocabParallelEmbedding(torch.nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         self.check_ids(ids)  # before any collective: every TP rank sees the same ids and raises
-        tp = self.state.tp
+        tp = self.parallel_state.tp
         if tp.size == 1:
             return F.embedding(ids, self.weight, self._local_padding_idx)
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)

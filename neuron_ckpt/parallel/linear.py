@@ -128,13 +128,13 @@ class ColumnParallelLinear(torch.nn.Module):
     ):
         super().__init__()
         check_sizes(in_features=in_features, out_features=out_features)
-        self.state = resolve_parallel_state(parallel_state)
-        t = self.state.tp_size
+        self.parallel_state = resolve_parallel_state(parallel_state)
+        t = self.parallel_state.tp_size
         check_divisible(out_features, "out_features", t)
         self.in_features, self.out_features = in_features, out_features
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
         self.weight = torch.nn.Parameter(
-            shard_of_full((out_features, in_features), 0, self.state.tp_rank, t, init_method, dtype, device)
+            shard_of_full((out_features, in_features), 0, self.parallel_state.tp_rank, t, init_method, dtype, device)
         )
         set_tensor_parallel_attributes(self.weight, partition_dim=0)
         if bias:
@@ -144,7 +144,7 @@ class ColumnParallelLinear(torch.nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        tp = self.state.tp
+        tp = self.parallel_state.tp
         (y,) = parallel_linear(x, [self.weight], [self.bias], tp, self.sequence_parallel)
         return gather_from_tensor_parallel_region(y, tp) if self.gather_output else y
 
@@ -182,13 +182,13 @@ class RowParallelLinear(torch.nn.Module):
         check_sizes(in_features=in_features, out_features=out_features)
         if sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear: sequence_parallel=True requires input_is_parallel=True")
-        self.state = resolve_parallel_state(parallel_state)
-        t = self.state.tp_size
+        self.parallel_state = resolve_parallel_state(parallel_state)
+        t = self.parallel_state.tp_size
         check_divisible(in_features, "in_features", t)
         self.in_features, self.out_features = in_features, out_features
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
         self.weight = torch.nn.Parameter(
-            shard_of_full((out_features, in_features), 1, self.state.tp_rank, t, init_method, dtype, device)
+            shard_of_full((out_features, in_features), 1, self.parallel_state.tp_rank, t, init_method, dtype, device)
         )
         set_tensor_parallel_attributes(self.weight, partition_dim=1)
         if bias:
@@ -197,7 +197,7 @@ class RowParallelLinear(torch.nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        tp = self.state.tp
+        tp = self.parallel_state.tp
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel_region(x, tp)
         y = F.linear(x, self.weight)

@@ -26,12 +26,12 @@ class _Norm(torch.nn.Module):
             raise ValueError(f"eps must be > 0, got {eps!r}")
         self.hidden_size, self.eps, self.sequence_parallel = hidden_size, eps, sequence_parallel
         # Only sequence parallel needs the TP group (to complete the weight gradients).
-        self.state = resolve_parallel_state(parallel_state) if sequence_parallel else None
+        self.parallel_state = resolve_parallel_state(parallel_state) if sequence_parallel else None
 
     def _param(self, p: torch.Tensor | None) -> torch.Tensor | None:
         if p is None or not self.sequence_parallel:
             return p
-        return copy_to_tensor_parallel_region(p, self.state.tp)
+        return copy_to_tensor_parallel_region(p, self.parallel_state.tp)
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.eps}, sequence_parallel={self.sequence_parallel}"

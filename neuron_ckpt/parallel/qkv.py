@@ -78,8 +78,8 @@ class QKVParallelLinear(torch.nn.Module):
         check_sizes(head_dim=head_dim)
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
-        self.state = resolve_parallel_state(parallel_state)
-        t, r = self.state.tp_size, self.state.tp_rank
+        self.parallel_state = resolve_parallel_state(parallel_state)
+        t, r = self.parallel_state.tp_size, self.parallel_state.tp_rank
         check_divisible(num_heads, "num_heads", t)
         if num_kv_heads >= t:
             check_divisible(num_kv_heads, "num_kv_heads", t)
@@ -120,12 +120,12 @@ class QKVParallelLinear(torch.nn.Module):
     def _kv(self, p: torch.Tensor | None) -> torch.Tensor | None:
         if p is None or self.replicas == 1:
             return p
-        return _SumOverReplicas.apply(p, self.kv_index, self.num_kv_heads, self.state.tp)
+        return _SumOverReplicas.apply(p, self.kv_index, self.num_kv_heads, self.parallel_state.tp)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         weights = [self.q_weight, self._kv(self.k_weight), self._kv(self.v_weight)]
         biases = [self.q_bias, self._kv(self.k_bias), self._kv(self.v_bias)]
-        q, k, v = parallel_linear(x, weights, biases, self.state.tp, self.sequence_parallel)
+        q, k, v = parallel_linear(x, weights, biases, self.parallel_state.tp, self.sequence_parallel)
         return q, k, v
 
     def extra_repr(self) -> str:
