@@ -99,8 +99,8 @@ def test_pruning_never_removes_what_this_manager_saved(tmp_path):
     mgr.save(25, {"w": torch.full((2,), 25.0)}, {})
     assert _steps(tmp_path) == ["step_00000018", "step_00000025", "step_00000030"]
     assert not [n for n in _names(tmp_path) if n.startswith(".")]
-    shard, meta = mgr.load(mgr.resolve("latest"), {})
-    assert meta["step"] == 25 and torch.equal(shard["w"], torch.full((2,), 25.0))
+    state, meta = mgr.load(mgr.resolve("latest"), {})
+    assert meta["step"] == 25 and torch.equal(state["w"], torch.full((2,), 25.0))
 
 
 def test_resume_latest_and_pruning_keep_what_this_run_wrote(world, run_files):
@@ -144,8 +144,8 @@ def test_latest_missing_or_dangling_falls_back_to_the_newest_complete(tmp_path):
     (tmp_path / "latest").write_text("step_00000003")  # names an incomplete checkpoint
     assert mgr.resolve("latest") == tmp_path / "step_00000002"
     assert "names step_00000003" in log[1] and "step_00000002" in log[1]
-    shard, meta = mgr.load(mgr.resolve("latest"), {})
-    assert meta["step"] == 2 and torch.equal(shard["w"], torch.full((2,), 2.0))
+    state, meta = mgr.load(mgr.resolve("latest"), {})
+    assert meta["step"] == 2 and torch.equal(state["w"], torch.full((2,), 2.0))
 
     (tmp_path / "latest").write_text("step_00000099")  # names one that is not there at all
     quiet = CheckpointManager(tmp_path)  # no log: a warning
@@ -208,8 +208,8 @@ def test_a_kill_during_removal_leaves_nothing_that_looks_complete(tmp_path):
     (leftover / "rank_00000.pt").unlink()  # as if the delete had got part-way
     mgr = CheckpointManager(tmp_path, keep_last=1)
     assert _steps(tmp_path) == ["step_00000002"]
-    shard, meta = mgr.load(mgr.resolve("latest"), {})
-    assert meta["step"] == 2 and torch.equal(shard["w"], torch.full((4,), 2.0))
+    state, meta = mgr.load(mgr.resolve("latest"), {})
+    assert meta["step"] == 2 and torch.equal(state["w"], torch.full((4,), 2.0))
     (tmp_path / "latest").unlink()  # even without the pointer, the leftover is never taken
     with pytest.warns(UserWarning, match="step_00000002"):
         assert mgr.resolve("latest") == tmp_path / "step_00000002"

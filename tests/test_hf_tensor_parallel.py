@@ -20,6 +20,8 @@ from neuron_ckpt.distributed import collectives as C  # noqa: E402
 from neuron_ckpt.parallel.params import is_tensor_parallel  # noqa: E402
 from neuron_ckpt.recompute import RecomputeConfig, apply_recompute  # noqa: E402
 
+from .helpers import rel_max  # noqa: E402
+
 TOL = 1e-5
 VOCAB = 64
 FAMILIES = {
@@ -66,11 +68,6 @@ def step(model, ids, tp=None, seed: int = 2):
     return out.loss.detach(), logits, grads
 
 
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Largest absolute difference over the reference's largest magnitude."""
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
-
-
 def _parity(family: str, preset: str, loss_parallel: bool) -> dict:
     ps = nc.initialize_model_parallel(2)
     torch.manual_seed(1)
@@ -81,11 +78,11 @@ def _parity(family: str, preset: str, loss_parallel: bool) -> dict:
     apply_recompute(model, RecomputeConfig.preset(preset))
     loss, logits, grads = step(model, ids, ps.tp)
     assert grads.keys() == ref_grads.keys()
-    worst = max(grads, key=lambda n: rel(grads[n], ref_grads[n]))
+    worst = max(grads, key=lambda n: rel_max(grads[n], ref_grads[n]))
     return {
         "loss": abs(float(loss - ref_loss)),
-        "logits": rel(logits, ref_logits),
-        "grad": rel(grads[worst], ref_grads[worst]),
+        "logits": rel_max(logits, ref_logits),
+        "grad": rel_max(grads[worst], ref_grads[worst]),
         "worst": worst,
         "split": sorted(n for n, p in model.named_parameters() if is_tensor_parallel(p)),
     }
@@ -265,7 +262,7 @@ def _zero1_and_checkpoint(directory: str) -> dict:
         norms.append(float(opt.step()))
         opt.zero_grad()
     named = dict(model.named_parameters())
-    err = max(rel(full(p.detach(), p, ps.tp), q.detach()) for (_, p), q in zip(named.items(), dense.parameters()))
+    err = max(rel_max(full(p.detach(), p, ps.tp), q.detach()) for (_, p), q in zip(named.items(), dense.parameters()))
     manager = CheckpointManager(directory, rank=torch.distributed.get_rank(), world_size=4, parallel_state=ps)
     path = manager.save(2, {"model": model.state_dict(), "optim": opt.state_dict()}, {"tp_size": 2, "dp_size": 2})
     fresh = nc.apply_tensor_parallel(tiny("llama"))

@@ -95,8 +95,8 @@ def test_checkpoints_are_atomic_and_pruned(tmp_path):
     # A crash mid-save leaves a temp directory and the old pointer: never loaded.
     (tmp_path / ".tmp_step_00000004").mkdir()
     path = mgr.resolve("latest")
-    shard, meta = mgr.load(path, {"tp_size": 1})
-    assert meta["step"] == 3 and torch.equal(shard["w"], torch.full((2,), 3.0))
+    state, meta = mgr.load(path, {"tp_size": 1})
+    assert meta["step"] == 3 and torch.equal(state["w"], torch.full((2,), 3.0))
     with pytest.raises(ValueError, match="tp_size: checkpoint 1, this run 2"):
         mgr.load(path, {"tp_size": 2})
 
@@ -134,8 +134,8 @@ def test_killed_during_checkpoint_write_leaves_previous_loadable(tmp_path):
     proc.join()
     mgr = CheckpointManager(tmp_path)
     assert [p.name for p in mgr.complete()] == ["step_00000001"]
-    shard, meta = mgr.load(mgr.resolve("latest"), {"tp_size": 1})
-    assert meta["step"] == 1 and torch.equal(shard["w"], torch.ones(4))
+    state, meta = mgr.load(mgr.resolve("latest"), {"tp_size": 1})
+    assert meta["step"] == 1 and torch.equal(state["w"], torch.ones(4))
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip", "meta", "missing"])
@@ -282,10 +282,10 @@ def test_checkpoint_writes_model_once_per_tp_rank(world, run_files, tmp_path):
     old = sizes["meta.json"]
     for r in range(4):
         ps = SimpleNamespace(tp_rank=r % 2, tp_size=2, dp_rank=r // 2, dp_size=2)
-        shard, _ = CheckpointManager(tmp_path, rank=r, world_size=4, parallel_state=ps).load(path, {})
-        assert set(shard) == {"model", "optimizer", "data", "rng"}
+        rank_state, _ = CheckpointManager(tmp_path, rank=r, world_size=4, parallel_state=ps).load(path, {})
+        assert set(rank_state) == {"model", "optimizer", "data", "rng"}
         buf = io.BytesIO()
-        torch.save(shard, buf)
+        torch.save(rank_state, buf)
         old += len(buf.getvalue()) + 64
     new = sum(sizes.values())
     model_bytes = sum(sizes[m] for m in models)
@@ -444,10 +444,12 @@ def test_train_state_round_trip_restores_every_rng_stream(tmp_path):
             return torch.rand(3)
 
     step()
+    ts.step = 1
     mgr = CheckpointManager(tmp_path)
-    path = ts.save(mgr, 1, {})
+    path = ts.save(mgr, {})
     after = [step(), torch.rand(2), model.weight.detach().clone(), order.step]
-    assert ts.resume(mgr, "latest", {})[1]["step"] == 1 and order.step == 1
+    ts.step = 2
+    assert ts.resume(mgr, "latest", {})[1]["step"] == 1 and ts.step == 1 and order.step == 1
     again = [step(), torch.rand(2), model.weight.detach().clone(), order.step]
     assert all(torch.equal(a, b) for a, b in zip(after[:3], again[:3])) and after[3] == again[3] == 2
     assert set(ts.state_dict()) == {"model", "optimizer", "data", "rng"} and path.name == "step_00000001"

@@ -35,13 +35,13 @@ checkpoints with a higher step than the one just written (e.g. after ``--resume`
 path) are not this run's to delete and are kept. A directory is removed by renaming it to
 ``.deleting_step_...`` first, then deleting that: a kill part-way leaves either the complete
 checkpoint or a ``.deleting_`` leftover, which :meth:`~CheckpointManager.complete` ignores and
-the next prune deletes, never a ``step_...`` with ``meta.json`` but a shard gone.
+the next prune deletes, never a ``step_...`` with ``meta.json`` but a rank's file gone.
 :meth:`~CheckpointManager.check_fresh_start` refuses to start a new run in a directory that
 already holds complete checkpoints; :meth:`~CheckpointManager.resolve` falls back to the newest
 complete checkpoint when ``latest`` is missing or names one that is not there, and says so.
 
 Loading checks before deserialising anything: ``meta.json`` must parse, have this format and
-match the run's layout, and each file must match its sha256. A shard holds only this rank's
+match the run's layout, and each file must match its sha256. A rank's files hold only its
 tensor-parallel slice of the model and its ZeRO-1 slice of the optimizer, so it loads only at
 the tensor- and data-parallel sizes it was saved at; :meth:`CheckpointManager.load` refuses any
 other layout, saying what differs and how to move the weights (through a ``transformers`` state
@@ -208,16 +208,16 @@ class CheckpointManager:
         """``(number of writer rounds, this rank's round)``. The first call is a collective."""
         return self._rounds.rounds()
 
-    def save(self, step: int, shard: dict[str, Any], meta: dict[str, Any]) -> Path:
-        """Write this rank's ``shard``; rank 0 also writes ``meta``. A collective: all ranks call it.
+    def save(self, step: int, rank_state: dict[str, Any], meta: dict[str, Any]) -> Path:
+        """Write this rank's ``rank_state``; rank 0 also writes ``meta``. A collective: all ranks call it.
 
-        The tensors of ``shard[k]`` for ``k`` in ``shared_keys`` (the model) are written by DP
+        The tensors of ``rank_state[k]`` for ``k`` in ``shared_keys`` (the model) are written by DP
         rank 0 only, to the files of this TP rank; the rest by every rank.
         """
         start = time.perf_counter()
         name = f"step_{step:08d}"
         final, tmp = self.directory / name, self.directory / f".tmp_{name}"
-        shared = [k for k in self.shared_keys if k in shard]
+        shared = [k for k in self.shared_keys if k in rank_state]
         error = None
         if self.rank == 0:
             try:
@@ -231,7 +231,7 @@ class CheckpointManager:
         def write() -> None:
             info = {"rank": str(self.rank), "tp_rank": str(self.tp_rank), "dp_rank": str(self.dp_rank)}
             structure, own = {}, {}
-            for key, value in shard.items():
+            for key, value in rank_state.items():
                 if key in shared:
                     tensors: dict[str, torch.Tensor] = {}
                     structure[key] = split(value, "", tensors)  # the state dict's own names
@@ -399,9 +399,9 @@ class CheckpointManager:
         raise ValueError(f"{path / 'meta.json'}: format must be {FORMAT!r}, got {got!r}")
 
     def load(self, path: Path, expect: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-        """``(shard, meta)`` of this rank; ``expect`` fields (tp_size, dp_size, ...) must match meta.
+        """``(rank_state, meta)`` of this rank; ``expect`` fields (tp_size, dp_size, ...) must match meta.
 
-        ``shard`` has this rank's own entries and the shared ones (the model) from the files of
+        ``rank_state`` has this rank's own entries and the shared ones (the model) from the files of
         this rank's TP rank. Not a collective; :meth:`restore` reads in writer rounds.
         """
         meta = self.read_meta(path)
@@ -426,23 +426,23 @@ class CheckpointManager:
         structure_file = path / f"{rank_prefix(self.rank)}.pt"
         structure = read_structure(structure_file)
         own = tensors_of(rank_prefix(self.rank))
-        shard = {}
+        rank_state = {}
         for key, value in structure.items():
             if key in meta["shared"]:
                 prefix = shared_prefix(key, self.tp_rank)
-                shard[key] = join(value, tensors_of(prefix), path / f"{prefix}-*.safetensors")
+                rank_state[key] = join(value, tensors_of(prefix), path / f"{prefix}-*.safetensors")
             else:
-                shard[key] = join(value, own, structure_file)
-        return shard, meta
+                rank_state[key] = join(value, own, structure_file)
+        return rank_state, meta
 
     def restore(self, path: Path, expect: dict[str, Any], apply: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
-        """A collective: :meth:`load` this rank's state and ``apply(shard)`` it, in writer rounds
-        (at most ``writers`` ranks per host hold a shard on the host at once). Returns meta."""
+        """A collective: :meth:`load` this rank's state and ``apply(rank_state)`` it, in writer rounds
+        (at most ``writers`` ranks per host hold one on the host at once). Returns meta."""
         out: dict[str, Any] = {}
 
         def read() -> None:
-            shard, out["meta"] = self.load(path, expect)
-            apply(shard)
+            rank_state, out["meta"] = self.load(path, expect)
+            apply(rank_state)
 
         self._rounds.run(read, f"restoring checkpoint {path}")
         return out["meta"]

@@ -1,8 +1,10 @@
 """The pretraining loop: gradient accumulation, optimizer step, LR schedule, metrics, checkpoints.
 
 Built objects in, nothing constructed here: the caller (e.g. ``tutorials/llama2_7b_tp_zero1/
-train.py``) builds the model, the optimizer (``Zero1Optimizer``), the batch order
-(``DataParallelBatches``) and the schedule, and passes them to :func:`fit`.
+train.py``) builds the model, the optimizer (``Zero1Optimizer``) and the batch order
+(``DataParallelBatches``) into a :class:`~.state.TrainState`, resumes it if asked, and passes it
+to :func:`fit` with the schedule, the :class:`~.checkpoint.CheckpointManager` and the
+:class:`~.policy.SavePolicy` that says when to save.
 
 One optimizer step = ``grad_accum`` micro-batches on each DP rank, each loss scaled by
 ``1/grad_accum`` before backward, so the accumulated gradient is the mean over the rank's
@@ -32,14 +34,16 @@ from __future__ import annotations
 import signal
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from ..distributed import collectives, host, runtime
-from ..distributed.parallel_state import ParallelState
+from ..distributed.parallel_state import ParallelState, get_parallel_state
 from . import faults
 from .checkpoint import CheckpointManager
+from .policy import SavePolicy
+from .state import TrainState
 from .metrics import MetricsWriter, StepRecord, device_peak_bytes, make_record
 from .schedule import LRSchedule
 
@@ -88,8 +92,6 @@ class FitOptions:
     flops_per_token: float
     """Model FLOPs per token (:meth:`neuron_ckpt.memory.ModelShape.flops_per_token`) for MFU."""
     peak_tflops_per_rank: float
-    checkpoint_every: int = 0
-    """Save every N steps (0: only at the end; the last step is always saved)."""
     log_every: int = 1
     """Bring the loss and gradient norm to the host and log them every N steps (and on the last
     and checkpoint steps); the step time logged is the mean over the interval. On XLA every
@@ -148,82 +150,77 @@ class _Logger:
 
 
 def fit(
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    batches: Any,
+    state: TrainState,
     schedule: LRSchedule,
     options: FitOptions,
-    parallel_state: ParallelState,
-    device: torch.device,
     metrics: MetricsWriter,
-    start_step: int = 0,
     checkpoints: CheckpointManager | None = None,
-    checkpoint_payload: Callable[[int], tuple[dict, dict]] | None = None,
+    policy: SavePolicy = SavePolicy(),
+    meta: dict[str, Any] | None = None,
+    parallel_state: ParallelState | None = None,
+    run: torch.nn.Module | None = None,
 ) -> list[StepRecord]:
-    """Run steps ``start_step .. max_steps - 1``; returns the records of the logged steps.
+    """Train ``state`` from ``state.step`` to ``options.max_steps``; returns the logged records.
 
-    ``batches``: an iterator of per-step micro-batch lists positioned at ``start_step``.
-    ``checkpoint_payload(step) -> (shard, meta)`` builds what :class:`CheckpointManager` saves
-    after ``step`` steps are done.
+    ``state.batches`` is iterated from where it stands (a resumed state: where it was saved);
+    ``state.step`` counts the optimizer steps done. After each step ``policy`` says whether to
+    save ``state`` to ``checkpoints`` (``meta`` goes to meta.json beside it); without
+    ``checkpoints`` nothing is saved. ``run``: what computes the loss, if not ``state.model``
+    itself (``torch.compile(state.model)``: the state keeps the model's own names and keys).
 
     Raises :class:`~.faults.NonFiniteError` (a NaN / Inf loss or gradient norm, on every rank at
     the same step, nothing written for it), :class:`~.faults.Interrupted` (SIGTERM / SIGINT:
     every rank stopped after the same step, checkpointed when ``checkpoints`` is given) and
     :class:`~.faults.CollectiveTimeoutError` (a collective failed; names the silent ranks).
     """
+    ps = parallel_state or get_parallel_state()
+    model = run if run is not None else state.model
+    optimizer, batches, device = state.optimizer, iter(state.batches), runtime.get_runtime().device
     model.train()
     xla = runtime.is_xla()
     # Run what building the model and optimizer (ZeRO-1's flattening of every parameter) or
     # loading a checkpoint left pending, so that step 1's graph is the steady-state step.
     runtime.step_boundary()
-    logger = _Logger(
-        options, metrics, parallel_state.tp_size * parallel_state.dp_size, start_step * options.global_batch * options.seq_len, device
-    )
+    logger = _Logger(options, metrics, ps.tp_size * ps.dp_size, state.step * options.global_batch * options.seq_len, device)
     if options.graphs_only:
         checkpoints = None  # placeholder values: nothing worth saving
     coordinator = faults.Coordinator()
     signals = faults.StopSignals()  # SIGTERM / SIGINT: stop after the step, with a checkpoint
-    last_saved, current = None, start_step + 1  # current: the step being run (for error messages)
+    current = state.step + 1
     try:
         with signals:
-            coordinator.beat(start_step)
-            for step in range(start_step, options.max_steps):
-                current = step + 1
-                lr = schedule.apply(optimizer, step)
+            coordinator.beat(state.step)
+            while state.step < options.max_steps:
+                current = state.step + 1  # the step being run, for error messages (its save included)
+                lr = schedule.apply(optimizer, state.step)
                 loss, grad_norm = train_step(model, optimizer, next(batches), device)
-                done = step + 1
+                state.step += 1
+                done = state.step
                 logger.step_done()
                 coordinator.beat(done)
                 # Every rank stops after the same step: the largest signal number any rank got.
                 stop = host.all_max(getattr(signals, "received", 0))
                 last = done == options.max_steps
                 interrupt = bool(stop) and not last  # a stop at the last step is just the end
-                save = checkpoints is not None and (
-                    bool(options.checkpoint_every and done % options.checkpoint_every == 0) or interrupt
-                )
+                save = checkpoints is not None and policy.save_now(done, last, interrupt)
                 # Mean loss over DP (every TP rank of a replica holds the same loss). Every step, logged
                 # or not, so that every step traces the same graph; ``values`` stays alive until the
                 # mark_step below, which keeps it in that graph.
-                values = torch.stack([collectives.all_reduce(loss, parallel_state.dp) / parallel_state.dp_size, grad_norm.float()])
+                values = torch.stack([collectives.all_reduce(loss, ps.dp) / ps.dp_size, grad_norm.float()])
                 if done % options.log_every == 0 or last or save:
                     if xla:
                         _xm().add_step_closure(logger.log, args=(values, done, lr))
                     else:
                         logger.log(values, done, lr)  # raises NonFiniteError before writing anything
                 runtime.step_boundary()  # XLA: runs the closure, so a NaN raises here, before the save below
-                if interrupt and parallel_state.dp.rank == 0 and parallel_state.tp.rank == 0:
+                if interrupt and ps.dp.rank == 0 and ps.tp.rank == 0:
                     faults.say(f"{signal.Signals(stop).name} received: stopping after step {done}"
                                + (", saving a checkpoint first" if save else " (no checkpoint directory: nothing saved)"))
+                saved = state.save(checkpoints, meta or {}) if save else None
                 if save:
-                    saved = checkpoints.save(done, *checkpoint_payload(done))
-                    last_saved = done
                     logger.restart()
                 if interrupt:
-                    raise faults.Interrupted(stop, done, str(saved) if save else None)
-            end = max(options.max_steps, start_step)
-            if checkpoints is not None and last_saved != end and end > start_step:
-                current = end
-                checkpoints.save(end, *checkpoint_payload(end))
+                    raise faults.Interrupted(stop, done, str(saved) if saved else None)
     except (faults.NonFiniteError, faults.Interrupted):
         _settle(xla)  # every rank raises at the same step: let them all get here
         raise

@@ -27,7 +27,8 @@ KEYS = ("model", "optimizer", "data", "rng")
 
 class TrainState:
     """``model``, ``optimizer``, ``batches`` (anything with ``state_dict``/``load_state_dict``;
-    ``batches`` may be None) and the RNG streams of this process, saved and restored together."""
+    ``batches`` may be None) and the RNG streams of this process, saved and restored together;
+    ``step`` is the number of optimizer steps done (0, or the resumed checkpoint's)."""
 
     def __init__(
         self,
@@ -38,6 +39,7 @@ class TrainState:
     ):
         self.model, self.optimizer, self.batches = model, optimizer, batches
         self.rng_tracker = rng_tracker if rng_tracker is not None else get_rng_tracker()
+        self.step = 0
 
     def state_dict(self) -> dict[str, Any]:
         """``{"model", "optimizer", "data", "rng": {"default", "tracker"}}``; tensors are
@@ -68,15 +70,15 @@ class TrainState:
         self.rng_tracker.set_states(state["rng"]["tracker"])
         runtime.step_boundary(wait=True)
 
-    def save(self, manager: CheckpointManager, step: int, meta: dict[str, Any]) -> Path:
-        """A collective: checkpoint this state as step ``step`` (``meta`` goes to meta.json)."""
-        return manager.save(step, self.state_dict(), meta)
+    def save(self, manager: CheckpointManager, meta: dict[str, Any]) -> Path:
+        """A collective: checkpoint this state as step ``self.step`` (``meta`` goes to meta.json)."""
+        return manager.save(self.step, self.state_dict(), meta)
 
     def resume(self, manager: CheckpointManager, which: str, expect: dict[str, Any]) -> tuple[Path, dict[str, Any]] | None:
         """A collective: load checkpoint ``which`` (``"latest"`` or a path) into this state.
 
-        Returns ``(path, meta)`` (``meta["step"]``: the steps done), or None when ``"latest"``
-        finds no checkpoint yet. ``expect``: meta fields that must match (the layout).
+        Returns ``(path, meta)`` and sets ``step`` to ``meta["step"]`` (the steps done), or None
+        when ``"latest"`` finds no checkpoint yet. ``expect``: meta fields that must match (the layout).
         """
         path = manager.resolve(which)
         if path is None:
@@ -84,4 +86,6 @@ class TrainState:
         # XLA: run what is pending (building the model and optimizer, which may hold collectives)
         # on every rank now, so that each reader round's graph holds only its own local copies.
         runtime.step_boundary(wait=True)
-        return path, manager.restore(path, expect, self.load_state_dict)
+        meta = manager.restore(path, expect, self.load_state_dict)
+        self.step = meta["step"]
+        return path, meta

@@ -4,7 +4,7 @@ them in a ``.pt``, and a sha256 beside every file.
 Tensors are written by ``safetensors.torch.save_file`` in groups of at most ``chunk_bytes`` (a
 larger tensor alone), one file per group (``{prefix}-00001-of-00003.safetensors``, as Hugging
 Face numbers shards): each group is copied to host memory, written and dropped before the next
-is copied, so a save holds one group on the host, not the rank's whole shard. A group is whole
+is copied, so a save holds one group on the host, not the rank's whole state. A group is whole
 tensors: on XLA slicing a device tensor would run a graph. The ``-of-`` count lets the commit
 tell a complete set of groups from a partial one by the names alone.
 

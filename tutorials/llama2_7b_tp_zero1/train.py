@@ -39,7 +39,7 @@ from neuron_ckpt.models import (
     save_hf_checkpoint,
 )
 from neuron_ckpt.models.config_file import fit_positions
-from neuron_ckpt.models.llama_args import LlamaArgs
+from neuron_ckpt.models.llama_args import PARAMETER_SHAPE_FIELDS, LlamaArgs
 from neuron_ckpt.optim import Zero1Optimizer
 from neuron_ckpt.parallel.attention import ATTENTION
 from neuron_ckpt.parallel.flash import kernel_name as flash_kernel_name
@@ -53,6 +53,7 @@ from neuron_ckpt.train import (
     LRSchedule,
     MetricsWriter,
     RECIPES,
+    SavePolicy,
     TrainState,
     detect_device_kind,
     fit,
@@ -375,11 +376,6 @@ def check_seq_len(seq_len: int, config, cfg: TrainConfig, notices: list[str]):
     return config
 
 
-def _model_fields(config) -> dict:
-    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
-    return {k: getattr(config, k) for k in keys}
-
-
 def main(argv: list[str] | None = None) -> dict:
     cfg = parse_args(argv)
     t_start = time.perf_counter()
@@ -467,9 +463,9 @@ def main(argv: list[str] | None = None) -> dict:
     )
 
     train_state = TrainState(model, optimizer, batches)
-    layout = {"tp_size": parallel.tp_size, "dp_size": parallel.dp_size, "model": _model_fields(config), "dtype": str(dtype)}
+    layout = {"tp_size": parallel.tp_size, "dp_size": parallel.dp_size, "model": {k: getattr(config, k) for k in PARAMETER_SHAPE_FIELDS}, "dtype": str(dtype)}
     resumed = train_state.resume(checkpoints, cfg.resume, layout) if cfg.resume else None
-    start_step = resumed[1]["step"] if resumed else 0
+    start_step = train_state.step
     if is_main and cfg.resume:
         print(f"resumed from {resumed[0]} at step {start_step}" if resumed else
               f"--resume {cfg.resume}: no checkpoint under {cfg.checkpoint_dir} yet, starting fresh")  # fmt: skip
@@ -506,15 +502,15 @@ def main(argv: list[str] | None = None) -> dict:
         attention=attention, predicted_peak_bytes=predicted,
     )  # fmt: skip
     options = FitOptions(
-        stop, cfg.global_batch_size, seq_len, fpt, peak, cfg.checkpoint_every, log_every=log_every,
-        predicted_peak_bytes=predicted, graphs_only=graphs_only,
+        stop, cfg.global_batch_size, seq_len, fpt, peak, log_every=log_every, predicted_peak_bytes=predicted,
+        graphs_only=graphs_only,
     )  # fmt: skip
     t_fit = time.perf_counter()
     try:
         records = fit(
-            torch.compile(model, backend=compile_with) if compile_with else model, optimizer, iter(batches), schedule, options, parallel, rt.device, metrics,
-            start_step=start_step, checkpoints=checkpoints if cfg.checkpoint_dir else None,
-            checkpoint_payload=lambda step: (train_state.state_dict(), {**layout, "train_config": dataclasses.asdict(cfg)}),
+            train_state, schedule, options, metrics, checkpoints if cfg.checkpoint_dir else None,
+            SavePolicy(cfg.checkpoint_every), {**layout, "train_config": dataclasses.asdict(cfg)}, parallel,
+            run=torch.compile(model, backend=compile_with) if compile_with else None,
         )  # fmt: skip
         train_s = time.perf_counter() - t_fit
         if cfg.export_hf:
