@@ -4,7 +4,7 @@ Built objects in, nothing constructed here: the caller (e.g. ``tutorials/llama2_
 train.py``) builds the model, the optimizer (``Zero1Optimizer``) and the batch order
 (``DataParallelBatches``) into a :class:`~.state.TrainState`, resumes it if asked, and passes it
 to :func:`fit` with the schedule, the :class:`~.checkpoint.CheckpointManager` and the
-:class:`~.policy.SavePolicy` that says when to save.
+:class:`SavePolicy` that says when to save.
 
 One optimizer step = ``grad_accum`` micro-batches on each DP rank, each loss scaled by
 ``1/grad_accum`` before backward, so the accumulated gradient is the mean over the rank's
@@ -42,7 +42,6 @@ from ..distributed import collectives, host, runtime
 from ..distributed.parallel_state import ParallelState, get_parallel_state
 from . import faults
 from .checkpoint import CheckpointManager
-from .policy import SavePolicy
 from .state import TrainState
 from .metrics import MetricsWriter, StepRecord, device_peak_bytes, make_record
 from .schedule import LRSchedule
@@ -108,6 +107,27 @@ class FitOptions:
     def __post_init__(self) -> None:
         if self.log_every < 1:
             raise ValueError(f"log_every must be >= 1, got {self.log_every}")
+
+
+@dataclass(frozen=True)
+class SavePolicy:
+    """Answers "save now?" after each optimizer step (torchtitan's ``interval`` / ``last_step``).
+
+    The last step of a run is always saved, and so is the step a SIGTERM / SIGINT stopped after:
+    a run never ends with its work unsaved when it has somewhere to save it.
+    """
+
+    every: int = 0
+    """Also save every ``every`` steps (0: only at the end and on a stop)."""
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.every, int) and not isinstance(self.every, bool) and self.every >= 0):
+            raise ValueError(f"SavePolicy.every must be an int >= 0 (0: only at the end), got {self.every!r}")
+
+    def save_now(self, step: int, last: bool, stopping: bool) -> bool:
+        """``step``: optimizer steps done; ``last``: the run's final step; ``stopping``: every rank
+        agreed to stop after this step (a signal)."""
+        return last or stopping or (self.every > 0 and step % self.every == 0)
 
 
 class _Logger:
