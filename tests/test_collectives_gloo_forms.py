@@ -9,6 +9,8 @@ gloo's own may add in another order (a few ulps: checked to 1e-6 relative).
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -16,6 +18,8 @@ import torch.distributed as dist
 import neuron_ckpt as nc
 from neuron_ckpt.distributed import collectives as C
 from neuron_ckpt.distributed.parallel_state import Group
+
+from .helpers import patched
 
 
 def _inputs(world: int, shape: tuple[int, ...], dtype: torch.dtype) -> list[torch.Tensor]:
@@ -37,17 +41,12 @@ def _calls(fn):
 
         return wrapped
 
-    try:
+    with contextlib.ExitStack() as stack:
         for n, f in saved.items():
-            setattr(dist, n, counting(n, f))
+            stack.enter_context(patched(dist, n, counting(n, f)))
         for a, f in aliases.items():
-            setattr(C, a, counting(a, f))
+            stack.enter_context(patched(C, a, counting(a, f)))
         out = fn()
-    finally:
-        for n, f in saved.items():
-            setattr(dist, n, f)
-        for a, f in aliases.items():
-            setattr(C, a, f)
     return out, called
 
 

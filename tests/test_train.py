@@ -142,16 +142,16 @@ def test_killed_during_checkpoint_write_leaves_previous_loadable(tmp_path):
 def test_corrupt_checkpoint_files_get_clear_errors(tmp_path, damage):
     mgr = CheckpointManager(tmp_path)
     path = mgr.save(1, {"w": torch.arange(1000.0)}, {"tp_size": 1})
-    shard = path / "rank_00000.pt"
-    data = shard.read_bytes()
+    rank_file = path / "rank_00000.pt"
+    data = rank_file.read_bytes()
     if damage == "truncate":
-        shard.write_bytes(data[: len(data) // 2])
+        rank_file.write_bytes(data[: len(data) // 2])
     elif damage == "flip":
-        shard.write_bytes(data[:-100] + bytes([data[-100] ^ 0xFF]) + data[-99:])
+        rank_file.write_bytes(data[:-100] + bytes([data[-100] ^ 0xFF]) + data[-99:])
     elif damage == "meta":
         (path / "meta.json").write_text("{not json")
     else:
-        shard.unlink()
+        rank_file.unlink()
     needle = {"truncate": "truncated or corrupt", "flip": "truncated or corrupt", "meta": "meta.json", "missing": "missing"}
     with pytest.raises(ValueError, match=needle[damage]) as err:
         mgr.load(path, {"tp_size": 1})
@@ -301,9 +301,9 @@ def _save_in_rounds(directory: str, log: str, writers: int) -> tuple[int, int]:
     from neuron_ckpt.distributed import runtime
     from neuron_ckpt.train import checkpoint as ck
 
-    state = nc.initialize_model_parallel(2)
+    parallel = nc.initialize_model_parallel(2)
     rt = runtime.get_runtime()
-    mgr = CheckpointManager(directory, 1, rt.rank, rt.world_size, parallel_state=state, writers=writers)
+    mgr = CheckpointManager(directory, 1, rt.rank, rt.world_size, parallel_state=parallel, writers=writers)
     real = ck.write_tensors
 
     def logged(*args, **kwargs):
@@ -315,8 +315,8 @@ def _save_in_rounds(directory: str, log: str, writers: int) -> tuple[int, int]:
         return result
 
     with patched(ck, "write_tensors", logged):
-        shard = {"model": {"w": torch.full((4,), float(state.tp_rank))}, "opt": torch.full((3,), float(rt.rank))}
-        mgr.save(1, shard, {})
+        rank_state = {"model": {"w": torch.full((4,), float(parallel.tp_rank))}, "opt": torch.full((3,), float(rt.rank))}
+        mgr.save(1, rank_state, {})
     return mgr.rounds()
 
 
@@ -383,14 +383,14 @@ def test_checkpoint_tensors_reach_the_host_a_group_at_a_time(tmp_path, monkeypat
     model = {f"layer{i}.weight": torch.randn(32, 32) for i in range(6)}  # 4 KiB each
     model["embed.weight"] = torch.randn(64, 128)  # 32 KiB: a group of its own
     model["norm.weight"] = torch.ones(8, dtype=torch.bfloat16)
-    shard = {
+    rank_state = {
         "model": model,
         "optimizer": {"inner": {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.randn(5000)}},
                                 "param_groups": [{"lr": 0.1, "betas": (0.9, 0.95), "params": [0]}]},
                       "master": [torch.randn(7, dtype=torch.float64)], "meta": {"shapes": [(2, 3)]}},
         "flags": torch.tensor([True, False]), "empty": torch.zeros(0, 3), "n": 5,
     }  # fmt: skip
-    path = mgr.save(1, shard, {})
+    path = mgr.save(1, rank_state, {})
     limit = 16 * 1024
     assert len(groups) >= 4 and all(sum(g) <= limit or len(g) == 1 for g in groups), groups
     assert [32 * 1024] in groups
@@ -405,10 +405,10 @@ def test_checkpoint_tensors_reach_the_host_a_group_at_a_time(tmp_path, monkeypat
     assert list(loaded["model"]) == list(model) and all(torch.equal(loaded["model"][k], v) for k, v in model.items())
     assert loaded["model"]["norm.weight"].dtype == torch.bfloat16
     opt = loaded["optimizer"]
-    assert torch.equal(opt["inner"]["state"][0]["exp_avg"], shard["optimizer"]["inner"]["state"][0]["exp_avg"])
+    assert torch.equal(opt["inner"]["state"][0]["exp_avg"], rank_state["optimizer"]["inner"]["state"][0]["exp_avg"])
     assert opt["inner"]["param_groups"][0]["betas"] == (0.9, 0.95) and opt["meta"] == {"shapes": [(2, 3)]}
-    assert torch.equal(opt["master"][0], shard["optimizer"]["master"][0]) and opt["master"][0].dtype == torch.float64
-    assert torch.equal(loaded["flags"], shard["flags"]) and loaded["empty"].shape == (0, 3) and loaded["n"] == 5
+    assert torch.equal(opt["master"][0], rank_state["optimizer"]["master"][0]) and opt["master"][0].dtype == torch.float64
+    assert torch.equal(loaded["flags"], rank_state["flags"]) and loaded["empty"].shape == (0, 3) and loaded["n"] == 5
 
 
 def test_train_state_round_trip_restores_every_rng_stream(tmp_path):
@@ -461,9 +461,9 @@ def _save_failing_on_rank_2(directory: str) -> str:
     from neuron_ckpt.distributed import runtime
     from neuron_ckpt.train import checkpoint as ck
 
-    state = nc.initialize_model_parallel(2)
+    parallel = nc.initialize_model_parallel(2)
     rt = runtime.get_runtime()
-    mgr = CheckpointManager(directory, 1, rt.rank, rt.world_size, parallel_state=state, writers=1)
+    mgr = CheckpointManager(directory, 1, rt.rank, rt.world_size, parallel_state=parallel, writers=1)
     def full(path, obj):
         raise OSError(28, "No space left on device")
 
