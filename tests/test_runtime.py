@@ -53,6 +53,11 @@ def test_under_torchrun_tp_ranks_are_contiguous(tmp_path):
     script.write_text(PROBE)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4", str(script), "2"]
     out = subprocess.run(cmd, env=_clean_env(), capture_output=True, text=True, timeout=300)
+    if out.returncode and "Gloo connectFullMesh failed" in out.stderr:
+        # gloo's TCP mesh set-up on loopback now and then loses a connection ("Connection closed by
+        # peer", pytorch/pytorch#53270; seen once in ~10 full runs here): launch once more. What is
+        # checked is the rank layout, which a second launch reports the same way.
+        out = subprocess.run(cmd, env=_clean_env(), capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     # Four processes share one stdout: a line can hold two ranks' objects. Read every object.
     infos = sorted((json.loads(m) for m in re.findall(r"\{[^{}]*\}", out.stdout)), key=lambda i: i["rank"])
