@@ -239,6 +239,18 @@ def test_per_rank_state_is_one_dp_th(world, cap_mb):
         assert numel == 3 * -(-full // dp)
 
 
+def _saved_after(steps: int, dtype: torch.dtype, ps, **options) -> dict:
+    """``{"model", "optim"}`` of an MLP and its Zero1Optimizer(``**options``) trained ``steps``
+    steps, written with torch.save and read back."""
+    model = _mlp(dtype)
+    opt = Zero1Optimizer(model.parameters(), **options)
+    _train_zero1(model, opt, range(steps), ps.dp_rank)
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, buf)
+    buf.seek(0)
+    return torch.load(buf)
+
+
 def _resume_matches(total: int, split: int, dtype: torch.dtype, cap_mb: float | None) -> bool:
     """Train ``total`` steps straight, and ``split`` steps + save + load into a fresh model and
     optimizer + the rest; the parameters must be bit-identical."""
@@ -248,14 +260,7 @@ def _resume_matches(total: int, split: int, dtype: torch.dtype, cap_mb: float | 
     opt = Zero1Optimizer(straight.parameters(), **options)
     _train_zero1(straight, opt, range(total), ps.dp_rank)
 
-    first = _mlp(dtype)
-    opt = Zero1Optimizer(first.parameters(), **options)
-    _train_zero1(first, opt, range(split), ps.dp_rank)
-    buf = io.BytesIO()
-    torch.save({"model": first.state_dict(), "optim": opt.state_dict()}, buf)
-
-    buf.seek(0)
-    ckpt = torch.load(buf)
+    ckpt = _saved_after(split, dtype, ps, **options)
     resumed = _mlp(dtype)
     resumed.load_state_dict(ckpt["model"])
     opt = Zero1Optimizer(resumed.parameters(), **options)

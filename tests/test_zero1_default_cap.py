@@ -11,7 +11,6 @@ some set the gloo default to 64 bytes inside the worker (restored after).
 from __future__ import annotations
 
 import contextlib
-import io
 
 import torch
 from torch import nn
@@ -20,7 +19,7 @@ import neuron_ckpt as nc
 from neuron_ckpt.distributed import collectives as C
 from neuron_ckpt.optim import Zero1Optimizer
 
-from .test_zero1 import CLIP, LR, TINY_CAP_MB, WD, _as_v1, _mlp, _train_zero1
+from .test_zero1 import CLIP, LR, TINY_CAP_MB, WD, _as_v1, _mlp, _saved_after, _train_zero1
 
 
 @contextlib.contextmanager
@@ -58,13 +57,7 @@ def _resume_at_saved_cap(dtype: torch.dtype, saved_cap: float | None) -> dict[st
     opt = Zero1Optimizer(straight.parameters(), bucket_cap_mb=saved_cap, **options)
     _train_zero1(straight, opt, range(5), ps.dp_rank)
 
-    first = _mlp(dtype)
-    opt = Zero1Optimizer(first.parameters(), bucket_cap_mb=saved_cap, **options)
-    _train_zero1(first, opt, range(3), ps.dp_rank)
-    buf = io.BytesIO()
-    torch.save({"model": first.state_dict(), "optim": opt.state_dict()}, buf)
-    buf.seek(0)
-    ckpt = torch.load(buf)
+    ckpt = _saved_after(3, dtype, ps, bucket_cap_mb=saved_cap, **options)
 
     resumed = _mlp(dtype)
     resumed.load_state_dict(ckpt["model"])

@@ -37,7 +37,7 @@ from neuron_ckpt.models import (
     save_hf_checkpoint,
 )
 from neuron_ckpt.models.config_file import fit_positions
-from neuron_ckpt.models.llama_args import PARAMETER_SHAPE_FIELDS, LlamaArgs
+from neuron_ckpt.models.llama_args import PARAMETER_SHAPE_FIELDS
 from neuron_ckpt.optim import Zero1Optimizer
 from neuron_ckpt.parallel.flash import kernel_name as flash_kernel_name
 from neuron_ckpt.parallel.flash import unavailable as flash_unavailable
@@ -59,11 +59,11 @@ from neuron_ckpt.train import (
 )
 from train_config import DTYPES, TrainConfig, parse_args  # noqa: E402  (this directory: the script's own)
 
+
 def _attention(cfg: TrainConfig, config, seq_len: int, device_type: str) -> tuple[str, str]:
     """The core attention this run uses and how to say it: flash where a kernel runs for this
     device and shape (asked for, or by default), explicit otherwise, with the reason."""
-    head_dim = LlamaArgs.from_hf(config).head_dim
-    why = flash_unavailable(device_type, seq_len, head_dim)
+    why = flash_unavailable(device_type, seq_len, config.head_dim)
     if cfg.attention == "explicit":
         return "explicit", "explicit (asked for)"
     if why is None:
