@@ -30,18 +30,23 @@ MIB = 1 << 20
 SEQ = 64
 
 MONITOR = '''#!{python}
-"""Stand-in neuron-monitor: a report per 0.2 s, for runtime tag neuron_ckpt_rank0 if -c's filter takes it."""
+"""Stand-in neuron-monitor: a report per 0.2 s, for runtime tag neuron_ckpt_rank0 if -c's filter takes it,
+in the real shape: the runtime lists both NeuronCores (zeros on the one it does not use), and its
+neuron_runtime_vcpu_usage carries the error neuron-monitor gives when it cannot see the process."""
 import json, re, sys, time
 from pathlib import Path
 Path(sys.argv[0] + ".started").touch()
 conf = json.load(open(sys.argv[sys.argv.index("-c") + 1]))
 assert conf["period"] == "1s" and conf["neuron_runtimes"][0]["metrics"] == [{{"type": "memory_used"}}]
 tag = "neuron_ckpt_rank0"
-cores = {{"0": {{"constants": 1, "model_code": 2, "model_shared_scratchpad": 3 << 29, "runtime_memory": 4, "tensors": 5}}}}
+cores = {{"0": {{"constants": 1, "model_code": 2, "model_shared_scratchpad": 3 << 29, "runtime_memory": 4, "tensors": 5}},
+         "1": {{"constants": 0, "model_code": 0, "model_shared_scratchpad": 0, "runtime_memory": 0, "tensors": 0}}}}
 runtime = {{"pid": 1, "address": "", "neuron_runtime_tag": tag, "error": "", "report": {{"memory_used": {{
     "period": 1.0, "error": "", "neuron_runtime_used_bytes": {{"host": 6, "neuron_device": 7, "usage_breakdown": {{
         "host": {{"application_memory": 6, "constants": 0, "dma_buffers": 0, "tensors": 0}},
-        "neuroncore_memory_usage": cores}}}}, "loaded_models": []}}}}}}
+        "neuroncore_memory_usage": cores}}}}, "loaded_models": []}},
+    "neuron_runtime_vcpu_usage": {{"period": 1.0, "vcpu_usage": {{"user": 0, "system": 0}},
+                                   "error": "open /proc/1/stat: no such file or directory"}}}}}}
 runtimes = [runtime] if re.fullmatch(conf["neuron_runtimes"][0]["tag_filter"], tag) else []
 while True:
     print(json.dumps({{"neuron_runtime_data": runtimes, "system_data": {{}}}}), flush=True)
@@ -208,6 +213,7 @@ def test_neuron_monitor_and_the_step_neff_read_with_their_readers(captured):
     for run in capture.runs:
         reading = neuron_monitor.read(capture.path(run, "neuron_monitor"), tag="neuron_ckpt_rank0")
         assert reading.samples >= 1 and reading.bytes_of("model_shared_scratchpad", 0) == 3 << 29
+        assert reading.core(1) == dict.fromkeys(NEURON_CATEGORIES, 0)  # listed, unused
         # the step (N x 12 KiB), not the larger file with the smaller scratchpad
         assert neff.read(capture.path(run, "neff")).cores[0]["model_shared_scratchpad"] == run.layers * STEP_BYTES
 

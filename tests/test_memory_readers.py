@@ -1,9 +1,11 @@
-"""Readers of Neuron device-memory reports: neuron-monitor's JSON lines and sysfs counters.
+"""Readers of device-memory reports: Neuron's (neuron-monitor, its exporter, sysfs, the NEFF), CUDA's, ours.
 
-Every input here is **hand-made** in the documented schemas (AWS's neuron-monitor and sysfs user
-guides, summarised in ../shared/reference/neuron-memory-formats.md), never captured output: no
-Trainium is reachable. The tests check the figures each reader returns and one-line errors for
-the wrong kind of file, a truncated line, a missing category and a NeuronCore that is not there.
+Every input here is **hand-made**, never captured output (no Trainium is reachable): in the
+documented schemas (summarised in ../shared/reference/neuron-memory-formats.md), and for
+neuron-monitor and its exporter also in the shape of public real output of multi-process jobs
+(``tests/neuron_reports.py``; tests/fixtures/memory/README.md says which input follows which). The
+tests check the figures each reader returns and one-line errors for the wrong kind of file, a
+truncated line, a missing category and a NeuronCore that is not there.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import pytest
 
 from neuron_ckpt.memory.readers import (NEURON_CATEGORIES, ReadError, cuda_snapshot, neff, neuron_monitor, recorder,
                                         sysfs)
+
+from . import neuron_reports
 
 GIB = 1 << 30
 
@@ -195,6 +199,120 @@ def test_prometheus_errors_are_one_line_naming_the_file(tmp_path, content, messa
     path = tmp_path / "bad.txt"
     path.write_text(content, encoding="utf-8")
     _one_line_error(prometheus.read, path, message)
+
+
+# --- neuron-monitor and its exporter as a real multi-process job writes them --------------------
+# (tests/neuron_reports.py builds them in the shape of public samples: every runtime lists every
+# core, zeros where it holds nothing, one shared tag, an error string in neuron_runtime_vcpu_usage)
+
+PAGE = 512 << 20
+
+
+def test_four_processes_on_four_cores_sum_per_core_over_the_runtimes(tmp_path):
+    """The public inf1 sample's shape: 4 runtimes tagged "1", each listing cores 0-3, 3 samples."""
+    lines = [neuron_reports.report(neuron_reports.job(range(4), 4, neuron_reports.held(s * PAGE, 9 * GIB)), cores=4)
+             for s in (2, 3, 1)]
+    reading = neuron_monitor.read(neuron_reports.write_lines(tmp_path / "nm.ndjson", lines))
+    assert sorted(reading.cores) == [0, 1, 2, 3] and reading.samples == 3
+    assert all(reading.core(c) == neuron_reports.held(3 * PAGE, 9 * GIB) for c in range(4))
+    assert "at most 4 in one" in reading.notes[0]
+
+
+def test_bytes_two_runtimes_hold_on_one_core_add_up(tmp_path):
+    """A runtime may hold a little on a core it does not run on (32768 B of model_code on the idle
+    core of the public trn1.2xlarge sample): a core's bytes are the sum, not the largest runtime's."""
+    first = neuron_reports.runtime(101, "1", 2, {0: neuron_reports.held(PAGE, GIB), 1: {"model_code": 32768}})
+    second = neuron_reports.runtime(102, "1", 2, {1: neuron_reports.held(2 * PAGE, GIB)})
+    reading = neuron_monitor.read(neuron_reports.write_lines(tmp_path / "nm.ndjson",
+                                                             [neuron_reports.report([first, second], cores=2)]))
+    assert reading.core(1)["model_code"] == neuron_reports.MICROCODE + 32768
+    assert reading.core(1)["model_shared_scratchpad"] == 2 * PAGE and reading.core(0)["tensors"] == GIB
+
+
+def test_a_core_no_runtime_uses_reads_as_zero(tmp_path):
+    """8 processes on NeuronCores 8-15 of a 32-core trn1.32xlarge."""
+    runtimes = neuron_reports.job(range(8, 16), 32, neuron_reports.held(5 * PAGE, 4 * GIB))
+    reading = neuron_monitor.read(neuron_reports.write_lines(tmp_path / "nm.ndjson", [neuron_reports.report(runtimes)]))
+    assert sorted(reading.cores) == list(range(32))
+    assert reading.core(0) == reading.core(31) == dict.fromkeys(NEURON_CATEGORIES, 0)
+    assert reading.core(8)["model_shared_scratchpad"] == 5 * PAGE and reading.bytes_of("tensors") == 4 * GIB
+
+
+def test_the_tag_picks_one_job_among_the_runtimes(tmp_path):
+    ours = neuron_reports.job(range(8), 32, neuron_reports.held(5 * PAGE, 4 * GIB), tag="1")
+    theirs = neuron_reports.job(range(16, 20), 32, neuron_reports.held(PAGE, GIB), tag="other", pid=31961)
+    path = neuron_reports.write_lines(tmp_path / "nm.ndjson", [neuron_reports.report(ours + theirs)])
+    assert neuron_monitor.read(path).core(16)["tensors"] == GIB
+    mine = neuron_monitor.read(path, tag="1")
+    assert mine.core(16)["tensors"] == 0 and mine.core(7)["tensors"] == 4 * GIB and "at most 8" in mine.notes[0]
+
+
+def _with(change) -> str:
+    line = neuron_reports.report(neuron_reports.job(range(2), 2, neuron_reports.held(PAGE, GIB)), cores=2)
+    change(line["neuron_runtime_data"][1])
+    return json.dumps(line) + "\n"
+
+
+@pytest.mark.parametrize("change", [
+    lambda r: r["report"]["neuroncore_counters"].update(error="nc counters unavailable"),
+    lambda r: r["report"]["execution_stats"].update(error="no stats"),
+    lambda r: r["report"].pop("neuron_runtime_vcpu_usage"),
+])
+def test_an_error_in_a_group_the_reader_does_not_use_is_ignored(tmp_path, change):
+    path = tmp_path / "nm.ndjson"
+    path.write_text(_with(change), encoding="utf-8")
+    assert neuron_monitor.read(path).core(1)["tensors"] == GIB
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda r: r["report"]["memory_used"].update(error="nrt not responding"),
+     "error in memory_used for runtime '1' (pid 21050): nrt not responding"),
+    (lambda r: r.update(error="runtime exited", report={}), "error for runtime '1' (pid 21050): runtime exited"),
+    (lambda r: r["report"]["memory_used"]["neuron_runtime_used_bytes"]["usage_breakdown"]["neuroncore_memory_usage"][
+        "1"].pop("tensors"), "runtime '1' (pid 21050): NeuronCore 1 lacks 'tensors'"),
+])
+def test_an_error_in_memory_used_is_one_line_naming_the_runtime(tmp_path, change, message):
+    path = tmp_path / "nm.ndjson"
+    path.write_text(_with(change), encoding="utf-8")
+    _one_line_error(neuron_monitor.read, path, message)
+
+
+def _scrapes(*lines: dict) -> str:
+    return "".join(neuron_reports.exposition(line) for line in lines)
+
+
+def test_exporter_series_of_each_runtime_sum_per_core(tmp_path):
+    """Tags per process (as the public DataDog fixture's PIDs, and our capture script's ranks): a
+    series per runtime and core, summed per core in each scrape; the largest over scrapes."""
+    from neuron_ckpt.memory.readers import prometheus
+
+    def line(pages: int) -> dict:
+        runtimes = [neuron_reports.runtime(100 + r, f"rank{r}", 4, {r: neuron_reports.held(pages * PAGE, GIB)})
+                    for r in range(4)]
+        return neuron_reports.report(runtimes, cores=4)
+
+    path = tmp_path / "metrics.txt"
+    path.write_text(_scrapes(line(2), line(3), line(1)), encoding="utf-8")
+    reading = prometheus.read(path)
+    assert (reading.kind, reading.samples, sorted(reading.cores)) == ("peak", 3, [0, 1, 2, 3])
+    assert all(reading.core(c) == neuron_reports.held(3 * PAGE, GIB) for c in range(4))
+    assert prometheus.read(path, tag="rank[01]").core(2)["tensors"] == 0
+    cut = _scrapes(line(2)) + "\n".join(_scrapes(line(3)).splitlines()[:-3]) + "\n"  # the last 3 series lost
+    path.write_text(cut, encoding="utf-8")
+    _one_line_error(prometheus.read, path, "lacks 3 memory series the scrape before it had (cut short?)")
+
+
+def test_exporter_keeps_only_the_last_of_runtimes_that_share_a_tag(tmp_path):
+    """The exporter's series carry no pid: runtimes tagged alike write the same series, the last
+    one wins, and every core but its own reads its zeros (docs/memory.md says so)."""
+    from neuron_ckpt.memory.readers import prometheus
+
+    line = neuron_reports.report(neuron_reports.job(range(4), 4, neuron_reports.held(2 * PAGE, GIB)), cores=4)
+    path = tmp_path / "metrics.txt"
+    path.write_text(_scrapes(line), encoding="utf-8")
+    reading = prometheus.read(path)
+    assert reading.core(3)["tensors"] == GIB and [reading.core(c)["tensors"] for c in range(3)] == [0, 0, 0]
+    assert neuron_monitor.read(neuron_reports.write_lines(tmp_path / "nm.ndjson", [line])).core(0)["tensors"] == GIB
 
 
 def _memory_stats(**overrides) -> dict:
