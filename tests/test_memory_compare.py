@@ -3,7 +3,9 @@
 The end-to-end check is real: a whole tiny ``LlamaForCausalLM`` run at 1, 2 and 3 layers, what
 autograd keeps counted by our recorder, compared with the analytic model (exact bytes, so the
 slope must equal the prediction to the byte). The trn1 capture under tests/fixtures/memory is
-hand-made (its manifest says so): it exercises pages, cores, the control and the savings.
+hand-made (its manifest says so): it exercises pages, cores, the control and the savings. So is the
+trn1.32xlarge capture built here, in the shape public neuron-monitor output has for a job of many
+processes (tests/neuron_reports.py): compare must read it and compare only the cores the job used.
 """
 
 from __future__ import annotations
@@ -18,12 +20,14 @@ import torch
 
 import neuron_ckpt as nc
 from neuron_ckpt.memory import ModelShape, SavedTensorRecorder, TrainingSetup, layer_activation_bytes
-from neuron_ckpt.memory.compare import fit_slope, layer_state_bytes, predicted_saving
+from neuron_ckpt.memory.capture import Run, write_capture
+from neuron_ckpt.memory.compare import fit_slope, layer_state_bytes, predicted_per_layer, predicted_saving
 from neuron_ckpt.memory.readers import recorder
 from neuron_ckpt.models import LlamaForCausalLM, load_llama_config
 from neuron_ckpt.parallel import CoreAttention
 from neuron_ckpt.recompute import RecomputeConfig, apply_recompute
 
+from . import neuron_reports
 from .helpers import neuron_ckpt_cli
 
 FIXTURE = Path(__file__).parent / "fixtures" / "memory" / "trn1_7b_handmade"
@@ -185,6 +189,70 @@ def test_one_layer_count_or_mixed_formats_are_refused(capsys, recorded_runs, tmp
     assert code == 2 and "two or more different layer counts" in err
     code, _, err = neuron_ckpt_cli(capsys, "compare", *base, "--run", f"1={r[1, 'none']}", "--run", f"2={sysfs}")
     assert code == 2 and "compare one format at a time" in err
+
+
+# ---------------------------------------------------------------------------------------------
+# neuron-monitor as a multi-process job writes it (tests/neuron_reports.py: every runtime lists all
+# 32 NeuronCores of a trn1.32xlarge, zeros where it holds nothing, one shared tag, the vcpu error).
+
+JOB = {"model": "llama", "config": "llama2-7b", "seq": 4096, "micro_batch": 1, "dtype": "bf16",
+       "sequence_parallel": True, "zero1": True, "attention": "flash"}
+SCRATCH_BASE, TENSORS_BASE = 3 * PAGE, 6 << 30
+
+
+def _monitor_capture(root: Path, tp: int, dp: int, cores_of, prometheus: bool = False) -> Path:
+    """Runs at 8, 16 and 32 layers (none) and 32 (full), 3 samples each: the scratchpad the model
+    predicts over a base, rounded up to 512 MiB pages; tensors growing by one layer's state.
+    ``cores_of(layers)``: the NeuronCores that run's processes use."""
+    model = ModelShape.from_llama(load_llama_config("llama2-7b"))
+    setup = TrainingSetup(4096, 1, tp=tp, dp=dp, attention="flash")
+    per_layer, state = predicted_per_layer(model, setup, "none", "neuron-monitor"), layer_state_bytes(model, setup)
+    runs = []
+    for layers, preset in [(8, "none"), (16, "none"), (32, "none"), (32, "full")]:
+        scratch = SCRATCH_BASE + layers * per_layer
+        if preset == "full":
+            scratch -= predicted_saving(model, setup, "none", "full", layers)
+        files, lines = {}, []
+        for sample in range(3):  # the scratchpad stays, tensors move
+            holds = neuron_reports.held(-(-scratch // PAGE) * PAGE, TENSORS_BASE + layers * state - (2 - sample) * MIB)
+            lines.append(neuron_reports.report(neuron_reports.job(cores_of(layers), 32, holds)))
+        (root / f"{preset}_L{layers}").mkdir(parents=True)
+        files["neuron_monitor"] = f"{preset}_L{layers}/neuron-monitor.ndjson"
+        neuron_reports.write_lines(root / files["neuron_monitor"], lines)
+        if prometheus:  # the exporter needs a tag per process (neuron_reports: shared tags collapse)
+            files["prometheus"] = f"{preset}_L{layers}/metrics.txt"
+            scrapes = [neuron_reports.report(neuron_reports.job(cores_of(layers), 32, neuron_reports.held(
+                -(-scratch // PAGE) * PAGE, TENSORS_BASE + layers * state), tag="neuron_ckpt_rank{rank}"))]
+            (root / files["prometheus"]).write_text("".join(map(neuron_reports.exposition, scrapes * 2)))
+        runs.append(Run(layers, preset, "flash", files))
+    write_capture(root, {**JOB, "tp": tp, "dp": dp}, runs)
+    return root
+
+
+@pytest.mark.parametrize("tp, dp, cores", [(8, 1, range(8, 16)), (8, 4, range(32))],
+                         ids=["8-processes", "32-processes"])
+def test_a_trn1_32xlarge_capture_compares_on_the_cores_the_job_used(capsys, tmp_path, tp, dp, cores):
+    capture = _monitor_capture(tmp_path / "capture", tp, dp, lambda layers: cores, prometheus=tp * dp == 8)
+    code, out, err = neuron_ckpt_cli(capsys, "compare", "--capture", str(capture), "--json")
+    assert code == 0, err
+    comparisons = json.loads(out)["comparisons"]
+    assert [c["source"] for c in comparisons] == ["neuron-monitor"] + (["prometheus"] if tp * dp == 8 else [])
+    model = ModelShape.from_llama(load_llama_config("llama2-7b"))
+    setup = TrainingSetup(4096, 1, tp=tp, dp=dp, attention="flash")
+    per_layer = predicted_per_layer(model, setup, "none", "neuron-monitor")
+    pages = fit_slope([(n, -(-(SCRATCH_BASE + n * per_layer) // PAGE) * PAGE) for n in (8, 16, 32)], PAGE)
+    assert sum("largest of 3 samples" in n for n in comparisons[0]["notes"]) == 1  # once for the runs alike
+    for c in comparisons:
+        assert sorted(map(int, c["per_core"])) == list(cores), c["source"]  # idle cores left out
+        assert c["measured_bytes_per_layer"] == pytest.approx(pages.bytes_per_layer), c["source"]
+        assert c["agrees"] and c["control"]["ok"] and c["control"]["predicted"] == layer_state_bytes(model, setup)
+        assert c["savings"][0]["preset"] == "full" and c["savings"][0]["agrees"]
+
+
+def test_runs_on_different_cores_are_refused(capsys, tmp_path):
+    capture = _monitor_capture(tmp_path / "capture", 8, 1, lambda layers: range(8) if layers == 8 else range(8, 16))
+    code, _, err = neuron_ckpt_cli(capsys, "compare", "--capture", str(capture))
+    assert code == 2 and "NeuronCore 0 holds nothing there but does in other runs" in err and "none_L16" in err
 
 
 # ---------------------------------------------------------------------------------------------

@@ -172,6 +172,20 @@ class Comparison:
                 f"micro-batch), or the step NEFF's def.json (exact bytes, no page)")
 
 
+def _used_cores(cores: list[int], readings: list[MemoryReading]) -> list[int]:
+    """The cores the job used: those holding bytes in some report. Neuron's tools list every core
+    of the instance, zeros on the ones no process used (a 32-core trn1.32xlarge running 8 ranks),
+    and those have nothing to compare. A core used in some runs and idle in others means the runs
+    ran on different cores, and a per-core slope across them would be wrong: refused."""
+    used = [c for c in cores if any(any(r.core(c).values()) for r in readings if c in r.cores)]
+    for core in used:
+        idle = [r.path for r in readings if core in r.cores and not any(r.core(core).values())]
+        if idle:
+            raise ValueError(f"{idle[0]}: NeuronCore {core} holds nothing there but does in other runs: the runs ran "
+                             f"on different cores (compare runs placed alike, e.g. the same NEURON_RT_VISIBLE_CORES)")
+    return used or cores
+
+
 def compare(model: ModelShape, setup: TrainingSetup, preset: str, runs: list[tuple[int, MemoryReading]],
             recompute_runs: list[tuple[str, MemoryReading]] = ()) -> Comparison:
     """Compare ``runs`` (layer count, reading; all of one report format, ``preset`` on every
@@ -186,10 +200,11 @@ def compare(model: ModelShape, setup: TrainingSetup, preset: str, runs: list[tup
     cores = sorted(set.intersection(*(set(r.cores) for _, r in runs)))
     if not cores:
         raise ValueError(f"--run: the reports share no core ({[sorted(r.cores) for _, r in runs]})")
+    cores = _used_cores(cores, [r for _, r in [*runs, *recompute_runs]])
     quantum = max((r.quantum or 0) for _, r in runs) or None
     per_core = {c: fit_slope([(n, measured_bytes(r, c)) for n, r in runs], quantum) for c in cores}
     result = Comparison(source, predicted_per_layer(model, setup, preset, source), per_core, quantum)
-    notes = [n for _, r in runs for n in r.notes]
+    notes = list(dict.fromkeys(n for _, r in runs for n in r.notes))  # one line per distinct note
     if any(r.kind == "current" for _, r in runs):
         notes.append("current values, not peaks: read while the step ran, they may miss its peak")
     if any(r.samples == 1 for _, r in runs) and source in ("neuron-monitor", "prometheus"):
