@@ -43,10 +43,10 @@ class MLP(torch.nn.Module):
         self.p = p
 
     def forward(self, x):
-        y = self.act_fn(self.fc1(x))
+        y = self.fc1(x)
         with get_rng_tracker().fork():  # inside the TP region: features differ per rank
             y = F.dropout(y, self.p, self.training)
-        return self.fc2(y)
+        return self.fc2(self.act_fn(y))  # fc2 keeps act_fn's output: mlp_act discards it
 
 
 class Layer(torch.nn.Module):

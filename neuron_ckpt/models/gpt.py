@@ -26,7 +26,6 @@ import contextlib
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from ..distributed.parallel_state import ParallelState, get_parallel_state
 from ..distributed.random import get_rng_tracker
@@ -116,10 +115,11 @@ class GPTMLP(torch.nn.Module):
         h, f, sp, init = config.hidden_size, config.ffn_size, config.sequence_parallel, normal_init(config.init_std)
         common = dict(sequence_parallel=sp, init_method=init, dtype=config.dtype, parallel_state=state)
         self.fc1 = ColumnParallelLinear(h, f, **common)
+        self.act_fn = torch.nn.GELU()  # a module, so selective recompute can name it (mlp_act)
         self.fc2 = RowParallelLinear(f, h, input_is_parallel=True, **common)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(x)))
+        return self.fc2(self.act_fn(self.fc1(x)))
 
 
 class GPTLayer(torch.nn.Module):

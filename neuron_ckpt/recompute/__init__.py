@@ -17,6 +17,7 @@ The contract for models is in :mod:`.apply`; the activation checkpoint function 
 
 from .activation_checkpoint import checkpoint
 from .apply import apply_recompute, remove_recompute
+from .discard import checkpoint_without_output, discard_outputs
 from .config import GRANULARITIES, METHODS, MODULES, PRESETS, RecomputeConfig
 from .module import Recompute, run_layers, unwrapped
 from .module_map import DEFAULT_MODULE_MAP
@@ -31,6 +32,8 @@ __all__ = [
     "RecomputeConfig",
     "apply_recompute",
     "checkpoint",
+    "checkpoint_without_output",
+    "discard_outputs",
     "remove_recompute",
     "run_layers",
     "unwrapped",

@@ -50,6 +50,7 @@ torch's non-reentrant checkpoint, which dynamo traces into the graph (see :func:
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import inspect
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
@@ -67,6 +68,25 @@ from ..distributed.random import RNGState, TrackerSnapshot, get_rng_state, get_r
 # torch's checkpoint imports it lazily, at the first recompute; with torch 2.13, when that first
 # import comes after the process groups exist, the WORLD group outlives destroy_process_group()
 # and gloo can abort the interpreter at exit (tests/test_teardown.py runs that script 20 times).
+
+
+# True while a checkpointed function runs (its forward or its rerun): output-discarding recompute
+# (.discard) is off there, since the enclosing checkpoint keeps nothing of it already.
+_INSIDE: contextvars.ContextVar[bool] = contextvars.ContextVar("neuron_ckpt_inside_checkpoint", default=False)
+
+
+def inside_checkpoint() -> bool:
+    """Whether a function run by :func:`checkpoint` is running (its forward or its recompute)."""
+    return _INSIDE.get()
+
+
+@contextlib.contextmanager
+def _inside():
+    token = _INSIDE.set(True)
+    try:
+        yield
+    finally:
+        _INSIDE.reset(token)
 
 
 def checkpoint(
@@ -227,8 +247,9 @@ class _Rerun:
             return self.function(*args, **kwargs)
         if self.rng is None:
             self.rng = _RNGSnapshot.take()
-            return self.function(*args, **kwargs)
-        with _replaying(self.rng):
+            with _inside():
+                return self.function(*args, **kwargs)
+        with _replaying(self.rng), _inside():
             return self.function(*args, **kwargs)
 
 
@@ -313,7 +334,7 @@ class _CheckpointFunction(torch.autograd.Function):
         ctx.autocast_cache = torch.is_autocast_cache_enabled()
         inputs = list(tensors[:-1] if call.anchor else tensors)
         args, kwargs = call.inputs.fill(inputs)
-        with torch.no_grad():
+        with torch.no_grad(), _inside():
             outputs, call.outputs = _Tree.split(call.function(*args, **kwargs))
         if not outputs:
             raise TypeError("checkpoint: the function returned no tensor; there is nothing to backpropagate")
@@ -341,7 +362,7 @@ class _CheckpointFunction(torch.autograd.Function):
             _xla_barrier(inputs + list(grads), call.modules)
         inputs = [t.detach().requires_grad_(r) for t, r in zip(inputs, ctx.input_needs_grad)]
         args, kwargs = call.inputs.fill(inputs)
-        with _replaying(ctx.rng), torch.enable_grad(), _autocast(ctx.autocast, ctx.autocast_cache):
+        with _replaying(ctx.rng), torch.enable_grad(), _autocast(ctx.autocast, ctx.autocast_cache), _inside():
             outputs = [v for v in pytree.tree_leaves(call.function(*args, **kwargs)) if torch.is_tensor(v)]
         pairs = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad and g is not None]
         if pairs:

@@ -52,10 +52,11 @@ from ..parallel import ColumnParallelLinear, QKVParallelLinear, RowParallelLinea
 from ..parallel.norms import LayerNorm, RMSNorm
 from . import hf
 from .config import RecomputeConfig, validate_per_layer
-from .module import Recompute, unwrapped
-from .module_map import Patterns, resolve_module_map, selected_modules
+from .module import DiscardScope, Recompute, unwrapped
+from .module_map import DISCARDING, Patterns, resolve_module_map, selected_modules
 
 Layers = Union[torch.nn.Module, Sequence[torch.nn.Module]]  # a model with .layers, or the layers
+_SCOPE = "_neuron_ckpt_discard_scope"  # on a layer with output-discarding units: its DiscardScope
 Modules = list[torch.nn.Module]
 
 # Our layers that take sequence_parallel: a model built from them runs sequence parallel if they do.
@@ -108,6 +109,9 @@ def remove_recompute(model: Layers) -> None:
     roots = [model] if isinstance(model, torch.nn.Module) else list(model)
     for root in roots:
         for parent in list(root.modules()):
+            scope = parent.__dict__.pop(_SCOPE, None)
+            if scope is not None:
+                scope.remove()
             for name, child in list(parent._modules.items()):
                 if isinstance(child, Recompute):
                     parent._modules[name] = child.module
@@ -140,6 +144,8 @@ def _apply(root, layers: Modules, config, module_map, sequence_parallel: bool | 
     slots = _slots(root if root is not None else layers)
     for unit in units:
         unit.install(slots)
+    for layer in {id(u.layer): u.layer for u in units if u.discard}.values():
+        layer.__dict__[_SCOPE] = DiscardScope(layer)
     return [unit.name for unit in units]
 
 
@@ -150,18 +156,22 @@ def _apply(root, layers: Modules, config, module_map, sequence_parallel: bool | 
 @dataclass(frozen=True)
 class _Unit:
     """What one activation checkpoint covers: one module (a selective submodule or a whole
-    layer), or consecutive layers run as one (grouped ``uniform``)."""
+    layer), or consecutive layers run as one (grouped ``uniform``). ``discard``: an
+    output-discarding selective unit (``norm``, ``mlp_act``) of ``layer``, whose forward then
+    runs in one ``discard_outputs`` block."""
 
     name: str
     modules: tuple[torch.nn.Module, ...]
     config: RecomputeConfig
     distribute: bool  # keep a 1/t slice of the (replicated) input
+    discard: bool = False
+    layer: torch.nn.Module | None = None
 
     def install(self, slots: dict[int, list[tuple[torch.nn.Module, str]]]) -> None:
         k = len(self.modules)
         for j, module in enumerate(self.modules):
             span = 1 if k == 1 else (k if j == 0 else 0)
-            wrapper = Recompute(module, self.config, self.distribute and k == 1, span)
+            wrapper = Recompute(module, self.config, self.distribute and k == 1, span, self.discard)
             for parent, name in slots[id(module)]:  # a module held in two places: one wrapper
                 parent._modules[name] = wrapper
 
@@ -178,9 +188,10 @@ def _units(layers: Modules, config: RecomputeConfig, patterns: Patterns, first: 
 def _selective(layers: Modules, config: RecomputeConfig, patterns: Patterns, first: int) -> list[_Unit]:
     """Each layer's submodules named in ``config.modules``, one unit each."""
     return [
-        _Unit(f"{i}.{qualname}", (module,), config, replicated and config.distribute_saved_activations)
+        _Unit(f"{i}.{qualname}", (module,), config, replicated and config.distribute_saved_activations,
+              name in DISCARDING, layer)
         for i, layer in enumerate(layers, start=first)
-        for qualname, module, replicated in selected_modules(layer, i, config.modules, patterns)
+        for qualname, module, replicated, name in selected_modules(layer, i, config.modules, patterns)
     ]
 
 

@@ -25,12 +25,14 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import sys
 from typing import Any, Sequence
 
 import torch
 
 from .activation_checkpoint import checkpoint
 from .config import RecomputeConfig
+from .discard import checkpoint_without_output, discard_outputs
 
 # The module's own tables, shared with the wrapper (the same dict objects).
 _SHARED = (
@@ -45,19 +47,26 @@ _IN_GROUP: contextvars.ContextVar[bool] = contextvars.ContextVar("neuron_ckpt_re
 class Recompute(torch.nn.Module):
     """``module`` run through :func:`checkpoint` (``config``'s ``use_reentrant``; ``distribute``:
     keep a 1/t slice of its replicated input). ``span``: 1 for one module; for grouped layers
-    ``k`` on the first of ``k`` (run by :func:`run_layers`) and 0 on the others."""
+    ``k`` on the first of ``k`` (run by :func:`run_layers`) and 0 on the others. ``discard``: run
+    it through :func:`~.discard.checkpoint_without_output` instead (its output is not kept by the
+    ops after it, inside the :class:`~.discard.discard_outputs` block of its layer)."""
 
-    def __init__(self, module: torch.nn.Module, config: RecomputeConfig, distribute: bool = False, span: int = 1):
+    def __init__(
+        self, module: torch.nn.Module, config: RecomputeConfig, distribute: bool = False, span: int = 1,
+        discard: bool = False,
+    ):
         super().__init__()
         if isinstance(module, Recompute):
             raise TypeError("Recompute: the module is already a Recompute")
         object.__setattr__(self, "module", module)  # not registered as a child: its contents are ours
         for name in _SHARED:
             self.__dict__[name] = module.__dict__[name]
-        self.config, self.distribute, self.span = config, distribute, span
+        self.config, self.distribute, self.span, self.discard = config, distribute, span, discard
         self.training = module.training
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.discard:
+            return checkpoint_without_output(self.module, *args, distribute_saved_activations=self.distribute, **kwargs)
         if self.span == 1:
             return checkpoint(
                 self.module, *args, use_reentrant=self.config.use_reentrant,
@@ -97,12 +106,39 @@ class Recompute(torch.nn.Module):
     def extra_repr(self) -> str:
         c = self.config
         what = c.granularity if c.granularity == "selective" else f"full, {c.method}"
+        if self.discard:
+            what += ", output discarded"
         if self.span > 1:
             what += f", first of {self.span} layers in one checkpoint"
         elif self.span == 0:
             what += ", in the previous layers' checkpoint"
         inner = self.module.extra_repr()
         return f"{what}; {inner}" if inner else what
+
+
+class DiscardScope:
+    """Forward pre-hook and forward hook of a layer holding output-discarding units: its forward
+    runs inside one :class:`~.discard.discard_outputs` block (the consumers of the discarded
+    outputs are in the layer). Installed by ``apply_recompute``, removed by ``remove_recompute``."""
+
+    def __init__(self, layer: torch.nn.Module):
+        self.block = discard_outputs()
+        self.handles = (
+            layer.register_forward_pre_hook(self.enter),
+            layer.register_forward_hook(self.exit, always_call=True),
+        )
+
+    def enter(self, layer: torch.nn.Module, args: Any) -> None:
+        if not torch.compiler.is_compiling():  # compiled, the partitioner decides what is kept
+            self.block.__enter__()
+
+    def exit(self, layer: torch.nn.Module, args: Any, output: Any) -> None:
+        if not torch.compiler.is_compiling():
+            self.block.__exit__(*sys.exc_info())  # always_call: also when the forward raised
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
 
 
 def unwrapped(module: torch.nn.Module) -> torch.nn.Module:

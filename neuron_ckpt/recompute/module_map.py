@@ -38,6 +38,11 @@ DEFAULT_MODULE_MAP: dict[str, Pattern] = {
     "norm": (RMSNorm, LayerNorm, torch.nn.LayerNorm, torch.nn.RMSNorm, "input_layernorm", "post_attention_layernorm"),
 }
 
+# Selective modules recomputed output-discarding (.discard): an ordinary checkpoint around them
+# would save nothing, since the op after them keeps their output (the projection after a norm,
+# the down projection after SwiGLU). The others are ordinary checkpoints.
+DISCARDING = ("norm", "mlp_act")
+
 # Selective modules whose input is the replicated hidden state (without sequence parallel), so
 # distribute_saved_activations can split it; core attention and MLP activation inputs are
 # already sharded by head / feature over the TP group and are saved as they are.
@@ -88,10 +93,10 @@ def _children_without_forward(layer: torch.nn.Module) -> list[str]:
 
 def selected_modules(
     layer: torch.nn.Module, index: int, names: Sequence[str], patterns: Patterns
-) -> list[tuple[str, torch.nn.Module, bool]]:
-    """``(qualified name, module, input is replicated)`` of layer ``index`` for the selective
-    ``names``; the outermost match wins, a module shared within the layer comes once."""
-    found: dict[str, tuple[torch.nn.Module, bool]] = {}
+) -> list[tuple[str, torch.nn.Module, bool, str]]:
+    """``(qualified name, module, input is replicated, selective name)`` of layer ``index`` for
+    the selective ``names``; the outermost match wins, a module shared within the layer comes once."""
+    found: dict[str, tuple[torch.nn.Module, bool, str]] = {}
     idle = _children_without_forward(layer)
     for name in names:
         modules = [(q, unwrapped(m)) for q, m in layer.named_modules() if q]  # as without recompute
@@ -113,10 +118,10 @@ def selected_modules(
                     f"recomputing it would recompute nothing; pass module_map={{{name!r}: <a submodule "
                     "whose forward runs>}}"
                 )
-            if all(m is not other for other, _ in found.values()):  # a shared instance once
-                found.setdefault(q, (m, name in _REPLICATED_INPUT))
+            if all(m is not other for other, _, _ in found.values()):  # a shared instance once
+                found.setdefault(q, (m, name in _REPLICATED_INPUT, name))
     return [
-        (q, m, replicated)
-        for q, (m, replicated) in found.items()
+        (q, m, replicated, name)
+        for q, (m, replicated, name) in found.items()
         if not any(q.startswith(other + ".") for other in found)  # an enclosing module is recomputed already
     ]
