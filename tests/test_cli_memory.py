@@ -77,7 +77,8 @@ def test_flash_attention_is_named_and_measured(capsys):
     (["--hidden", "128", "--heads", "8", "--seq", "66", "--tp", "4", "--sequence-parallel"], "seq_len"),
     (["--hidden", "128", "--heads", "8", "--seq", "64", "--tp", "2", "--recompute", "selective",
       "--distribute-saved-activations"], "distribute_saved_activations"),
-    (["--hidden", "128", "--heads", "8", "--seq", "64", "--recompute", "selective+mlp_act"], "not modelled for gpt"),
+    (["--hidden", "128", "--heads", "8", "--seq", "64", "--tp", "2", "--sequence-parallel", "--recompute", "full",
+      "--distribute-saved-activations"], "sequence_parallel"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, args, needle):
     with pytest.raises(SystemExit) as exc:

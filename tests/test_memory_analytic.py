@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from fractions import Fraction
 
 import pytest
@@ -14,6 +15,7 @@ from neuron_ckpt.memory import (
     layer_activation_terms,
     model_activation_bytes,
 )
+from neuron_ckpt.memory.analytic import model_activation_peak_bytes
 from neuron_ckpt.recompute import RecomputeConfig
 
 TP_DEGREES = (1, 2, 4, 8)
@@ -152,12 +154,78 @@ def test_recompute_errors_name_the_field():
         layer_activation_bytes(*layer, "block")
     with pytest.raises(ValueError, match="distribute_saved_activations.*sequence_parallel"):
         layer_activation_bytes(*_gpt(64, 2, 64, 8, t=2, sp=True), FULL_DISTRIBUTED)
-    with pytest.raises(ValueError, match="distribute_saved_activations requires recompute"):
+    with pytest.raises(ValueError, match="distribute_saved_activations: the selective modules \\['core_attn'\\] keep no"):
         layer_activation_bytes(*layer, RecomputeConfig.preset("selective", distribute_saved_activations=True))
-    with pytest.raises(ValueError, match="'selective\\+mlp_act' is not modelled for gpt"):
-        layer_activation_bytes(*layer, "selective+mlp_act")  # the paper's layer has no SwiGLU
-    with pytest.raises(ValueError, match="none of the presets"):
+    with pytest.raises(ValueError, match="num_layers=2 is larger than the 1 layers"):
         layer_activation_bytes(*layer, RecomputeConfig(granularity="full", method="block", num_layers=2))
+    with pytest.raises(ValueError, match="recompute must be a preset name"):
+        layer_activation_bytes(*layer, None)
+
+
+# --- every selective module set, and full recompute of any grouping --------------------------
+
+# What each module drops from the GPT layer with no recompute (docs/memory.md, "Every recompute choice").
+GPT_DROPS = {
+    "core_attn": {"softmax_out", "softmax_dropout_mask", "attn_dropout_out"},
+    "mlp": {"gelu_input", "fc2_input"},
+    "mlp_act": {"fc2_input"},  # output-discarding GeLU: keeps its input, not fc2's
+    "norm": {"qkv_input", "mlp_fc1_input"},  # output-discarding norms: their outputs are not kept
+}
+SUBSETS = [subset for n in range(1, 5) for subset in itertools.combinations(GPT_DROPS, n)]
+
+
+@pytest.mark.parametrize("sp", [False, True])
+@pytest.mark.parametrize("modules", SUBSETS, ids="+".join)
+def test_gpt_module_sets_drop_the_union_of_what_each_drops(modules, sp):
+    layer = _gpt(64, 2, 64, 8, t=2, sp=sp)
+    none = {t.name: t.nbytes for t in layer_activation_terms(*layer, "none")}
+    kept = {t.name: t.nbytes for t in layer_activation_terms(*layer, RecomputeConfig("selective", modules=modules))}
+    assert set(none) - set(kept) == set().union(*(GPT_DROPS[m] for m in modules))
+    assert all(kept[name] == none[name] for name in kept)  # what stays keeps its bytes
+    assert list(kept) == [n for n in none if n in kept]  # in forward order
+
+
+def test_mlp_encloses_mlp_act_and_distributing_keeps_a_slice_of_the_replicated_inputs():
+    layer = _gpt(64, 2, 64, 8, t=4)
+    both = RecomputeConfig("selective", modules=("mlp", "mlp_act"))
+    assert layer_activation_terms(*layer, both) == layer_activation_terms(*layer, RecomputeConfig("selective", modules=["mlp"]))
+    sbh = 64 * 2 * 64
+    sliced = {t.name: t.nbytes for t in layer_activation_terms(
+        *layer, RecomputeConfig("selective", modules=("mlp", "norm"), distribute_saved_activations=True))}
+    assert sliced["ln1_input"] == sliced["ln2_input"] == 2 * sbh // 4  # 1/t of each norm's input
+    assert "mlp_fc1_input" not in sliced  # the MLP checkpoint's input is the discarded norm output
+    plain = {t.name: t.nbytes for t in layer_activation_terms(
+        *layer, RecomputeConfig("selective", modules=["mlp"], distribute_saved_activations=True))}
+    assert plain["mlp_fc1_input"] == 2 * sbh // 4 and plain["ln2_input"] == 2 * sbh
+
+
+def test_grouped_and_block_full_recompute_read_layer_by_layer():
+    model, setup = _gpt(64, 2, 64, 8, t=2, sp=True, layers=8)
+    two_sbh_t = 2 * 64 * 2 * 64 // 2
+    none = layer_activation_bytes(model, setup, "none")
+    uniform = RecomputeConfig("full", "uniform", 3)  # groups 0-2, 3-5, 6-7
+    with pytest.raises(ValueError, match="layer: recompute 'full\\(uniform 3\\)' keeps different bytes.*layer=0..7"):
+        layer_activation_bytes(model, setup, uniform)
+    assert [layer_activation_bytes(model, setup, uniform, i) for i in range(8)] == [two_sbh_t, 0, 0] * 2 + [two_sbh_t, 0]
+    assert model_activation_bytes(model, setup, uniform) == 3 * two_sbh_t
+    block = RecomputeConfig("full", "block", 3)
+    assert [layer_activation_bytes(model, setup, block, i) for i in range(8)] == [two_sbh_t] * 3 + [none] * 5
+    assert model_activation_bytes(model, setup, block) == 3 * two_sbh_t + 5 * none
+    assert layer_activation_bytes(model, setup, RecomputeConfig("full", "block", 8)) == two_sbh_t  # every layer alike
+
+
+def test_the_peak_adds_the_recompute_buffer_of_a_group():
+    """While a group of k layers recomputes, k layers' no-recompute activations are alive on top
+    of the group inputs the earlier groups hold (the group's own input is the rerun's input)."""
+    model, setup = _gpt(64, 2, 64, 8, t=2, sp=True, layers=8)
+    two_sbh_t, none = 2 * 64 * 2 * 64 // 2, layer_activation_bytes(model, setup, "none")
+    for k in (1, 2, 4, 8):
+        grouped = RecomputeConfig("full", "uniform", k)
+        assert model_activation_bytes(model, setup, grouped) == 8 // k * two_sbh_t
+        assert model_activation_peak_bytes(model, setup, grouped) == 8 // k * two_sbh_t + k * none - two_sbh_t
+    assert model_activation_peak_bytes(model, setup, "none") == 8 * none  # nothing comes back
+    head = [ActivationTerm("lm_head_input", 10**9, split_by_tp=False)]  # freed before the layers' backward
+    assert model_activation_peak_bytes(model, setup, "full", after=head) == 8 * two_sbh_t + 10**9
 
 
 def test_sequence_parallel_needs_seq_len_divisible_by_tp():

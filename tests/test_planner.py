@@ -96,18 +96,21 @@ def _measure_whole_model(t: int, sp: bool, attention: str) -> dict[str, int]:
     return out
 
 
-@pytest.mark.parametrize("t,sp,attention", [(1, False, "explicit"), (2, True, "explicit"), (2, False, "explicit"),
-                                            (1, False, "flash"), (2, True, "flash")])
-def test_budget_activations_match_a_measured_llama(world, t, sp, attention):
-    measured = world(2).run(_measure_whole_model, t, sp, attention)
+RUNS = [(1, False, "explicit"), (2, True, "explicit"), (2, False, "explicit"), (1, False, "flash"), (2, True, "flash")]
+_MEASURED: dict[tuple, list[dict[str, int]]] = {}
+
+
+@pytest.mark.parametrize("t,sp,attention,label", [(*run, label) for run in RUNS for label in _assignments(run[2])])
+def test_budget_activations_match_a_measured_llama(world, t, sp, attention, label):
+    if (t, sp, attention) not in _MEASURED:
+        _MEASURED[(t, sp, attention)] = world(2).run(_measure_whole_model, t, sp, attention)
     model = ModelShape.from_llama(tiny_config(**SIZES))
     setup = TrainingSetup(S, B, tp=t, dp=2 // t, sequence_parallel=sp, attention=attention)
-    for rank, per_rank in enumerate(measured):
-        for label, names in _assignments(attention).items():
-            analytic = memory_budget(model, setup, names).activation_bytes
-            ratio = per_rank[label] / analytic
-            assert abs(ratio - 1) <= TOLERANCE, f"{label}, t={t}, sp={sp}, rank {rank}: measured/analytic {ratio:.4f}"
-            assert per_rank[label] == analytic  # in fact to the byte: nothing is left out
+    analytic = memory_budget(model, setup, ASSIGNMENTS[label]).activation_bytes
+    for rank, per_rank in enumerate(_MEASURED[(t, sp, attention)]):
+        ratio = per_rank[label] / analytic
+        assert abs(ratio - 1) <= TOLERANCE, f"{label}, t={t}, sp={sp}, rank {rank}: measured/analytic {ratio:.4f}"
+        assert per_rank[label] == analytic  # in fact to the byte: nothing is left out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -224,6 +227,40 @@ def test_budget_line_items_follow_zero1_and_dtype():
     assert two.bytes_of("static") == one.bytes_of("static")
 
 
+def test_budget_prices_any_recompute_config():
+    """A config prices as the preset it equals; block reads as its per-layer names; a per-layer
+    list takes configs and None as ``apply_recompute`` does; bad entries name their index."""
+    model = ModelShape("llama", 64, 4, 2, 176, 8, 128)
+    setup = TrainingSetup(seq_len=64, micro_batch=1, zero1=False)
+    assert memory_budget(model, setup, RecomputeConfig("selective")) == memory_budget(model, setup, "selective")
+    block = memory_budget(model, setup, RecomputeConfig("full", "block", 3))
+    assert block == memory_budget(model, setup, ("full",) * 3 + ("none",) * 5)
+    subset = RecomputeConfig("selective", modules=["mlp", "norm"])
+    mixed = memory_budget(model, setup, [RecomputeConfig.preset("full"), None, subset, "selective", *[None] * 4])
+    assert mixed.layers == ("full", "none", "selective[mlp,norm]", "selective", *["none"] * 4)
+    assert mixed.activation_bytes == memory_budget(model, setup, ("full", "none", "none", "selective", *["none"] * 4)
+                                                   ).activation_bytes - (memory_budget(model, setup, "none").activation_bytes
+                                                                         - memory_budget(model, setup, subset).activation_bytes) // 8
+    with pytest.raises(ValueError, match=r"layers\[1\]: .*use num_layers=1, got num_layers=2"):
+        memory_budget(model, setup, [None, RecomputeConfig("full", "uniform", 2), *[None] * 6])
+    with pytest.raises(ValueError, match=r"layers\[0\] must be a preset name, a RecomputeConfig or None"):
+        memory_budget(model, setup, [3, *[None] * 7])
+
+
+def test_grouped_recompute_keeps_least_and_its_buffer_is_in_the_total():
+    """Bigger groups keep fewer inputs after the forward but bring more layers back at once in
+    backward; the device total holds that peak."""
+    model = ModelShape("llama", 64, 4, 2, 176, 8, 128)
+    setup = TrainingSetup(seq_len=1024, micro_batch=1, zero1=False, attention="flash")
+    budgets = [memory_budget(model, setup, RecomputeConfig("full", "uniform", k)) for k in (1, 2, 4, 8)]
+    kept, peaks = [b.activation_bytes for b in budgets], [b.activation_peak_bytes for b in budgets]
+    assert kept == sorted(kept, reverse=True) and peaks == sorted(peaks) and len(set(peaks)) == 4
+    for b in budgets:
+        assert b.total_bytes >= b.bytes_of("static") + b.activation_peak_bytes
+    assert budgets[-1].total_bytes == budgets[-1].bytes_of("static") + budgets[-1].activation_peak_bytes
+    assert budgets[-1].items[-1].note.startswith("recompute in backward")
+
+
 def test_zero1_step_is_bounded_by_the_bucket_cap():
     """Bucketed, the step's largest collective is the cap and its transient about the fp32
     gradient slices; one bucket moves every local gradient at once (the layout before buckets)."""
@@ -270,12 +307,16 @@ def test_llama2_7b_on_trn1_plan():
     # The tutorial's shape keeps everything (192.3 MiB per layer with the fused softmax and norms).
     assert plan.fits and plan.counts == {"none": 32} and plan.overhead == 0
     # Two micro-batches per step: no recompute does not fit, selective everywhere does; the plan
-    # spends what selective leaves free on keeping some attention cores.
+    # spends what selective leaves free on keeping some attention cores, and drops SwiGLU's output
+    # (output-discarding mlp_act: 2sbf/t less for a few elementwise FLOPs) where that buys more.
     setup = TrainingSetup(seq_len=4096, micro_batch=2, tp=8, dp=4)
     plan = plan_recompute(model, setup, "trn1")
     selective = evaluate(model, setup, "selective", plan.limit_bytes)
     assert plan.fits and selective.fits
-    assert plan.counts == {"none": 7, "selective": 25}
+    assert plan.counts == {"none": 9, "selective": 10, "selective+mlp_act": 13}
+    # Without mlp_act, the attention cores alone: 7 layers keep theirs.
+    assert plan_recompute(model, setup, "trn1", allowed=("none", "selective", "full")).counts == {
+        "none": 7, "selective": 25}
     assert plan.overhead < selective.overhead  # less recompute, by using the memory selective leaves free
     assert plan.budget.total_bytes > selective.budget.total_bytes
     assert not evaluate(model, setup, "none", plan.limit_bytes).fits
@@ -399,7 +440,7 @@ def test_cli_prints_the_plan(capsys):
                  "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["attention"] == "explicit" and data["attention_notes"] == []
-    assert data["fits"] and data["counts"] == {"none": 14, "selective": 18}
+    assert data["fits"] and data["counts"] == {"none": 15, "selective": 8, "selective+mlp_act": 9}
     assert data["optimizer_step"]["largest_collective_bytes"] == 128 * 2**20
     assert data["host"]["instance"] == "trn1.32xlarge" and data["host"]["fits"]
     assert data["recompute_is_per_layer"]

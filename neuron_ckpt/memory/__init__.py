@@ -9,6 +9,7 @@
     setup = TrainingSetup(seq_len=4096, micro_batch=1, tp=8, dp=4)  # bf16, SP, ZeRO-1, explicit attention
     # TrainingSetup(..., attention="flash"): a fused kernel, no s x s tensor (what the reference runs)
     layer_activation_bytes(model, setup, "selective")               # one layer, one rank
+    # any RecomputeConfig: RecomputeConfig("selective", modules=["mlp", "norm"]), grouped full ...
     plan = plan_recompute(model, setup, "trn1")                      # per-layer presets that fit
 
 :mod:`.shape` describes the model and the job; :mod:`.analytic` counts one layer's activations
@@ -20,7 +21,9 @@ or a compiler reports (:mod:`.readers`, by difference: :mod:`.compare`). See doc
 docs/planner.md.
 """
 
-from .analytic import ActivationTerm, layer_activation_bytes, layer_activation_terms, model_activation_bytes
+from .analytic import (
+    ActivationTerm, layer_activation_bytes, layer_activation_terms, model_activation_bytes, model_activation_peak_bytes,
+)  # fmt: skip
 from .budget import MemoryBudget, memory_budget
 from .measure import SavedTensorRecorder
 from .options import LayerOption, layer_options
@@ -41,6 +44,7 @@ __all__ = [
     "layer_options",
     "memory_budget",
     "model_activation_bytes",
+    "model_activation_peak_bytes",
     "plan_activations",
     "plan_recompute",
 ]

@@ -1,24 +1,33 @@
-"""Analytic activation memory of one transformer layer, tensor by tensor.
+"""Analytic activation memory: what each layer keeps for backward, and the peak of a stack.
 
-Two layers, both built tensor by tensor rather than from closed forms, so a report can print
-where the bytes go and a measurement can be compared term by term:
+Two layers, both built tensor by tensor rather than from closed forms (:mod:`.terms`), so a
+report can print where the bytes go and a measurement can be compared term by term:
 
 * the paper's GPT layer (Korthikanti et al. 2022, Table 2): LayerNorm -> QKV -> softmax(QK^T)
   -> dropout -> attention over V -> output projection -> dropout -> residual; LayerNorm -> fc1
   (h -> 4h) -> GeLU -> fc2 -> dropout -> residual. Activations are ``setup.width`` bytes wide,
-  dropout masks 1 byte (what ``torch.native_dropout`` saves). Presets none, selective, full:
-  exactly the rows of Table 2.
-* the Llama layer (:mod:`neuron_ckpt.models.llama`): RMSNorm, GQA, rotary, fp32 softmax kept in 16 bits, SwiGLU,
-  no dropout; derived in docs/memory.md ("The Llama layer"). Every preset, with either core
+  dropout masks 1 byte (what ``torch.native_dropout`` saves). The presets none, selective and
+  full are exactly the rows of Table 2.
+* the Llama layer (:mod:`neuron_ckpt.models.llama`): RMSNorm, GQA, rotary, fp32 softmax kept in
+  16 bits, SwiGLU, no dropout; derived in docs/memory.md ("The Llama layer"), with either core
   attention (``setup.attention``): explicit (the ``s^2`` probabilities) or flash (torch's SDPA
   flash kernel: an fp32 logsumexp per query row instead).
 
 Every function takes ``(model, setup, recompute)``: a :class:`~.shape.ModelShape`, a
 :class:`~.shape.TrainingSetup` (its seq_len, micro_batch, tp, dtype and sequence_parallel) and a
-recompute preset, by name (:data:`~neuron_ckpt.recompute.PRESETS`) or as the
-:class:`~neuron_ckpt.recompute.RecomputeConfig` it names (which also carries
-``distribute_saved_activations``). Every count is an exact integer: the checks make every
-division by t exact.
+recompute choice: a preset name (:data:`~neuron_ckpt.recompute.PRESETS`) or any
+:class:`~neuron_ckpt.recompute.RecomputeConfig` (any selective module set, full ``uniform`` or
+``block`` with any ``num_layers``, ``distribute_saved_activations`` without sequence parallel).
+:func:`resolve` checks it against the model and the setup. Every count is an exact integer.
+
+Per layer and per stack. Grouped (``uniform``, ``num_layers > 1``) and ``block`` full recompute
+keep different bytes in different layers: the layer that starts a checkpoint keeps its input,
+the other layers of a group nothing; block's first ``num_layers`` layers keep their input and
+the rest run without recompute. The per-layer functions describe one layer as it is kept, so
+for those configs they need the layer's index (``layer=i``) and refuse without one, rather than
+answer for a layer that does not exist: "a layer's bytes times L" would be wrong.
+:func:`model_activation_bytes` sums the stack exactly, and :func:`model_activation_peak_bytes`
+adds the recompute buffers of the backward.
 """
 
 from __future__ import annotations
@@ -26,190 +35,202 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence, Union
 
-from ..recompute import PRESETS, RecomputeConfig
+from ..recompute import MODULES, PRESETS, RecomputeConfig
 from .shape import ModelShape, TrainingSetup
+from .terms import ActivationTerm, LayerSpec, RecomputeEvent, layer_terms
 
 Recompute = Union[str, RecomputeConfig]
-_FP32, _BOOL = 4, 1
-
-
-@dataclass(frozen=True)
-class ActivationTerm:
-    """One tensor kept for backward: its name, its bytes on one rank, and whether TP split it."""
-
-    name: str
-    nbytes: int
-    split_by_tp: bool
 
 
 def supported_presets(model: ModelShape) -> tuple[str, ...]:
-    """The presets the model prices: every one for Llama; for GPT those without ``mlp_act`` (the
-    paper's layer has no SwiGLU; Table 2 has none, selective and full)."""
-    return tuple(p for p in PRESETS if model.kind == "llama" or "mlp_act" not in RecomputeConfig.preset(p).modules)
+    """The presets the model prices: every one, for both layers (GPT's ``mlp_act`` is its GeLU)."""
+    return PRESETS
 
 
-def resolve(model: ModelShape, setup: TrainingSetup, recompute: Recompute) -> tuple[str, bool]:
-    """``(preset name, distribute_saved_activations)`` of ``recompute``, checked against the
-    model and the setup; a ``ValueError`` naming the field otherwise."""
-    config = recompute if isinstance(recompute, RecomputeConfig) else RecomputeConfig.preset(recompute)
-    name = config.preset_name
-    if name is None:
-        raise ValueError(f"recompute: {config!r} is none of the presets {list(PRESETS)} the memory model prices")
-    if name not in supported_presets(model):
-        raise ValueError(f"recompute {name!r} is not modelled for {model.kind}; choose from "
-                         f"{list(supported_presets(model))}")
+@dataclass(frozen=True)
+class PricedRecompute:
+    """A recompute choice as the memory model reads it (what :func:`resolve` returns).
+
+    config: the :class:`RecomputeConfig` (a preset's, for a name). name: the preset it equals, or
+    ``selective[mlp,norm]`` / ``full(uniform 2)`` / ``full(block 3)``. modules: the selective
+    modules in effect (``mlp`` encloses ``mlp_act``: the outermost wins); empty otherwise.
+    sliced: checkpoint inputs are kept as 1/t slices (``distribute_saved_activations`` at t > 1).
+    """
+
+    config: RecomputeConfig
+    name: str
+    modules: tuple[str, ...]
+    sliced: bool
+
+    @property
+    def label(self) -> str:
+        """``name``, with ``+distributed`` when the config distributes its saved inputs."""
+        return self.name + ("+distributed" if self.config.distribute_saved_activations else "")
+
+    def same_on_every_layer(self, num_layers: int) -> bool:
+        """Whether every layer of a ``num_layers`` stack keeps the same bytes."""
+        c = self.config
+        if c.granularity != "full" or num_layers == 1:
+            return True
+        return c.num_layers == 1 if c.method == "uniform" else c.num_layers >= num_layers
+
+    def layer(self, index: int, num_layers: int) -> LayerSpec:
+        """How layer ``index`` of a ``num_layers`` stack runs."""
+        c = self.config
+        if c.granularity != "full":
+            return LayerSpec(self.modules, None, self.sliced)
+        if c.method == "block":
+            return LayerSpec((), 1, self.sliced) if index < c.num_layers else LayerSpec()
+        k = c.num_layers
+        return LayerSpec((), min(k, num_layers - index) if index % k == 0 else 0, self.sliced)
+
+    def layer_label(self, index: int, num_layers: int) -> str:
+        """What layer ``index`` runs, in a budget's words: block's layers are ``full`` or ``none``."""
+        if self.config.method == "block":
+            return self.label.replace(self.name, "full") if index < self.config.num_layers else "none"
+        return self.label
+
+
+def _name(config: RecomputeConfig, modules: tuple[str, ...]) -> str:
+    effective = RecomputeConfig(config.granularity, config.method, config.num_layers, modules or ("core_attn",))
+    if effective.preset_name is not None:
+        return effective.preset_name
+    if config.granularity == "full":
+        return f"full({config.method} {config.num_layers})"
+    return f"selective[{','.join(modules)}]"
+
+
+def resolve(model: ModelShape, setup: TrainingSetup, recompute: Recompute) -> PricedRecompute:
+    """``recompute`` checked against the model and the setup, as the memory model reads it; a
+    ``ValueError`` naming the field otherwise."""
+    if isinstance(recompute, str):
+        config = RecomputeConfig.preset(recompute)
+    elif isinstance(recompute, RecomputeConfig):
+        config = recompute
+    else:
+        raise ValueError(f"recompute must be a preset name {list(PRESETS)} or a RecomputeConfig, got {recompute!r}")
     if setup.attention == "flash" and model.kind == "gpt":
         raise ValueError("attention 'flash' is modelled for llama only: the paper's GPT layer has attention dropout, "
                          "with which torch's CPU flash kernel falls back to its math path (fp32 [b, a, s, s] tensors "
                          "kept, not modelled); use attention='explicit' for gpt")
+    modules = ()
+    if config.granularity == "selective":
+        chosen = set(config.modules) - ({"mlp_act"} if "mlp" in config.modules else set())
+        modules = tuple(m for m in MODULES if m in chosen)
+    if config.granularity == "full" and config.num_layers > model.layers:
+        raise ValueError(f"recompute: num_layers={config.num_layers} is larger than the {model.layers} layers of the "
+                         f"model; choose 1..{model.layers}")
     distribute = config.distribute_saved_activations
-    # Megatron refuses distributing with sequence parallel and with anything but full recompute.
+    # Megatron refuses distributing with sequence parallel: the saved input is already a shard.
     if distribute and setup.sequence_parallel:
         raise ValueError("distribute_saved_activations must be False when sequence_parallel is True "
                          "(the saved layer input is already a 1/t sequence shard)")
-    if distribute and name != "full":
-        raise ValueError(f"distribute_saved_activations requires recompute='full', got recompute={name!r}")
+    if distribute and config.granularity == "selective" and not {"mlp", "norm"} & set(modules):
+        raise ValueError(f"distribute_saved_activations: the selective modules {list(modules)} keep no replicated "
+                         "input to distribute; only 'mlp' and 'norm' do (or use full recompute)")
     why = model.valid_tp(setup.tp, setup.seq_len if setup.sequence_parallel else None, include_vocab=False)
     if why is not None:
         raise ValueError(why)
     if model.head_dim * model.heads != model.hidden:
         raise ValueError(f"head_dim ({model.head_dim}) * heads ({model.heads}) must equal hidden "
                          f"({model.hidden}) for the memory model")
-    return name, distribute
+    return PricedRecompute(config, _name(config, modules), modules, distribute and setup.tp > 1)
 
 
-def layer_activation_terms(model: ModelShape, setup: TrainingSetup, recompute: Recompute) -> list[ActivationTerm]:
-    """The tensors one layer keeps for backward on one rank, with their bytes.
+def _spec(model: ModelShape, setup: TrainingSetup, recompute: Recompute, layer: int | None) -> LayerSpec:
+    priced = resolve(model, setup, recompute)
+    if layer is None:
+        if not priced.same_on_every_layer(model.layers):
+            raise ValueError(f"layer: recompute {priced.name!r} keeps different bytes in different layers; pass "
+                             f"layer=0..{model.layers - 1}, or use model_activation_bytes for the whole stack")
+        layer = 0
+    if not (isinstance(layer, int) and 0 <= layer < model.layers):
+        raise ValueError(f"layer must be an int in 0..{model.layers - 1}, got {layer!r}")
+    return priced.layer(layer, model.layers)
 
-    Full recompute keeps one term, ``layer_input``: 2sbh, or 2sbh/t when it is a sequence
-    shard (sequence parallel) or distributed across the TP group.
+
+def layer_activation_terms(
+    model: ModelShape, setup: TrainingSetup, recompute: Recompute, layer: int | None = None
+) -> list[ActivationTerm]:
+    """The tensors one layer keeps for backward on one rank, with their bytes, in forward order.
+
+    ``layer``: the layer's index, needed only where layers differ (grouped and block full
+    recompute; see the module docstring). Full recompute keeps one term, ``layer_input``: 2sbh,
+    or 2sbh/t when it is a sequence shard (sequence parallel) or distributed across the TP group.
     """
-    name, distribute = resolve(model, setup, recompute)
-    terms = _gpt_terms if model.kind == "gpt" else _llama_terms
-    return terms(model, setup, name, distribute)
+    return layer_terms(model, setup, _spec(model, setup, recompute, layer))[0]
 
 
-def layer_activation_bytes(model: ModelShape, setup: TrainingSetup, recompute: Recompute) -> int:
+def layer_activation_bytes(model: ModelShape, setup: TrainingSetup, recompute: Recompute, layer: int | None = None) -> int:
     """Activation bytes one layer keeps for backward on one rank (for GPT, a row of Table 2)."""
-    return sum(term.nbytes for term in layer_activation_terms(model, setup, recompute))
+    return sum(term.nbytes for term in layer_activation_terms(model, setup, recompute, layer))
+
+
+def layer_recompute_events(
+    model: ModelShape, setup: TrainingSetup, recompute: Recompute, layer: int | None = None
+) -> list[RecomputeEvent]:
+    """When one layer's backward recomputes, and what comes back (:class:`~.terms.RecomputeEvent`)."""
+    return layer_terms(model, setup, _spec(model, setup, recompute, layer))[1]
+
+
+def layer_backward_peak(kept: int, events: Sequence[RecomputeEvent]) -> int:
+    """The most one layer holds at once from the start of its backward: all it kept, or a
+    recompute's ``held + again``."""
+    return max([kept, *(e.held + e.again for e in events)])
+
+
+def stack_peak(layers: Sequence[tuple[int, int]], before: int = 0, after: int = 0) -> int:
+    """The peak of live activations over one micro-batch's forward and backward.
+
+    ``layers``: ``(kept, backward peak)`` of each layer in layer order (:func:`layer_backward_peak`);
+    ``before``: what is kept before the layers (embedding, rotary tables) and held until their
+    backward is done; ``after``: what is kept after them (final norm, LM head, loss), freed before
+    the last layer's backward starts. The forward ends holding everything; backward runs from the
+    last layer down, and layer i's backward holds what layers 0..i-1 still keep.
+    """
+    peak, prefix = 0, before
+    for kept, backward in layers:
+        peak = max(peak, prefix + backward)
+        prefix += kept
+    return max(peak, prefix + after)
 
 
 def outside_layer_terms(model: ModelShape, setup: TrainingSetup, recompute: Recompute) -> list[ActivationTerm]:
-    """Terms one stack of layers shares: Llama's rotary tables (:func:`rotary_terms`), none
-    under full recompute; none for GPT."""
-    name, _ = resolve(model, setup, recompute)
-    return rotary_terms(model, setup) if model.kind == "llama" and name != "full" else []
+    """Terms one stack of layers shares: Llama's rotary tables (:func:`rotary_terms`; a full
+    recompute checkpoint keeps them as inputs too); none for GPT."""
+    resolve(model, setup, recompute)
+    return rotary_terms(model, setup) if model.kind == "llama" else []
 
 
 def model_activation_bytes(
     model: ModelShape, setup: TrainingSetup, recompute: Recompute, outside: Sequence[ActivationTerm] = ()
 ) -> int:
-    """Activation bytes of ``model.layers`` identical layers plus the terms ``outside`` them.
+    """Activation bytes the ``model.layers`` layers keep for backward once the forward is done
+    (what ``SavedTensorRecorder`` measures), plus the terms ``outside`` them.
 
     ``outside`` is the hook for what the layers do not cover: the embedding's dropout mask, the
     final norm's input, the LM head input and the loss's logits (the paper's section 4.3).
-    Nothing is added by default; the whole-model budget (:mod:`.budget`) adds them.
+    Nothing is added by default; the whole-model budget (:mod:`.budget`) adds them. The peak,
+    recompute buffers included, is :func:`model_activation_peak_bytes`.
     """
-    return model.layers * layer_activation_bytes(model, setup, recompute) + sum(t.nbytes for t in outside)
+    kept = sum(layer_activation_bytes(model, setup, recompute, i) for i in range(model.layers))
+    return kept + sum(t.nbytes for t in outside)
 
 
-# --------------------------------------------------------------------------------------------
-# The paper's GPT layer.
-
-# name, elements in units of sbh, is a mask, split by t under TP without SP.
-# Under TP alone the norms, the QKV and fc1 inputs and the dropouts after the row-parallel
-# layers see the full [s, b, h] activation on every rank (10sbh); everything between a column
-# and a row layer is split by heads or by the 4h dimension (24sbh/t + 5as^2b/t).
-_SBH_TERMS: tuple[tuple[str, int, bool, bool], ...] = (
-    ("ln1_input", 1, False, False),
-    ("qkv_input", 1, False, False),
-    ("q_k", 2, False, True),
-    ("v", 1, False, True),
-    ("proj_input", 1, False, True),
-    ("attn_dropout_mask", 1, True, False),
-    ("ln2_input", 1, False, False),
-    ("mlp_fc1_input", 1, False, False),
-    ("gelu_input", 4, False, True),
-    ("fc2_input", 4, False, True),
-    ("mlp_dropout_mask", 1, True, False),
-)
-# The attention core, in units of as^2b: what selective recompute drops. Split by heads under TP.
-_CORE_TERMS: tuple[tuple[str, int, bool], ...] = (
-    ("softmax_out", 1, False),
-    ("softmax_dropout_mask", 1, True),
-    ("attn_dropout_out", 1, False),
-)
-
-
-def _gpt_terms(model: ModelShape, setup: TrainingSetup, name: str, distribute: bool) -> list[ActivationTerm]:
-    t, w, sp = setup.tp, setup.width, setup.sequence_parallel
-    sbh = setup.seq_len * setup.micro_batch * model.hidden
-    as2b = model.heads * setup.seq_len * setup.seq_len * setup.micro_batch
-    if name == "full":
-        split = sp or distribute
-        return [ActivationTerm("layer_input", w * sbh // t if split else w * sbh, split)]
-    terms = []
-    for term, units, is_mask, split_under_tp in _SBH_TERMS:
-        split = split_under_tp or sp
-        nbytes = units * (_BOOL if is_mask else w) * sbh
-        terms.append(ActivationTerm(term, nbytes // t if split else nbytes, split))
-    if name == "none":
-        for term, units, is_mask in _CORE_TERMS:
-            terms.append(ActivationTerm(term, units * (_BOOL if is_mask else w) * as2b // t, True))
-    return terms
-
-
-# --------------------------------------------------------------------------------------------
-# The Llama layer.
-
-
-def _rmsnorm_terms(prefix: str, sb: int, h: int, width: int) -> list[tuple[str, int]]:
-    # The fused RMSNorm (parallel/fused_ops.py) keeps its input as it is and the [s, b, 1] fp32
-    # 1/rms; backward recomputes the normalised value from them.
-    return [(f"{prefix}_input", width * sb * h), (f"{prefix}_rstd_fp32", _FP32 * sb)]
-
-
-def _llama_terms(model: ModelShape, setup: TrainingSetup, name: str, distribute: bool) -> list[ActivationTerm]:
-    """The Llama layer's terms. Selective recompute drops the attention core: with explicit
-    attention the softmax output in the activation dtype (the ``s^2`` term), with flash the
-    kernel's fp32 logsumexp (its output is the projection's input, kept either way; its q, k
-    and v are the checkpoint's inputs). ``mlp_act`` drops nothing more (the fused SwiGLU keeps
-    only gate and up, which its checkpoint would keep too); full recompute keeps only the layer
-    input."""
-    s, b, h, t, w = setup.seq_len, setup.micro_batch, model.hidden, setup.tp, setup.width
-    sp = setup.sequence_parallel
-    if name == "full":
-        split = sp or distribute
-        nbytes = w * s * b * h
-        return [ActivationTerm("layer_input", -(-nbytes // t) if split else nbytes, split)]
-    # Replicated over TP without sequence parallel, a 1/t sequence shard with it.
-    sb = s * b // t if sp else s * b
-    outside = [
-        *_rmsnorm_terms("norm1", sb, h, w),
-        ("qkv_input", w * sb * h),
-        *_rmsnorm_terms("norm2", sb, h, w),
-        ("mlp_input", w * sb * h),
-    ]
-    d, a_loc, g_loc, f_loc = model.head_dim, model.local_heads(t), model.local_kv_heads(t), model.ffn // t
-    inside = [
-        ("q", w * s * b * a_loc * d),  # after rotary: the score matmul (or checkpoint) keeps it
-        ("k", w * s * b * g_loc * d),  # at kv heads: never repeated to the query heads
-        ("v", w * s * b * g_loc * d),
-        ("proj_input", w * s * b * a_loc * d),
-        ("gate", w * s * b * f_loc),  # the fused SwiGLU keeps its inputs and recomputes silu(gate)
-        ("up", w * s * b * f_loc),
-        ("down_input", w * s * b * f_loc),
-    ]
-    if name == "none" and setup.attention == "explicit":
-        # The fused masked softmax keeps only its output, in the activation dtype: the tensor
-        # the matmul with V keeps too (one storage).
-        inside.append(("probs", w * a_loc * s * s * b))
-    elif name == "none":
-        # torch's flash kernel: q, k, v (k and v at kv heads, as above; it keeps contiguous
-        # [b, heads, s, d] copies of them instead of the rotary outputs), its output (the
-        # projection's input) and one fp32 logsumexp per query row.
-        inside.append(("softmax_lse_fp32", _FP32 * a_loc * s * b))
-    return [ActivationTerm(n, v, sp) for n, v in outside] + [ActivationTerm(n, v, True) for n, v in inside]
+def model_activation_peak_bytes(
+    model: ModelShape, setup: TrainingSetup, recompute: Recompute,
+    before: Sequence[ActivationTerm] = (), after: Sequence[ActivationTerm] = (),
+) -> int:
+    """The most activation bytes alive at once over one micro-batch's forward and backward:
+    what the layers keep, plus, while a layer (or a group of k layers) recomputes in backward,
+    what its rerun brings back on top of what the earlier layers still hold (:func:`stack_peak`;
+    ``before`` / ``after``: terms outside the layers, kept before / after them)."""
+    layers = []
+    for i in range(model.layers):
+        kept, events = layer_terms(model, setup, _spec(model, setup, recompute, i))
+        nbytes = sum(t.nbytes for t in kept)
+        layers.append((nbytes, layer_backward_peak(nbytes, events)))
+    return stack_peak(layers, sum(t.nbytes for t in before), sum(t.nbytes for t in after))
 
 
 def rotary_terms(model: ModelShape, setup: TrainingSetup) -> list[ActivationTerm]:
@@ -224,6 +245,7 @@ def rotary_terms(model: ModelShape, setup: TrainingSetup) -> list[ActivationTerm
 
 
 __all__ = [
-    "ActivationTerm", "layer_activation_bytes", "layer_activation_terms", "model_activation_bytes",
-    "outside_layer_terms", "resolve", "rotary_terms", "supported_presets",
+    "ActivationTerm", "PricedRecompute", "RecomputeEvent", "layer_activation_bytes", "layer_activation_terms",
+    "layer_backward_peak", "layer_recompute_events", "model_activation_bytes", "model_activation_peak_bytes",
+    "outside_layer_terms", "resolve", "rotary_terms", "stack_peak", "supported_presets",
 ]  # fmt: skip

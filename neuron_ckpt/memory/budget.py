@@ -19,9 +19,11 @@ One device (a NeuronCore, a GPU) holds one tensor-parallel rank of one data-para
   ``[s, b, v/t]`` logits plus the cross entropy's fp32 working copy (and its bf16 softmax), (b) the
   explicit attention's forward in the last layer: its ``[b, a/t, s, s]`` 16-bit scores plus, at
   worst (XLA widens them), an fp32 copy and the fp32 softmax (flash attention works in blocks:
-  nothing of that size), (c) a recomputed layer's
-  activations alive again during its backward, on top of the layers before it, (d) the
-  optimizer step (after the activations are freed): the flattened gradients and fp32 slices.
+  nothing of that size), (c) recompute in backward: the peak of live activations
+  (:attr:`MemoryBudget.activation_peak_bytes`) above what the forward keeps, when a recomputed
+  layer's (or a group of k layers') activations are alive again on top of what the layers
+  before it hold, (d) the optimizer step (after the activations are freed): the flattened
+  gradients and fp32 slices.
 
 Not modelled: gradient temporaries inside one op's backward, collective buffers, the device
 runtime's own reservation and allocator fragmentation; keep some headroom (``reserve`` in the
@@ -36,8 +38,8 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from ..recompute import PRESETS
-from .analytic import rotary_terms
-from .options import LayerOption, layer_options
+from .analytic import rotary_terms, stack_peak
+from .options import LayerOption, Layers, layer_options, per_layer_options
 from .shape import ModelShape, TrainingSetup
 
 GIB = 1 << 30
@@ -60,13 +62,20 @@ class LineItem:
 
 @dataclass(frozen=True)
 class MemoryBudget:
-    """Per-device memory of one training job, by line item; ``total_bytes`` is the peak estimate."""
+    """Per-device memory of one training job, by line item; ``total_bytes`` is the peak estimate.
+
+    layers: the recompute of each layer, in layer order, by name (a preset, or a
+    :class:`~.options.LayerOption` label). activation_peak_bytes: the most activation bytes alive
+    at once over a micro-batch's forward and backward, recompute buffers included (the other
+    micro-batches in flight keep theirs meanwhile); at least :attr:`activation_bytes` / m of it.
+    """
 
     model: ModelShape
     setup: TrainingSetup
-    layers: tuple[str, ...]  # the recompute option of each layer, in layer order
+    layers: tuple[str, ...]
     items: tuple[LineItem, ...]
     notes: tuple[str, ...] = field(default=())
+    activation_peak_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
@@ -102,6 +111,7 @@ class MemoryBudget:
             ],
             "total_bytes": self.total_bytes,
             "total_gib": round(self.total_gib, 4),
+            "activation_peak_bytes": self.activation_peak_bytes,
             "notes": list(self.notes),
         }
 
@@ -159,8 +169,9 @@ def _static_items(model: ModelShape, setup: TrainingSetup) -> tuple[list[LineIte
     return items, optimizer_step_bytes(model, setup)
 
 
-def _outside_items(model: ModelShape, setup: TrainingSetup) -> tuple[list[LineItem], int]:
-    """Activations outside the layers (per micro-batch), and the loss's transient bytes."""
+def _outside_items(model: ModelShape, setup: TrainingSetup) -> tuple[list[LineItem], list[LineItem], int]:
+    """Activations outside the layers (per micro-batch): those kept before them and those kept
+    after them (freed before the layers' backward), and the loss's transient bytes."""
     s, b, t, h, v, w = setup.seq_len, setup.micro_batch, setup.tp, model.hidden, model.vocab, setup.width
     sb = s * b
     sb_local = sb // t if setup.sequence_parallel else sb
@@ -171,12 +182,12 @@ def _outside_items(model: ModelShape, setup: TrainingSetup) -> tuple[list[LineIt
         embed = sb * _INT64 + (sb * _BOOL if t > 1 else 0)
         # Final RMSNorm (its input and the fp32 1/rms) and the LM head's input.
         final = sb_local * h * w + sb_local * _FP32 + sb_local * h * w
-        items = [LineItem("act: embedding + rotary", embed + rope, "activations", "ids, shard mask, cos/sin tables")]
+        before = [LineItem("act: embedding + rotary", embed + rope, "activations", "ids, shard mask, cos/sin tables")]
     else:
         # Paper section 4.3: embedding dropout mask; final LayerNorm input and stats; head input.
-        items = [LineItem("act: embedding", sb_local * h, "activations", "dropout mask")]
+        before = [LineItem("act: embedding", sb_local * h, "activations", "dropout mask")]
         final = sb_local * h * w + 2 * sb_local * w + sb_local * h * w
-    items.append(LineItem("act: final norm + LM head", final, "activations", "norm input/stats, LM head input"))
+    after = [LineItem("act: final norm + LM head", final, "activations", "norm input/stats, LM head input")]
     # Vocab-parallel cross entropy: the softmax [s, b, v/t] (bf16 with bf16 logits, plus each
     # target's fp32 probability; fp32 otherwise), target index, two bool masks; the mean's
     # division keeps its int64 token count.
@@ -184,62 +195,56 @@ def _outside_items(model: ModelShape, setup: TrainingSetup) -> tuple[list[LineIt
     softmax = logits * w + sb * _FP32 if lean else logits * _FP32
     loss = softmax + sb * (_INT64 + 2 * _BOOL) + _INT64
     what = "bf16 softmax [s, b, v/t] + fp32 target p" if lean else "fp32 softmax [s, b, v/t]"
-    items.append(LineItem("act: loss", loss, "activations", f"{what} + targets"))
+    after.append(LineItem("act: loss", loss, "activations", f"{what} + targets"))
     # While it runs: the logits (w), one fp32 [s, b, v/t] buffer (the cast, shifted and
     # exponentiated in place; for fp32 logits the shifted copy) and the bf16 softmax it keeps.
     transient = logits * (w + _FP32 + (w if lean else 0))
-    return items, transient
+    return before, after, transient
 
 
-def _recompute_peak(order: Sequence[LayerOption]) -> int:
-    """Largest ``(saved by layers 0..i) + rematerialized_i`` over the layers: backward runs from
-    the last layer down, so layer i recomputes while the layers before it still hold theirs."""
-    prefix, peak = 0, 0
-    for option in order:
-        prefix += option.saved_bytes
-        if option.rematerialized_bytes:
-            peak = max(peak, prefix + option.rematerialized_bytes)
-    return peak
+def _layer_items(order: Sequence[LayerOption], m: int) -> list[LineItem]:
+    """One line per option name: the presets in their order, then the others as they come."""
+    names = [n for n in PRESETS if any(o.name == n for o in order)]
+    names += list(dict.fromkeys(o.name for o in order if o.name not in names))
+    items = []
+    for name in names:
+        same = [o for o in order if o.name == name]
+        total = sum(o.saved_bytes for o in same)
+        per = {o.saved_bytes for o in same}
+        note = (f"{per.pop() / 2**20:,.1f} MiB per layer" if len(per) == 1
+                else f"{total / 2**20:,.1f} MiB in all (the group inputs)")
+        items.append(LineItem(f"act: {len(same)} layers x {name}", total * m, "activations", note))
+    return items
 
 
 def memory_budget(
     model: ModelShape,
     setup: TrainingSetup,
-    layers: str | Sequence[str] = "none",
+    layers: Layers = "none",
     options: dict[str, LayerOption] | None = None,
 ) -> MemoryBudget:
     """The per-device budget with ``layers`` recompute: one option name for every layer, or one
-    per layer (in layer order: it decides the backward peak, see :func:`~.options.canonical_order`)."""
+    per layer (in layer order: it decides the backward peak, see :func:`~.options.canonical_order`);
+    or a :class:`RecomputeConfig` for the whole stack (any the analytic model prices: grouped and
+    block full recompute too), or a per-layer list of ``RecomputeConfig | None`` (what
+    ``apply_recompute`` takes; names may be mixed in). Names are the ``options`` offered
+    (:func:`~.options.layer_options`); configs are priced as given."""
     options = options if options is not None else layer_options(model, setup)
-    names = (layers,) * model.layers if isinstance(layers, str) else tuple(layers)
-    if len(names) != model.layers:
-        raise ValueError(f"layers: need one option per layer ({model.layers}), got {len(names)}")
-    for name in set(names):
-        if name not in options:
-            why = " (with flash attention selective recompute has no s^2 tensor to drop)" if (
-                setup.attention == "flash" and name in PRESETS) else ""
-            raise ValueError(f"layers: option {name!r} is not offered for {model.kind}{why}; choose from {list(options)}")
+    order = per_layer_options(model, setup, layers, options)
     static, step = _static_items(model, setup)
-    outside, loss_transient = _outside_items(model, setup)
+    before, after, loss_transient = _outside_items(model, setup)
     m = setup.microbatches_in_flight
-    items = list(static)
-    for name in PRESETS:
-        count = names.count(name)
-        if count:
-            per = options[name].saved_bytes
-            items.append(LineItem(f"act: {count} layers x {name}", count * per * m, "activations",
-                                  f"{per / 2**20:,.1f} MiB per layer"))
-    items += [LineItem(i.name, i.nbytes * m, i.category, i.note) for i in outside]
+    items = list(static) + _layer_items(order, m)
+    items += [LineItem(i.name, i.nbytes * m, i.category, i.note) for i in (*before, *after)]
     saved = sum(i.nbytes for i in items if i.category == "activations")
-    order = [options[name] for name in names]
-    # Recompute peak of the last micro-batch in flight; the others' activations stay alive.
-    layer_saved = sum(o.saved_bytes for o in order)
-    recompute = _recompute_peak(order) - layer_saved
+    one = saved // m  # one micro-batch's activations; the others in flight stay alive meanwhile
+    peak_one = stack_peak([(o.saved_bytes, o.backward_peak_bytes) for o in order],
+                          sum(i.nbytes for i in before), sum(i.nbytes for i in after))
     # The explicit attention's forward at the last layer, on top of everything kept: the 16-bit
     # scores, and at worst (XLA, which widens) an fp32 copy and the fp32 softmax.
     candidates = [
         (loss_transient, "loss: logits + the cross entropy's fp32 working copy"),
-        (recompute, "a recomputed layer's activations during its backward"),
+        (peak_one - one, "recompute in backward: activations alive again on top of the layers before"),
         (step - saved, "optimizer step: fp32 gradient slices + one bucket buffer (activations freed)"),
     ]
     if setup.attention == "explicit":
@@ -248,7 +253,8 @@ def memory_budget(
     extra, why = max(candidates, key=lambda c: c[0])
     items.append(LineItem("peak workspace", max(extra, 0), "workspace", why))
     notes = [f"micro-batches in flight: {m} (1 without pipeline parallelism)"]
-    return MemoryBudget(model, setup, names, tuple(items), tuple(notes))
+    names = tuple(o.name for o in order)
+    return MemoryBudget(model, setup, names, tuple(items), tuple(notes), saved - one + peak_one)
 
 
 __all__ = ["GIB", "LineItem", "MemoryBudget", "largest_collective_bytes", "memory_budget", "optimizer_step_bytes"]

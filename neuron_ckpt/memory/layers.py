@@ -2,7 +2,8 @@
 
 :func:`measure_layers` runs on every rank of an initialised torch.distributed world (a
 ``LocalWorld`` / ``run_local`` worker, or a torchrun process): it sets up tensor parallelism of
-``setup.tp``, builds ``num_layers`` GPT or Llama layers with the recompute preset applied, runs
+``setup.tp``, builds ``num_layers`` GPT or Llama layers with the recompute applied (a preset name
+or any ``RecomputeConfig`` the memory model prices: :func:`~.analytic.resolve`), runs
 one forward under :class:`~.measure.SavedTensorRecorder` (one scope per layer) and returns this
 rank's bytes. Left out: parameters, the explicit attention's shared causal masks and (Llama) the
 rotary tables, which all layers share (:func:`~.analytic.rotary_terms` accounts for them).
@@ -10,13 +11,13 @@ rotary tables, which all layers share (:func:`~.analytic.rotary_terms` accounts 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
 from ..distributed import initialize_model_parallel, model_parallel_manual_seed
 from ..parallel import CoreAttention
-from ..recompute import RecomputeConfig, apply_recompute, run_layers
+from ..recompute import apply_recompute, run_layers
 from ..recompute.module import unwrapped
 from .analytic import Recompute, resolve
 from .measure import SavedTensorRecorder
@@ -54,8 +55,9 @@ def build_layers(
     model: ModelShape, setup: TrainingSetup, recompute: Recompute, num_layers: int = MEASURED_LAYERS
 ) -> tuple[torch.nn.ModuleList, tuple[torch.Tensor, ...]]:
     """``num_layers`` layers with recompute applied, and the extra arguments each layer takes.
-    Checked first as the analytic model checks them (a ``ValueError`` naming the field)."""
-    name, distribute = resolve(model, setup, recompute)
+    Checked first as the analytic model checks them (a ``ValueError`` naming the field), for a
+    model of ``num_layers`` layers (grouped full recompute needs enough of them)."""
+    chosen = resolve(replace(model, layers=num_layers), setup, recompute).config
     state = initialize_model_parallel(setup.tp)
     dtype = TORCH_DTYPES[setup.dtype]
     if model.kind == "gpt":
@@ -78,9 +80,8 @@ def build_layers(
         options = LlamaOptions(setup.sequence_parallel, setup.attention, dtype, state)
         layers = torch.nn.ModuleList(LlamaDecoderLayer(args, options) for _ in range(num_layers))
         extra = RotaryEmbedding(args)(setup.seq_len, dtype, torch.device("cpu"))
-    config = RecomputeConfig.preset(name, distribute)
-    if config.enabled:
-        apply_recompute(layers, config, sequence_parallel=setup.sequence_parallel)
+    if chosen.enabled:
+        apply_recompute(layers, chosen, sequence_parallel=setup.sequence_parallel)
     return layers.train(), extra
 
 

@@ -1,41 +1,51 @@
-"""One layer's recompute options, priced: bytes kept, bytes alive again in backward, FLOPs rerun.
+"""One layer's recompute, priced: bytes kept, the most held during its backward, FLOPs rerun.
 
-Each option is a recompute preset (:data:`~neuron_ckpt.recompute.PRESETS`) the model supports
-(:func:`~.analytic.supported_presets`) and the attention makes worth running
-(:func:`offered_presets`: with flash attention, not the selective ones). Its bytes come from the analytic model; its FLOPs count
-the forward work that backward reruns, against the step's model FLOPs (:func:`step_flops`, the
-MFU convention of :meth:`~.shape.ModelShape.flops_per_token`).
+:func:`layer_option` prices any recompute choice a layer can run (:func:`~.analytic.resolve`):
+its bytes come from the analytic model (:mod:`.terms`), its FLOPs count the forward work that
+backward reruns, against the step's model FLOPs (:func:`step_flops`, the MFU convention of
+:meth:`~.shape.ModelShape.flops_per_token`). :func:`stack_options` prices every layer of a stack
+under one config (grouped and block full recompute included), :func:`per_layer_options` whatever
+a budget is given for its layers. The planner's choices are the
+presets (:data:`~neuron_ckpt.recompute.PRESETS`) the attention makes worth running
+(:func:`offered_presets`: with flash attention, not the selective ones), by name:
+:func:`layer_options`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Sequence, Union
 
 from ..recompute import PRESETS, RecomputeConfig
-from .analytic import layer_activation_bytes, supported_presets
+from .analytic import Recompute, layer_activation_bytes, layer_backward_peak, resolve, supported_presets
 from .shape import ModelShape, TrainingSetup
+from .terms import LayerSpec, layer_terms
 
 # Elementwise FLOPs per element, for the recompute cost: softmax (scale, mask, max, exp, sum,
-# divide, roughly 5), SiLU times up (x * sigmoid(x) * up, 5), GeLU (tanh form, 8).
-SOFTMAX_FLOPS, SWIGLU_FLOPS, GELU_FLOPS = 5, 5, 8
+# divide, roughly 5), SiLU times up (x * sigmoid(x) * up, 5), GeLU (tanh form, 8), RMSNorm
+# (square, mean, 1/rms, scale, weight: 4), LayerNorm (mean, centre, square, mean, scale, affine: 8).
+SOFTMAX_FLOPS, SWIGLU_FLOPS, GELU_FLOPS, RMSNORM_FLOPS, LAYERNORM_FLOPS = 5, 5, 8, 4, 8
 
 
 @dataclass(frozen=True)
 class LayerOption:
     """One way to run one layer.
 
-    name: a preset: "none", "selective" (core attention), "selective+mlp_act" (also SwiGLU's
-        activation; Llama only) or "full".
-    recompute: the per-layer :class:`RecomputeConfig` (``RecomputeConfig.preset(name)``).
-    saved_bytes: activations the layer keeps for backward, per micro-batch, on one device.
-    rematerialized_bytes: recomputed activations alive again while the layer's backward runs.
+    name: a preset ("none", "selective" (core attention), "selective+mlp_act" (also the MLP's
+        activation), "full"), or the label of another choice (``selective[mlp,norm]``,
+        ``full(uniform 2)``, ``full+distributed``: :attr:`~.analytic.PricedRecompute.label`).
+    recompute: the :class:`RecomputeConfig` it runs (``RecomputeConfig.preset(name)`` for a preset).
+    saved_bytes: activations the layer keeps for backward, per micro-batch, on one device (the
+        first layer of a full-recompute group keeps the group's input, the others nothing).
+    backward_peak_bytes: the most the layer holds at once during its backward, its own kept bytes
+        still held plus what its recompute brings back (for a group: all k layers' activations).
     recompute_flops: forward FLOPs rerun in backward, per micro-batch, on one device.
     """
 
     name: str
     recompute: RecomputeConfig
     saved_bytes: int
-    rematerialized_bytes: int
+    backward_peak_bytes: int
     recompute_flops: float
 
 
@@ -47,13 +57,83 @@ def _flops(model: ModelShape, setup: TrainingSetup) -> dict[str, float]:
     scores = a_loc * s * s * b
     # QK^T and probs @ V over the whole s x s square (explicit attention computes all of it).
     core = 4.0 * scores * d + SOFTMAX_FLOPS * scores
+    tokens = s * b // t if setup.sequence_parallel else s * b  # what a norm sees
     if model.kind == "llama":
         act = SWIGLU_FLOPS * s * b * model.ffn / t
-        matmuls = 2.0 * s * b * h * ((2 * a_loc + 2 * g_loc) * d + 3 * model.ffn / t)
+        attn, mlp = 2.0 * s * b * h * (2 * a_loc + 2 * g_loc) * d, 2.0 * s * b * h * 3 * model.ffn / t
+        norm = 2.0 * RMSNORM_FLOPS * tokens * h
     else:
         act = GELU_FLOPS * s * b * model.ffn / t
-        matmuls = 2.0 * s * b * 12 * h * h / t
-    return {"core": core, "act": act, "layer": matmuls + core + act}
+        attn, mlp = 2.0 * s * b * 4 * h * h / t, 2.0 * s * b * 8 * h * h / t
+        norm = 2.0 * LAYERNORM_FLOPS * tokens * h
+    return {"core_attn": core, "mlp_act": act, "mlp": mlp + act, "norm": norm, "layer": attn + mlp + core + act}
+
+
+def _cost(flops: dict[str, float], spec: LayerSpec) -> float:
+    """FLOPs a layer reruns: the whole layer under full recompute (each layer of a group), else
+    its selective modules (``mlp`` includes its activation; norms are not in the layer's count)."""
+    if spec.span is not None:
+        return flops["layer"]
+    return sum(flops[m] for m in spec.modules)
+
+
+def layer_option(model: ModelShape, setup: TrainingSetup, recompute: Recompute, layer: int = 0) -> LayerOption:
+    """Layer ``layer`` of ``model`` under ``recompute``, priced."""
+    priced = resolve(model, setup, recompute)
+    spec = priced.layer(layer, model.layers)
+    kept, events = layer_terms(model, setup, spec)
+    saved = sum(t.nbytes for t in kept)
+    return LayerOption(priced.layer_label(layer, model.layers), priced.config, saved,
+                       layer_backward_peak(saved, events), _cost(_flops(model, setup), spec))
+
+
+def stack_options(model: ModelShape, setup: TrainingSetup, recompute: Recompute) -> list[LayerOption]:
+    """Every layer of ``model`` under one recompute choice, in layer order."""
+    return [layer_option(model, setup, recompute, i) for i in range(model.layers)]
+
+
+Layers = Union[str, RecomputeConfig, Sequence[Union[str, RecomputeConfig, None]]]
+
+
+def per_layer_options(
+    model: ModelShape, setup: TrainingSetup, layers: Layers, options: dict[str, LayerOption]
+) -> list[LayerOption]:
+    """Each layer's option, in layer order, for what :func:`~.budget.memory_budget` takes as
+    ``layers``: a preset name from ``options`` (the offered ones) for every layer, a config for the
+    whole stack priced layer by layer, or one entry per layer (a name, a config covering its own
+    layer, or None for no recompute)."""
+
+    def named(name: str) -> LayerOption:
+        if name not in options:
+            why = " (with flash attention selective recompute has no s^2 tensor to drop)" if (
+                setup.attention == "flash" and name in PRESETS) else ""
+            raise ValueError(f"layers: option {name!r} is not offered for {model.kind}{why}; choose from {list(options)}")
+        return options[name]
+
+    if isinstance(layers, str):
+        return [named(layers)] * model.layers
+    if isinstance(layers, RecomputeConfig):
+        return stack_options(model, setup, layers)
+    if isinstance(layers, (list, tuple)):
+        entries = list(layers)
+    else:
+        raise ValueError(f"layers must be a preset name, a RecomputeConfig or one entry per layer, got {layers!r}")
+    if len(entries) != model.layers:
+        raise ValueError(f"layers: need one option per layer ({model.layers}), got {len(entries)}")
+    one = replace(model, layers=1)
+    out = []
+    for i, entry in enumerate(entries):
+        if isinstance(entry, str):
+            out.append(named(entry))
+        elif entry is None or isinstance(entry, RecomputeConfig):
+            config = entry or RecomputeConfig()
+            if config.granularity == "full" and config.num_layers != 1:
+                raise ValueError(f"layers[{i}]: in a per-layer list a full-recompute entry covers its own layer "
+                                 f"only: use num_layers=1, got num_layers={config.num_layers}")
+            out.append(layer_option(one, setup, config))
+        else:
+            raise ValueError(f"layers[{i}] must be a preset name, a RecomputeConfig or None, got {entry!r}")
+    return out
 
 
 def offered_presets(model: ModelShape, setup: TrainingSetup) -> tuple[str, ...]:
@@ -78,17 +158,7 @@ def layer_options(model: ModelShape, setup: TrainingSetup) -> dict[str, LayerOpt
     (those :func:`offered_presets` lists)."""
     if (why := model.valid_tp(setup.tp, setup.seq_len if setup.sequence_parallel else None)) is not None:
         raise ValueError(why)
-    flops = _flops(model, setup)
-    costs = {"none": 0.0, "selective": flops["core"], "selective+mlp_act": flops["core"] + flops["act"],
-             "full": flops["layer"]}
-    names = offered_presets(model, setup)
-    kept = {name: layer_activation_bytes(model, setup, name) for name in names}
-    options = {}
-    for name in names:
-        # Full recompute reruns the whole layer: everything "none" keeps is alive again in backward.
-        again = kept["none"] if name == "full" else kept["none"] - kept[name]
-        options[name] = LayerOption(name, RecomputeConfig.preset(name), kept[name], again, costs[name])
-    return options
+    return {name: layer_option(model, setup, name) for name in offered_presets(model, setup)}
 
 
 def canonical_order(counts: dict[str, int]) -> tuple[str, ...]:
@@ -104,5 +174,5 @@ def step_flops(model: ModelShape, setup: TrainingSetup) -> float:
     return model.flops_per_token(s) * s * setup.micro_batch / setup.tp
 
 
-__all__ = ["LayerOption", "canonical_order", "layer_options", "offered_presets", "selective_saving_with_flash",
-           "step_flops"]
+__all__ = ["LayerOption", "Layers", "canonical_order", "layer_option", "layer_options", "offered_presets",
+           "per_layer_options", "selective_saving_with_flash", "stack_options", "step_flops"]

@@ -58,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--micro-batch", type=positive_int, default=1, help="b, sequences per micro-batch")
     add("--tp", type=positive_int, default=1, help="t, tensor-parallel degree")
     add("--sequence-parallel", action="store_true", help="shard norms/dropouts along the sequence")
-    add("--recompute", choices=PRESETS, default="none", help="a preset (selective+mlp_act: llama only)")
+    add("--recompute", choices=PRESETS, default="none", help="a recompute preset")
     add("--distribute-saved-activations", action="store_true", help="full recompute: keep 1/t of the layer input")
     add("--layers", type=positive_int, default=1, help="layers in the model (totals are layers x per layer)")
     add("--dtype", choices=tuple(DTYPE_BYTES), default="bf16", help="activation dtype")
@@ -87,7 +87,7 @@ def case_from_args(args: argparse.Namespace) -> Case:
 
 def comparisons(model: ModelShape, setup: TrainingSetup, recompute: Recompute) -> dict[str, RecomputeConfig]:
     """The same layer under each preset (distribution only where it applies: full)."""
-    _, distribute = resolve(model, setup, recompute)
+    distribute = resolve(model, setup, recompute).config.distribute_saved_activations
     return {name: RecomputeConfig.preset(name, distribute and name == "full") for name in supported_presets(model)}
 
 
@@ -110,7 +110,8 @@ def measure(cases: list[Case]) -> list[dict]:
 
 def _spec(model: ModelShape, setup: TrainingSetup, recompute: Recompute) -> dict:
     """What the report describes, flat (the ``spec`` of ``--json``)."""
-    name, distribute = resolve(model, setup, recompute)
+    priced = resolve(model, setup, recompute)
+    name, distribute = priced.name, priced.config.distribute_saved_activations
     return {
         "model": model.kind, "seq_len": setup.seq_len, "micro_batch": setup.micro_batch, "hidden": model.hidden,
         "heads": model.heads, "kv_heads": model.kv_heads if model.kind == "llama" else None, "ffn": model.ffn,
@@ -122,7 +123,8 @@ def _spec(model: ModelShape, setup: TrainingSetup, recompute: Recompute) -> dict
 
 def build_report(model: ModelShape, setup: TrainingSetup, recompute: Recompute, measured: dict | None = None) -> dict:
     """Everything the command prints, as a JSON-ready dict."""
-    name, distribute = resolve(model, setup, recompute)
+    priced = resolve(model, setup, recompute)
+    name, distribute = priced.name, priced.config.distribute_saved_activations
     per_layer = layer_activation_bytes(model, setup, recompute)
     outside = outside_layer_terms(model, setup, recompute)
     baseline = layer_activation_bytes(model, setup, "none")
@@ -136,7 +138,7 @@ def build_report(model: ModelShape, setup: TrainingSetup, recompute: Recompute, 
                             for n, c in comparisons(model, setup, recompute).items()},
         "saving_vs_no_recompute": 1 - per_layer / baseline,
     }
-    if model.kind == "gpt":
+    if model.kind == "gpt" and name in PAPER_ROWS:
         report["paper_formula"] = PAPER_ROWS[name][setup.sequence_parallel or distribute]
     if measured is not None:
         report.update(measured)

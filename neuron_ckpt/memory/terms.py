@@ -1,0 +1,212 @@
+"""What one layer keeps for backward under a recompute choice, and what its recompute brings back.
+
+Each layer (the paper's GPT layer, our Llama layer) is first written as the tensors it keeps
+with no recompute, in forward order, each with a *role*: whose input or output it is. One set of
+rules then turns that list into the terms a layer keeps under any selective module set or full
+recompute (:func:`layer_terms`) and the moments its backward recomputes something
+(:class:`RecomputeEvent`). The rules, module by module (docs/memory.md, "Every recompute
+choice"):
+
+* ``core_attn``: an ordinary checkpoint around core attention: its inputs (q, k, v) stay, its own
+  tensors go (explicit: the ``s^2`` terms; flash: the logsumexp).
+* ``mlp``: an ordinary checkpoint around the MLP: its input stays (a 1/t slice when distributed),
+  everything inside goes.
+* ``mlp_act``: output-discarding around the activation: its inputs stay, its output (what the
+  down projection / fc2 keeps) goes. Inside ``mlp`` it changes nothing (the outermost wins).
+* ``norm``: output-discarding around both norms: each norm's input stays (a 1/t slice when
+  distributed), its own tensors (Llama's fp32 1/rms) and its output (what the QKV projection and
+  the MLP keep) go, also when that keeper is the ``mlp`` checkpoint.
+* full recompute: a layer that starts a checkpoint keeps its input (a 1/t slice when
+  distributed); the other layers of a group keep nothing.
+
+A recompute event happens in the layer's backward when the layer still holds ``held`` bytes of
+its own terms (those before the recomputed part in forward order, and the part's own saved
+inputs) and ``again`` bytes come back: what the rerun saves as new storages (a rerun's detached
+inputs share the kept ones' storage; core attention copies q, and the flash kernel q, k, v and
+its output) and, for output-discarding, the recomputed output handed to its consumer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from .shape import ModelShape, TrainingSetup
+
+_FP32, _BOOL = 4, 1
+
+
+@dataclass(frozen=True)
+class ActivationTerm:
+    """One tensor kept for backward: its name, its bytes on one rank, and whether TP split it."""
+
+    name: str
+    nbytes: int
+    split_by_tp: bool
+
+
+@dataclass(frozen=True)
+class RecomputeEvent:
+    """A recompute during one layer's backward: ``unit`` (a module name, or ``layers i-j``)
+    reruns while the layer holds ``held`` bytes of its own terms, and ``again`` bytes come back."""
+
+    unit: str
+    held: int
+    again: int
+
+
+@dataclass(frozen=True)
+class _Term:
+    term: ActivationTerm
+    role: str  # "norm1.in", "norm1.own", "norm1.out", "core.in", "core.own", "norm2.*", "act.in", "act.out", ""
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """How one layer runs: ``modules`` the selective modules in effect (empty: none, or full);
+    ``span``: None (not fully recomputed), k >= 1 (starts a full checkpoint of k layers) or 0
+    (inside another layer's checkpoint); ``distribute``: checkpoint inputs kept as 1/t slices."""
+
+    modules: tuple[str, ...] = ()
+    span: int | None = None
+    distribute: bool = False
+
+
+def layer_terms(model: ModelShape, setup: TrainingSetup, spec: LayerSpec) -> tuple[list[ActivationTerm], list[RecomputeEvent]]:
+    """The terms one layer keeps (forward order) and its recompute events, under ``spec``."""
+    none, core_again = (_gpt if model.kind == "gpt" else _llama)(model, setup)
+    if spec.span == 0:
+        return [], []
+    w, t = setup.width, setup.tp
+    numel = setup.seq_len * setup.micro_batch * model.hidden // (t if setup.sequence_parallel else 1)
+    slice_ = w * -(-numel // t) if spec.distribute else w * numel  # a distributed input: ceil(numel/t)
+    gathered = t * slice_ if spec.distribute else 0  # all-gathered back for the rerun: a new storage
+    if spec.span is not None:
+        total = sum(x.term.nbytes for x in none)
+        kept = ActivationTerm("layer_input", slice_, setup.sequence_parallel or spec.distribute)
+        again = spec.span * total - w * numel + gathered  # the rerun's input is the kept one, or gathered
+        return [kept], [RecomputeEvent("layer" if spec.span == 1 else f"{spec.span} layers", slice_, again)]
+    return _selective(none, set(spec.modules), core_again, slice_, gathered)
+
+
+def _selective(none: Sequence[_Term], modules: set[str], core_again: int, slice_: int, gathered: int):
+    mlp, norm = "mlp" in modules, "norm" in modules
+    act_out = mlp or "mlp_act" in modules
+    dropped = {"core.own": "core_attn" in modules, "norm1.own": norm, "norm2.own": norm, "norm1.out": norm,
+               "norm2.out": norm, "act.in": mlp, "act.out": act_out}
+    by_role: dict[str, int] = {}
+    for x in none:
+        by_role[x.role] = by_role.get(x.role, 0) + x.term.nbytes
+    kept: list[ActivationTerm] = []
+    events: list[RecomputeEvent] = []
+
+    def event(unit: str, again: int) -> None:
+        events.append(RecomputeEvent(unit, sum(k.nbytes for k in kept), again))
+
+    for i, x in enumerate(none):
+        role, term = x.role, x.term
+        if dropped.get(role):
+            continue
+        sliced = (norm and role.endswith(".in") and role.startswith("norm")) or (mlp and role == "norm2.out")
+        kept.append(ActivationTerm(term.name, slice_, term.split_by_tp) if sliced else term)
+        if norm and role in ("norm1.in", "norm2.in"):
+            j = role[:5]
+            again = by_role.get(f"{j}.out", 0) + by_role.get(f"{j}.own", 0) + gathered
+            if j == "norm2" and mlp:  # the MLP checkpoint's input is the discarded norm output
+                event("norm+mlp", again + by_role["act.in"] + by_role["act.out"])
+            else:
+                event(j, again)
+        last_of_role = i + 1 == len(none) or none[i + 1].role != role
+        if role == "core.in" and last_of_role and "core_attn" in modules:
+            event("core_attn", core_again)
+        elif role == "norm2.out" and mlp:
+            event("mlp", by_role["act.in"] + by_role["act.out"] + gathered)
+        elif role == "act.in" and last_of_role and act_out and not mlp:
+            event("mlp_act", by_role["act.out"])
+    return kept, events
+
+
+# --------------------------------------------------------------------------------------------
+# The paper's GPT layer: activations ``setup.width`` bytes wide, dropout masks 1 byte. Under TP
+# alone the norms, the QKV and fc1 inputs and the dropouts after the row-parallel layers see the
+# full [s, b, h] activation on every rank (10sbh); everything between a column and a row layer is
+# split by heads or by the 4h dimension (24sbh/t + 5as^2b/t). LayerNorm's mean and 1/std
+# (2 x [s, b, 1] per norm) are left out, as the paper leaves them out.
+
+# name, units of sbh (of as^2b for the core), is a mask, split by t under TP without SP, role
+_GPT: tuple[tuple[str, int, bool, bool, str], ...] = (
+    ("ln1_input", 1, False, False, "norm1.in"),
+    ("qkv_input", 1, False, False, "norm1.out"),
+    ("q_k", 2, False, True, "core.in"),
+    ("v", 1, False, True, "core.in"),
+    ("softmax_out", 1, False, True, "core.own"),
+    ("softmax_dropout_mask", 1, True, True, "core.own"),
+    ("attn_dropout_out", 1, False, True, "core.own"),
+    ("proj_input", 1, False, True, ""),
+    ("attn_dropout_mask", 1, True, False, ""),
+    ("ln2_input", 1, False, False, "norm2.in"),
+    ("mlp_fc1_input", 1, False, False, "norm2.out"),
+    ("gelu_input", 4, False, True, "act.in"),
+    ("fc2_input", 4, False, True, "act.out"),
+    ("mlp_dropout_mask", 1, True, False, ""),
+)
+
+
+def _gpt(model: ModelShape, setup: TrainingSetup) -> tuple[list[_Term], int]:
+    t, w, sp = setup.tp, setup.width, setup.sequence_parallel
+    sbh = setup.seq_len * setup.micro_batch * model.hidden
+    as2b = model.heads * setup.seq_len * setup.seq_len * setup.micro_batch
+    terms = []
+    for name, units, is_mask, split_under_tp, role in _GPT:
+        split = split_under_tp or sp
+        nbytes = units * (_BOOL if is_mask else w) * (as2b if role == "core.own" else sbh)
+        terms.append(_Term(ActivationTerm(name, nbytes // t if split else nbytes, split), role))
+    # The rerun copies q (scaled) and keeps the three core terms again.
+    core_again = w * sbh // t + sum(x.term.nbytes for x in terms if x.role == "core.own")
+    return terms, core_again
+
+
+# --------------------------------------------------------------------------------------------
+# The Llama layer (docs/memory.md, "The Llama layer").
+
+
+def _llama(model: ModelShape, setup: TrainingSetup) -> tuple[list[_Term], int]:
+    s, b, h, t, w = setup.seq_len, setup.micro_batch, model.hidden, setup.tp, setup.width
+    sp = setup.sequence_parallel
+    sb = s * b // t if sp else s * b  # replicated over TP without sequence parallel, a shard with it
+    d, a_loc, g_loc, f_loc = model.head_dim, model.local_heads(t), model.local_kv_heads(t), model.ffn // t
+    q, kv, f = w * s * b * a_loc * d, w * s * b * g_loc * d, w * s * b * f_loc
+    if setup.attention == "explicit":
+        # The fused masked softmax keeps only its output, in the activation dtype: the tensor
+        # the matmul with V keeps too (one storage).
+        core = ("probs", w * a_loc * s * s * b)
+    else:
+        # torch's flash kernel: contiguous [b, heads, s, d] copies of q, k, v (k and v at kv
+        # heads) instead of the rotary outputs, its output (the projection's input) and one
+        # fp32 logsumexp per query row.
+        core = ("softmax_lse_fp32", _FP32 * a_loc * s * b)
+    rows = [
+        # The fused RMSNorm keeps its input and the [s, b, 1] fp32 1/rms; backward recomputes
+        # the normalised value from them.
+        ("norm1_input", w * sb * h, sp, "norm1.in"),
+        ("norm1_rstd_fp32", _FP32 * sb, sp, "norm1.own"),
+        ("qkv_input", w * sb * h, sp, "norm1.out"),  # the Q/K/V weight gradients' one input
+        ("q", q, True, "core.in"),  # after rotary: the score matmul (or the kernel) keeps it
+        ("k", kv, True, "core.in"),  # at kv heads: never repeated to the query heads
+        ("v", kv, True, "core.in"),
+        (*core, True, "core.own"),
+        ("proj_input", q, True, ""),
+        ("norm2_input", w * sb * h, sp, "norm2.in"),
+        ("norm2_rstd_fp32", _FP32 * sb, sp, "norm2.own"),
+        ("mlp_input", w * sb * h, sp, "norm2.out"),
+        ("gate", f, True, "act.in"),  # the fused SwiGLU keeps its inputs and recomputes silu(gate)
+        ("up", f, True, "act.in"),
+        ("down_input", f, True, "act.out"),
+    ]
+    # What a core-attention rerun saves anew: explicit copies q (scaled) and keeps the
+    # probabilities; the flash kernel copies q, k, v and keeps its output and logsumexp.
+    core_again = q + core[1] + (2 * kv + q if setup.attention == "flash" else 0)
+    return [_Term(ActivationTerm(n, v, split), role) for n, v, split, role in rows], core_again
+
+
+__all__ = ["ActivationTerm", "LayerSpec", "RecomputeEvent", "layer_terms"]
