@@ -13,9 +13,10 @@
     plan = plan_recompute(model, setup, "trn1")                      # per-layer presets that fit
 
 :mod:`.shape` describes the model and the job; :mod:`.analytic` counts one layer's activations
-tensor by tensor (Korthikanti et al. 2022 for GPT, its Llama equivalent); :mod:`.measure`
-counts what autograd really keeps; :mod:`.budget` adds up a device's memory and
-:mod:`.planner` picks the recompute. ``neuron-ckpt memory`` / ``plan`` are :mod:`.report` and
+tensor by tensor (Korthikanti et al. 2022 for GPT, its Llama equivalent; :mod:`.terms`) and the
+peak of a stack; :mod:`.measure` counts what autograd really keeps (:mod:`.live`: its peak over
+forward and backward); :mod:`.budget` adds up a device's memory and :mod:`.planner` picks the
+recompute. ``neuron-ckpt memory`` / ``plan`` are :mod:`.report` and
 :mod:`.plan_cli`; ``neuron-ckpt compare`` (:mod:`.compare_cli`) puts the model next to what a device
 or a compiler reports (:mod:`.readers`, by difference: :mod:`.compare`). See docs/memory.md and
 docs/planner.md.
@@ -25,6 +26,7 @@ from .analytic import (
     ActivationTerm, layer_activation_bytes, layer_activation_terms, model_activation_bytes, model_activation_peak_bytes,
 )  # fmt: skip
 from .budget import MemoryBudget, memory_budget
+from .live import LiveSavedTensors
 from .measure import SavedTensorRecorder
 from .options import LayerOption, layer_options
 from .planner import NothingFits, Plan, plan_activations, plan_recompute
@@ -33,6 +35,7 @@ from .shape import ModelShape, TrainingSetup
 __all__ = [
     "ActivationTerm",
     "LayerOption",
+    "LiveSavedTensors",
     "MemoryBudget",
     "ModelShape",
     "NothingFits",

@@ -1,7 +1,8 @@
 """Exact measurement of what autograd keeps for backward, on any device.
 
 ``SavedTensorRecorder`` installs ``torch.autograd.graph.saved_tensors_hooks`` for the duration
-of a forward pass and records every tensor an op saves. Memory is counted per distinct storage
+of a forward pass and records every tensor an op saves (what is held at once over the forward
+and the backward, recompute included, is :class:`~.live.LiveSavedTensors`). Memory is counted per distinct storage
 (several saved views of one buffer cost the buffer once, and a small view keeps its whole
 storage alive), leaving out parameters and any buffer the caller names (a shared causal mask is
 not an activation).
@@ -31,7 +32,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Mapping
+from typing import Iterable, Iterator, Mapping, Self
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -39,7 +40,7 @@ from torch.utils.hooks import RemovableHandle
 
 UNSCOPED = "<unscoped>"
 
-_StorageKey = tuple[str, int]
+StorageKey = tuple[str, int]
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,7 @@ class _Entry:
                             self.times_saved, unshared=self.ref is None)
 
 
-def _storage_key(tensor: torch.Tensor) -> _StorageKey | None:
+def storage_key(tensor: torch.Tensor) -> StorageKey | None:
     """(device, data pointer) of the tensor's storage, or None if it has none."""
     try:
         return str(tensor.device), tensor.untyped_storage().data_ptr()
@@ -81,7 +82,43 @@ def _storage_key(tensor: torch.Tensor) -> _StorageKey | None:
         return None
 
 
-class SavedTensorRecorder:
+def excluded_keys(modules: Iterable[torch.nn.Module], tensors: Iterable[torch.Tensor]) -> set[StorageKey]:
+    """The storage keys to leave out: every parameter of ``modules`` and the ``tensors``."""
+    every = [p for m in modules for p in m.parameters()] + list(tensors)
+    return {key for key in map(storage_key, every) if key is not None}
+
+
+class SavedTensorHooks:
+    """What the saved-tensor counters share: ``saved_tensors_hooks(self._pack, self._unpack)``
+    installed for a ``with`` block, and the storages to leave out (every parameter of
+    ``exclude_modules`` and the ``exclude_tensors``: :func:`excluded_keys`) resolved on entry."""
+
+    def __init__(self, exclude_modules: Iterable[torch.nn.Module] = (), exclude_tensors: Iterable[torch.Tensor] = ()):
+        self._exclude_modules = list(exclude_modules)
+        self._exclude_tensors = list(exclude_tensors)
+        self._excluded: set[StorageKey] = set()
+        self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
+
+    def __enter__(self) -> Self:
+        if self._hooks is not None:
+            raise RuntimeError(f"{type(self).__name__} is not re-entrant; use a new one")
+        self._excluded = excluded_keys(self._exclude_modules, self._exclude_tensors)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._hooks is not None
+        self._hooks.__exit__(*exc)
+
+    def _pack(self, tensor: torch.Tensor) -> object:
+        raise NotImplementedError
+
+    def _unpack(self, packed: object) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class SavedTensorRecorder(SavedTensorHooks):
     """Context manager recording the distinct storages saved for backward during a forward.
 
     ``exclude_modules``: their parameters are not activations and are left out.
@@ -95,34 +132,17 @@ class SavedTensorRecorder:
         exclude_modules: Iterable[torch.nn.Module] = (),
         exclude_tensors: Iterable[torch.Tensor] = (),
     ) -> None:
-        self._exclude_modules = list(exclude_modules)
-        self._exclude_tensors = list(exclude_tensors)
-        self._excluded: set[_StorageKey] = set()
-        self._live: dict[_StorageKey, _Entry] = {}
+        super().__init__(exclude_modules, exclude_tensors)
+        self._live: dict[StorageKey, _Entry] = {}
         self._retired: list[_Entry] = []  # entries whose address was reused by a new storage
         self._unshared: list[_Entry] = []
         self._scopes: list[str] = []
-        self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
         self._snapshot: tuple[list[SavedStorage], int] | None = None
 
     # --- lifecycle ---------------------------------------------------------------------
-    def __enter__(self) -> SavedTensorRecorder:
-        if self._hooks is not None:
-            raise RuntimeError("SavedTensorRecorder is not re-entrant; use a new recorder")
-        self._excluded = self._exclusion_keys()
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
-        self._hooks.__enter__()
-        return self
-
     def __exit__(self, *exc: object) -> None:
-        assert self._hooks is not None
-        self._hooks.__exit__(*exc)
+        super().__exit__(*exc)
         self._snapshot = (self._kept(), self._freed())
-
-    def _exclusion_keys(self) -> set[_StorageKey]:
-        tensors = [p for m in self._exclude_modules for p in m.parameters()]
-        tensors += self._exclude_tensors
-        return {key for key in map(_storage_key, tensors) if key is not None}
 
     # --- scopes ------------------------------------------------------------------------
     @contextmanager
@@ -155,7 +175,7 @@ class SavedTensorRecorder:
 
     # --- the hook ----------------------------------------------------------------------
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        key = _storage_key(tensor)
+        key = storage_key(tensor)
         if key is not None and key in self._excluded:
             return tensor
         scope = self._scopes[-1] if self._scopes else UNSCOPED
@@ -208,8 +228,8 @@ class SavedTensorRecorder:
         return out
 
 
-def _unpack(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor
+    def _unpack(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
 
 
 def device_peak_bytes(device: torch.device | str) -> int | None:
