@@ -111,6 +111,17 @@ def test_explicitly_excluded_buffers_are_left_out():
     del y, z
 
 
+def test_an_output_its_own_op_saves_is_freed_with_its_dropped_branch():
+    """exp keeps its output: the recorder must not keep that output's graph alive through it."""
+    x = torch.randn(1000, requires_grad=True)
+    with SavedTensorRecorder() as rec:
+        dropped = x.exp()
+        del dropped
+        kept = x.sin()  # keeps x
+    assert rec.total_bytes == _nbytes(x) and rec.freed_bytes == _nbytes(x)
+    del kept
+
+
 def test_a_storage_freed_during_the_forward_is_not_kept_nor_confused_with_its_successor():
     leaf = torch.randn(1024, requires_grad=True)
     with SavedTensorRecorder() as rec:

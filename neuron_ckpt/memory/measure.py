@@ -9,8 +9,10 @@ not an activation).
 
 Choices, and why:
 
-- The pack hook returns the tensor unchanged, so the graph holds exactly what it would without
-  the recorder. The recorder keeps only a *weak* reference to each storage, its pointer and its
+- The pack hook returns the tensor detached (the same storage; autograd rebuilds its history on
+  unpack), so the graph holds exactly what it would without the recorder: an op's output that
+  the op itself saves, returned with its ``grad_fn``, would hold its own graph alive in a cycle
+  through C++ that no garbage collection frees, and a branch dropped in the forward would stay. The recorder keeps only a *weak* reference to each storage, its pointer and its
   size: it never extends a tensor's life.
 - A storage is identified by (device, data pointer). A pointer alone is ambiguous: if a saved
   tensor dies during the forward (its graph branch was discarded) the allocator may hand the
@@ -183,17 +185,17 @@ class SavedTensorRecorder(SavedTensorHooks):
         if key is None:
             nbytes = tensor.numel() * tensor.element_size()
             self._unshared.append(_Entry(scope, str(tensor.device), nbytes, dtype, shape, None))
-            return tensor
+            return tensor.detach()
         entry = self._live.get(key)
         if entry is not None and entry.alive():
             entry.times_saved += 1
-            return tensor
+            return tensor.detach()
         if entry is not None:  # the old storage died and its address was reused
             self._retired.append(entry)
         storage = tensor.untyped_storage()
         self._live[key] = _Entry(scope, key[0], storage.nbytes(), dtype, shape,
                                  StorageWeakRef(storage))
-        return tensor
+        return tensor.detach()
 
     # --- results -----------------------------------------------------------------------
     def _entries(self) -> list[_Entry]:
