@@ -74,17 +74,9 @@ def measured(world):
     return get
 
 
-# Distributing, the MLP checkpoint keeps a 1/t slice of its input even when that input is the
-# norm output that output-discarding drops (it slices before the discarding hook sees it): w·sbh/t
-# more than the model counts, which is what the MLP checkpoint's input should cost (nothing).
-SLICE_OF_DISCARDED = pytest.mark.xfail(strict=True, reason="the distributed mlp checkpoint keeps a slice of the "
-                                                           "discarded norm output (recompute/discard.py)")
-
-
 def _param(t: int, modules, sp: bool, attention: str, dtype: str, distribute: bool):
-    marks = [SLICE_OF_DISCARDED] if distribute and {"mlp", "norm"} <= set(modules) else []
     name = f"t{t}-{'+'.join(modules)}-{'sp' if sp else 'nosp'}-{attention}-{dtype}" + ("-distributed" if distribute else "")
-    return pytest.param(t, modules, sp, attention, dtype, distribute, id=name, marks=marks)
+    return pytest.param(t, modules, sp, attention, dtype, distribute, id=name)
 
 
 @pytest.mark.parametrize("t,modules,sp,attention,dtype,distribute", [_param(t, *c) for t in (1, 2, 4) for c in _cases(t)])

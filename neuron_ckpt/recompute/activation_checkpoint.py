@@ -191,6 +191,14 @@ def _keep_slice(x: torch.Tensor, group: Group) -> torch.Tensor:
     return flat[group.rank * per_rank : (group.rank + 1) * per_rank].clone()
 
 
+def _discarded(t: torch.Tensor) -> bool:
+    """An output an output-discarding block drops (:func:`~.discard.discarded`): the ops that keep
+    it keep a note, so a slice of it would be kept for nothing."""
+    from .discard import discarded  # .discard builds on this module
+
+    return discarded(t)
+
+
 def _gather_slices(piece: torch.Tensor, shape: torch.Size, group: Group) -> torch.Tensor:
     full = C.all_gather(piece, 0, group)
     return full[: shape.numel()].view(shape)
@@ -340,7 +348,7 @@ class _CheckpointFunction(torch.autograd.Function):
             raise TypeError("checkpoint: the function returned no tensor; there is nothing to backpropagate")
         ctx.input_needs_grad = [t.requires_grad for t in inputs]
         ctx.shape = None
-        if call.distributed is not None:
+        if call.distributed is not None and not _discarded(inputs[call.distributed[0]]):
             k, group = call.distributed
             ctx.shape = inputs[k].shape
             inputs[k] = _keep_slice(inputs[k], group)
@@ -355,7 +363,7 @@ class _CheckpointFunction(torch.autograd.Function):
             raise RuntimeError(_NO_DOUBLE_BACKWARD)
         call = ctx.call
         inputs = list(ctx.saved_tensors)
-        if call.distributed is not None:
+        if ctx.shape is not None:
             k, group = call.distributed
             inputs[k] = _gather_slices(inputs[k], ctx.shape, group)
         if runtime.is_xla():

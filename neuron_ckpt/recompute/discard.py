@@ -33,6 +33,7 @@ checkpoint's forward or rerun (the enclosing checkpoint keeps nothing of the blo
 under ``torch.compile``, where the call is torch's checkpoint, which the compiler's partitioner
 recomputes wherever a later op needs the output (so the output is not kept there either).
 
+``function``'s inputs are its autograd node's saved tensors (freed after its backward, as any).
 ``torch.autograd.grad`` and ``retain_graph`` backwards work (``function``'s parameters are inputs
 of the recompute's autograd node, found on the fenced modules as :func:`~.checkpoint` finds them);
 ``backward(create_graph=True)`` through it is refused.
@@ -41,6 +42,7 @@ of the recompute's autograd node, found on the fenced modules as :func:`~.checkp
 from __future__ import annotations
 
 import contextvars
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -163,7 +165,7 @@ class _Scope:
         params = [p for m in modules for p in m.parameters() if p.requires_grad]
         group = _distributed_group() if distribute else None
         positional = any(torch.is_tensor(v) for v in pytree.tree_leaves(args))
-        call = _Call(function, modules, inputs, self.outer, group, positional)
+        call = _Call(function, modules, inputs, group, positional)
         outputs = _DiscardFunction.apply(call, len(tensors), *tensors, *params)
         for index, out in enumerate(outputs):
             root = _root(out)
@@ -171,9 +173,8 @@ class _Scope:
         return call.outputs.fill(outputs)
 
     def pack(self, t: torch.Tensor) -> Any:
-        hit = self.roots.get(id(_root(t)))
-        if hit is not None and hit[0] is _root(t):
-            root, call, index = hit
+        if self.holds(t):
+            root, call, index = self.roots[id(_root(t))]
             same = t is root or (t.size() == root.size() and t.stride() == root.stride()
                                  and t.storage_offset() == root.storage_offset())
             return _Note(call, index, None if same else (t.size(), t.stride(), t.storage_offset()))
@@ -184,8 +185,19 @@ class _Scope:
             return packed.tensor()
         return self.outer[1](packed) if self.outer is not None else packed
 
+    def holds(self, t: torch.Tensor) -> bool:
+        hit = self.roots.get(id(_root(t)))
+        return hit is not None and hit[0] is _root(t)
+
     def close(self) -> None:
         self.roots.clear()
+
+
+def discarded(t: torch.Tensor) -> bool:
+    """Whether ``t`` is (a view of) an output the current block discards: an op that keeps it
+    keeps a note, so an activation checkpoint keeps it whole rather than a distributed slice."""
+    scope = _SCOPE.get()
+    return isinstance(scope, _Scope) and scope.holds(t)
 
 
 # --------------------------------------------------------------------------------------------
@@ -197,11 +209,10 @@ class _Call:
     function: Callable[..., Any]
     modules: list[torch.nn.Module]
     inputs: _Tree  # (args, kwargs) without their tensors
-    outer: tuple[Callable, Callable] | None  # the hooks the inputs are kept through
     group: Group | None  # distribute the first positional tensor over it
     positional: bool  # a positional argument is a tensor (the one to distribute)
     outputs: _Tree | None = None
-    packed: list[Any] = field(default_factory=list)
+    node: Callable[[], Any] | None = None  # a weak reference to the autograd node keeping the inputs
     needs_grad: list[bool] = field(default_factory=list)
     distributed: tuple[int, torch.Size] | None = None  # (tensor index, full shape)
     roots: list[tuple[torch.Size, tuple[int, ...], torch.dtype]] = field(default_factory=list)
@@ -211,16 +222,19 @@ class _Call:
     recomputed: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # (inputs, outputs)
     backward_pending: bool = False  # a backward will use (and drop) the recomputed graph
 
-    def keep_inputs(self, tensors: Sequence[torch.Tensor]) -> None:
+    def keep_inputs(self, ctx: Any, tensors: Sequence[torch.Tensor]) -> None:
+        """Keep the inputs as the node's saved tensors (through the hooks active here; autograd
+        frees them after the node's backward, as any saved tensor)."""
         self.needs_grad = [t.requires_grad for t in tensors]
         kept = list(tensors)
         if self.group is not None and self.positional:
             self.distributed = (0, kept[0].shape)
             kept[0] = _keep_slice(kept[0], self.group)
-        self.packed = [self.outer[0](t) if self.outer is not None else t.detach() for t in kept]
+        ctx.save_for_backward(*kept)
+        self.node = weakref.ref(ctx)
 
     def rerun(self, grads: Sequence[torch.Tensor] = ()) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        inputs = [self.outer[1](p) if self.outer is not None else p for p in self.packed]
+        inputs = list(self.node().saved_tensors)
         if self.distributed is not None:
             k, shape = self.distributed
             inputs[k] = _gather_slices(inputs[k], shape, self.group)
@@ -273,7 +287,7 @@ class _DiscardFunction(torch.autograd.Function):
         call.rng = _RNGSnapshot.take()
         call.autocast = _autocast_state(tensors)
         call.autocast_cache = torch.is_autocast_cache_enabled()
-        call.keep_inputs(tensors)
+        call.keep_inputs(ctx, tensors)
         args, kwargs = call.inputs.fill(tensors)
         outputs, call.outputs = _Tree.split(call.function(*args, **kwargs))
         if not outputs:
