@@ -365,7 +365,8 @@ def format_fit_table(rows: list[FitRow]) -> str:
     caption = (f"The whole job per NeuronCore (`memory_budget`: parameters, fp32 gradients, ZeRO-1 state over dp "
                f"{FIT_DP}, activations, peak workspace) within {rows[0].limit_bytes / GIB:.1f} GiB (trn1's 16 GiB "
                f"less the planner's 10% reserve); TP {FIT_TP}, sequence parallel, bf16, micro-batch 1; s in steps "
-               f"of {SEQ_STEP}. With flash the planner offers no selective recompute.")
+               f"of {SEQ_STEP}. With flash the planner recomputes no core attention (it offers the "
+               "output-discarding modules alone: selective[mlp_act], selective[mlp_act,norm]).")
     return "\n".join(lines + ["", textwrap.fill(caption, width=100, break_on_hyphens=False)])
 
 

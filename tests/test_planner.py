@@ -152,13 +152,19 @@ def test_local_parameters_are_what_a_rank_holds(world, t, bias):
 # Optimality against a brute force over every per-layer assignment.
 
 
+def _grouped(model):
+    return [RecomputeConfig(granularity="full", method="uniform", num_layers=k) for k in range(2, model.layers + 1)]
+
+
 def _brute_force(model, setup, limit):
+    """Every per-layer assignment, and grouped full recompute with every group size."""
     options = layer_options(model, setup)
     best = None
-    for names in itertools.product(options, repeat=model.layers):
-        total = memory_budget(model, setup, names, options).total_bytes
-        cost = sum(options[n].recompute_flops for n in names)
-        if total <= limit and (best is None or cost < best):
+    for names in [*itertools.product(options, repeat=model.layers), *_grouped(model)]:
+        budget = memory_budget(model, setup, names, options)
+        cost = (model.layers * options["full"].recompute_flops if isinstance(names, RecomputeConfig)
+                else sum(options[n].recompute_flops for n in names))
+        if budget.total_bytes <= limit and (best is None or cost < best):
             best = cost
     return best, options
 
@@ -173,7 +179,7 @@ def test_planner_is_optimal_against_brute_force(layers, kind):
     setup = TrainingSetup(seq_len=128, micro_batch=2, tp=1, zero1=False)
     options = layer_options(model, setup)
     totals = sorted({memory_budget(model, setup, n, options).total_bytes
-                     for n in itertools.product(options, repeat=layers)})
+                     for n in [*itertools.product(options, repeat=layers), *_grouped(model)]})
     limits = sorted({x + d for x in totals for d in (-1, 0)})
     for limit in limits:
         best, _ = _brute_force(model, setup, limit)
@@ -307,19 +313,39 @@ def test_llama2_7b_on_trn1_plan():
     # The tutorial's shape keeps everything (192.3 MiB per layer with the fused softmax and norms).
     assert plan.fits and plan.counts == {"none": 32} and plan.overhead == 0
     # Two micro-batches per step: no recompute does not fit, selective everywhere does; the plan
-    # spends what selective leaves free on keeping some attention cores, and drops SwiGLU's output
-    # (output-discarding mlp_act: 2sbf/t less for a few elementwise FLOPs) where that buys more.
+    # spends what selective leaves free on keeping some attention cores, and discards SwiGLU's
+    # output and the norms' (output-discarding mlp_act and norm: 2sbf/t and 4sbh/t less for a few
+    # elementwise FLOPs) where that buys more.
     setup = TrainingSetup(seq_len=4096, micro_batch=2, tp=8, dp=4)
     plan = plan_recompute(model, setup, "trn1")
     selective = evaluate(model, setup, "selective", plan.limit_bytes)
     assert plan.fits and selective.fits
-    assert plan.counts == {"none": 9, "selective": 10, "selective+mlp_act": 13}
+    assert plan.counts == {"none": 10, "selective": 6, "selective+mlp_act": 4, "selective+mlp_act+norm": 12}
+    # Without the leanest layer: fewer attention cores kept.
+    assert plan_recompute(model, setup, "trn1", allowed=("none", "selective", "selective+mlp_act", "full")).counts == {
+        "none": 9, "selective": 10, "selective+mlp_act": 13}
     # Without mlp_act, the attention cores alone: 7 layers keep theirs.
     assert plan_recompute(model, setup, "trn1", allowed=("none", "selective", "full")).counts == {
         "none": 7, "selective": 25}
     assert plan.overhead < selective.overhead  # less recompute, by using the memory selective leaves free
     assert plan.budget.total_bytes > selective.budget.total_bytes
     assert not evaluate(model, setup, "none", plan.limit_bytes).fits
+
+
+def test_grouped_full_recompute_wins_where_full_on_every_layer_does_not_fit():
+    # Flash attention, 32 sequences of 4096 at once: full recompute on every layer keeps 32 layer
+    # inputs and does not fit; groups of 2 keep 16 and bring 2 layers back at a time, and fit.
+    model = ModelShape.from_llama(load_llama_config("llama2-7b"))
+    setup = TrainingSetup(seq_len=4096, micro_batch=32, tp=8, dp=4, attention="flash")
+    plan = plan_recompute(model, setup, "trn1")
+    assert plan.recompute == RecomputeConfig(granularity="full", method="uniform", num_layers=2)
+    assert plan.fits and not evaluate(model, setup, "full", plan.limit_bytes).fits
+    assert plan.recompute_flops == evaluate(model, setup, "full", plan.limit_bytes).recompute_flops
+    assert plan.budget.activation_peak_bytes > plan.budget.activation_bytes  # the group's buffer counted
+    # Against a limit on the kept activations alone the group's buffer would not count: not offered
+    # there, so at the group's kept bytes nothing per layer keeps that little.
+    with pytest.raises(NothingFits):
+        plan_activations(model, setup, plan.budget.activation_bytes)
 
 
 def test_plan_recompute_forms():
@@ -440,7 +466,7 @@ def test_cli_prints_the_plan(capsys):
                  "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["attention"] == "explicit" and data["attention_notes"] == []
-    assert data["fits"] and data["counts"] == {"none": 15, "selective": 8, "selective+mlp_act": 9}
+    assert data["fits"] and data["counts"] == {"none": 16, "selective": 4, "selective+mlp_act": 1, "selective+mlp_act+norm": 11}
     assert data["optimizer_step"]["largest_collective_bytes"] == 128 * 2**20
     assert data["host"]["instance"] == "trn1.32xlarge" and data["host"]["fits"]
     assert data["recompute_is_per_layer"]
@@ -470,7 +496,11 @@ def test_budget_follows_the_attention():
     model = ModelShape.from_llama(load_llama_config("llama3-8b"))
     explicit = TrainingSetup(8192, tp=8, dp=16)
     flash = replace(explicit, attention="flash")
-    assert set(layer_options(model, flash)) == {"none", "full"}
+    # With flash, core attention is never recomputed; the output-discarding modules still are.
+    assert set(layer_options(model, flash)) == {"none", "selective[mlp_act]", "selective[mlp_act,norm]", "full"}
+    lean = layer_options(model, flash)["selective[mlp_act,norm]"]
+    assert lean.saved_bytes < layer_options(model, flash)["selective[mlp_act]"].saved_bytes < layer_options(
+        model, flash)["none"].saved_bytes
     with pytest.raises(ValueError, match="'selective' is not offered.*flash"):
         memory_budget(model, flash, "selective")
     kept = memory_budget(model, explicit, "full").activation_bytes, memory_budget(model, flash, "full").activation_bytes

@@ -551,10 +551,11 @@ def test_recompute_presets_have_one_owner():
     from neuron_ckpt.memory import ModelShape, TrainingSetup, layer_options
     from neuron_ckpt.recompute import PRESETS
 
-    assert PRESETS == ("none", "selective", "selective+mlp_act", "full")
+    assert PRESETS == ("none", "selective", "selective+mlp_act", "selective+mlp_act+norm", "full")
     assert RecomputeConfig.preset("none") == RecomputeConfig() and not RecomputeConfig.preset("none").enabled
     assert RecomputeConfig.preset("selective") == RecomputeConfig(granularity="selective", modules=("core_attn",))
     assert RecomputeConfig.preset("selective+mlp_act").modules == ("core_attn", "mlp_act")
+    assert RecomputeConfig.preset("selective+mlp_act+norm").modules == ("core_attn", "mlp_act", "norm")
     full = RecomputeConfig.preset("full", distribute_saved_activations=True)
     assert (full.granularity, full.method, full.num_layers, full.distribute_saved_activations) == ("full", "uniform", 1, True)
     assert [RecomputeConfig.preset(n).preset_name for n in PRESETS] == list(PRESETS)

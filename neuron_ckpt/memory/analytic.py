@@ -182,16 +182,20 @@ def layer_backward_peak(kept: int, events: Sequence[RecomputeEvent]) -> int:
 def stack_peak(layers: Sequence[tuple[int, int]], before: int = 0, after: int = 0) -> int:
     """The peak of live activations over one micro-batch's forward and backward.
 
-    ``layers``: ``(kept, backward peak)`` of each layer in layer order (:func:`layer_backward_peak`);
-    ``before``: what is kept before the layers (embedding, rotary tables) and held until their
-    backward is done; ``after``: what is kept after them (final norm, LM head, loss), freed before
-    the last layer's backward starts. The forward ends holding everything; backward runs from the
-    last layer down, and layer i's backward holds what layers 0..i-1 still keep.
+    ``layers``: ``(kept, backward peak)`` of each layer in layer order (:func:`layer_backward_peak`),
+    or ``(kept, backward peak, n)`` for a run of ``n`` such layers (the run's peak is its last
+    layer's: the most is held before it); ``before``: what is kept before the layers (embedding,
+    rotary tables) and held until their backward is done; ``after``: what is kept after them
+    (final norm, LM head, loss), freed before the last layer's backward starts. The forward ends
+    holding everything; backward runs from the last layer down, and layer i's backward holds what
+    layers 0..i-1 still keep.
     """
     peak, prefix = 0, before
-    for kept, backward in layers:
-        peak = max(peak, prefix + backward)
-        prefix += kept
+    for kept, backward, *run in layers:
+        n = run[0] if run else 1
+        if n:
+            peak = max(peak, prefix + (n - 1) * kept + backward)
+            prefix += n * kept
     return max(peak, prefix + after)
 
 

@@ -217,6 +217,60 @@ def _layer_items(order: Sequence[LayerOption], m: int) -> list[LineItem]:
     return items
 
 
+@dataclass(frozen=True)
+class _Parts:
+    """What a budget holds whatever its layers run: the static items, the optimizer step's bytes,
+    what is kept before and after the layers, and the transients that do not depend on them.
+    :func:`memory_budget` lays them out as line items; the planner prices thousands of layer
+    assignments against one set of them (:meth:`used`)."""
+
+    static: tuple[LineItem, ...]
+    step: int
+    before: tuple[LineItem, ...]
+    after: tuple[LineItem, ...]
+    loss_transient: int
+    scores: int  # the explicit attention's forward transient (0 with flash)
+
+    @staticmethod
+    def of(model: ModelShape, setup: TrainingSetup) -> _Parts:
+        static, step = _static_items(model, setup)
+        before, after, loss_transient = _outside_items(model, setup)
+        scores = 0
+        if setup.attention == "explicit":
+            # The 16-bit scores, and at worst (XLA, which widens) an fp32 copy and the fp32 softmax.
+            scores = model.local_heads(setup.tp) * setup.seq_len ** 2 * setup.micro_batch * (setup.width + 8)
+        return _Parts(tuple(static), step, tuple(before), tuple(after), loss_transient, scores)
+
+    def activations(self, runs: Sequence[tuple[LayerOption, int]], m: int) -> tuple[int, int]:
+        """(activations kept after the forward, their peak over forward and backward) of the
+        layers, given in layer order as runs of ``(option, number of layers)``, with ``m``
+        micro-batches in flight (the others' activations stay alive meanwhile)."""
+        before, after = sum(i.nbytes for i in self.before), sum(i.nbytes for i in self.after)
+        one = sum(o.saved_bytes * n for o, n in runs) + before + after
+        peak_one = stack_peak([(o.saved_bytes, o.backward_peak_bytes, n) for o, n in runs], before, after)
+        return one * m, one * (m - 1) + peak_one
+
+    def workspace(self, saved: int, peak: int) -> tuple[int, str]:
+        """The largest transient on top of what is kept, and what it is."""
+        candidates = [
+            (self.loss_transient, "loss: logits + the cross entropy's fp32 working copy"),
+            (peak - saved, "recompute in backward: activations alive again on top of the layers before"),
+            (self.step - saved, "optimizer step: fp32 gradient slices + one bucket buffer (activations freed)"),
+        ]
+        if self.scores:
+            candidates.append((self.scores, "attention: scores + fp32 copy + fp32 softmax, [b, a/t, s, s]"))
+        extra, why = max(candidates, key=lambda c: c[0])
+        return max(extra, 0), why
+
+    def used(self, runs: Sequence[tuple[LayerOption, int]], m: int, limit_on: str) -> int:
+        """``memory_budget(...).total_bytes`` (or ``.activation_bytes`` for ``limit_on="activations"``)
+        of these layers (runs, as :meth:`activations` takes them), without laying out the items."""
+        saved, peak = self.activations(runs, m)
+        if limit_on == "activations":
+            return saved
+        return sum(i.nbytes for i in self.static) + saved + self.workspace(saved, peak)[0]
+
+
 def memory_budget(
     model: ModelShape,
     setup: TrainingSetup,
@@ -231,30 +285,16 @@ def memory_budget(
     (:func:`~.options.layer_options`); configs are priced as given."""
     options = options if options is not None else layer_options(model, setup)
     order = per_layer_options(model, setup, layers, options)
-    static, step = _static_items(model, setup)
-    before, after, loss_transient = _outside_items(model, setup)
+    parts = _Parts.of(model, setup)
     m = setup.microbatches_in_flight
-    items = list(static) + _layer_items(order, m)
-    items += [LineItem(i.name, i.nbytes * m, i.category, i.note) for i in (*before, *after)]
-    saved = sum(i.nbytes for i in items if i.category == "activations")
-    one = saved // m  # one micro-batch's activations; the others in flight stay alive meanwhile
-    peak_one = stack_peak([(o.saved_bytes, o.backward_peak_bytes) for o in order],
-                          sum(i.nbytes for i in before), sum(i.nbytes for i in after))
-    # The explicit attention's forward at the last layer, on top of everything kept: the 16-bit
-    # scores, and at worst (XLA, which widens) an fp32 copy and the fp32 softmax.
-    candidates = [
-        (loss_transient, "loss: logits + the cross entropy's fp32 working copy"),
-        (peak_one - one, "recompute in backward: activations alive again on top of the layers before"),
-        (step - saved, "optimizer step: fp32 gradient slices + one bucket buffer (activations freed)"),
-    ]
-    if setup.attention == "explicit":
-        scores = model.local_heads(setup.tp) * setup.seq_len ** 2 * setup.micro_batch
-        candidates.append((scores * (setup.width + 8), "attention: scores + fp32 copy + fp32 softmax, [b, a/t, s, s]"))
-    extra, why = max(candidates, key=lambda c: c[0])
-    items.append(LineItem("peak workspace", max(extra, 0), "workspace", why))
+    items = list(parts.static) + _layer_items(order, m)
+    items += [LineItem(i.name, i.nbytes * m, i.category, i.note) for i in (*parts.before, *parts.after)]
+    saved, peak = parts.activations([(o, 1) for o in order], m)
+    extra, why = parts.workspace(saved, peak)
+    items.append(LineItem("peak workspace", extra, "workspace", why))
     notes = [f"micro-batches in flight: {m} (1 without pipeline parallelism)"]
     names = tuple(o.name for o in order)
-    return MemoryBudget(model, setup, names, tuple(items), tuple(notes), saved - one + peak_one)
+    return MemoryBudget(model, setup, names, tuple(items), tuple(notes), peak)
 
 
 __all__ = ["GIB", "LineItem", "MemoryBudget", "largest_collective_bytes", "memory_budget", "optimizer_step_bytes"]

@@ -31,8 +31,7 @@ SOFTMAX_FLOPS, SWIGLU_FLOPS, GELU_FLOPS, RMSNORM_FLOPS, LAYERNORM_FLOPS = 5, 5, 
 class LayerOption:
     """One way to run one layer.
 
-    name: a preset ("none", "selective" (core attention), "selective+mlp_act" (also the MLP's
-        activation), "full"), or the label of another choice (``selective[mlp,norm]``,
+    name: a preset (:data:`~neuron_ckpt.recompute.PRESETS`), or the label of another choice (``selective[mlp,norm]``,
         ``full(uniform 2)``, ``full+distributed``: :attr:`~.analytic.PricedRecompute.label`).
     recompute: the :class:`RecomputeConfig` it runs (``RecomputeConfig.preset(name)`` for a preset).
     saved_bytes: activations the layer keeps for backward, per micro-batch, on one device (the
@@ -153,18 +152,34 @@ def selective_saving_with_flash(model: ModelShape, setup: TrainingSetup) -> int:
     return layer_activation_bytes(model, flash, "none") - layer_activation_bytes(model, flash, "selective")
 
 
+def offered_configs(model: ModelShape, setup: TrainingSetup) -> list[RecomputeConfig]:
+    """The recompute choices the planner weighs for one layer: :func:`offered_presets`, and with
+    flash attention each selective preset without its core attention (``selective[mlp_act]``,
+    ``selective[mlp_act,norm]``): the output-discarding modules still save what they save there."""
+    configs = [RecomputeConfig.preset(name) for name in offered_presets(model, setup)]
+    if setup.attention == "flash":
+        for name in supported_presets(model):
+            modules = tuple(m for m in RecomputeConfig.preset(name).modules if m != "core_attn")
+            if RecomputeConfig.preset(name).granularity == "selective" and modules:
+                configs.insert(-1, RecomputeConfig(granularity="selective", modules=modules))
+    return configs
+
+
 def layer_options(model: ModelShape, setup: TrainingSetup) -> dict[str, LayerOption]:
-    """The recompute options for one layer of ``model`` run as ``setup`` says, by preset name
-    (those :func:`offered_presets` lists)."""
+    """The recompute options for one layer of ``model`` run as ``setup`` says (those
+    :func:`offered_configs` lists), by name: the preset's, or the label of another choice."""
     if (why := model.valid_tp(setup.tp, setup.seq_len if setup.sequence_parallel else None)) is not None:
         raise ValueError(why)
-    return {name: layer_option(model, setup, name) for name in offered_presets(model, setup)}
+    options = (layer_option(model, setup, config) for config in offered_configs(model, setup))
+    return {option.name: option for option in options}
 
 
-def canonical_order(counts: dict[str, int]) -> tuple[str, ...]:
-    """Layer order that keeps the backward peak lowest for these counts: the layers with the most
-    to rematerialize first (full, selective+mlp_act, selective), no recompute last."""
-    return tuple(name for name in reversed(PRESETS) for _ in range(counts.get(name, 0)))
+def canonical_order(counts: dict[str, int], options: dict[str, LayerOption]) -> tuple[str, ...]:
+    """Layer order that keeps the backward peak lowest for these counts: the layers that bring the
+    most back in backward (backward peak less kept bytes) first, no recompute last (an exchange
+    argument: of two neighbours, the one with more to bring back goes first)."""
+    ranked = sorted(counts, key=lambda n: options[n].saved_bytes - options[n].backward_peak_bytes)
+    return tuple(name for name in ranked for _ in range(counts[name]))
 
 
 def step_flops(model: ModelShape, setup: TrainingSetup) -> float:
@@ -174,5 +189,6 @@ def step_flops(model: ModelShape, setup: TrainingSetup) -> float:
     return model.flops_per_token(s) * s * setup.micro_batch / setup.tp
 
 
-__all__ = ["LayerOption", "Layers", "canonical_order", "layer_option", "layer_options", "offered_presets",
+__all__ = ["LayerOption", "Layers", "canonical_order", "layer_option", "layer_options", "offered_configs",
+           "offered_presets",
            "per_layer_options", "selective_saving_with_flash", "stack_options", "step_flops"]

@@ -183,8 +183,9 @@ def attention_notes(model: ModelShape, setup: TrainingSetup, device_memory: str 
         return []
     left_out = [name for name in PRESETS if name not in offered_presets(model, setup) and
                 name in offered_presets(model, replace(setup, attention="explicit"))]
-    notes = [f"flash attention: {' and '.join(left_out)} not offered: they would rerun the attention forward to drop "
-             f"{selective_saving_with_flash(model, setup) / 2**10:,.1f} KiB per layer (the kernel's fp32 logsumexp)"]
+    notes = [f"flash attention: {', '.join(left_out)} offered without core attention (as selective[...]): rerunning "
+             f"the attention forward would drop {selective_saving_with_flash(model, setup) / 2**10:,.1f} KiB per "
+             "layer (the kernel's fp32 logsumexp); their output-discarding modules still save what they save"]
     if setup.dtype == "fp32" and str(device_memory).lower() != "trn1":
         notes.append("fp32: on CUDA torch's flash kernel takes only fp16/bf16 and SDPA runs its memory-efficient or "
                      "math kernel, which keep other tensors than counted here (on CPU the flash kernel takes fp32: "

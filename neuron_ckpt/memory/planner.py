@@ -28,9 +28,9 @@ import itertools
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ..recompute import PRESETS, RecomputeConfig
-from .budget import GIB, MemoryBudget, memory_budget
-from .options import LayerOption, canonical_order, layer_options, step_flops
+from ..recompute import RecomputeConfig
+from .budget import GIB, MemoryBudget, _Parts, memory_budget
+from .options import LayerOption, canonical_order, layer_options, stack_options, step_flops
 from .shape import ModelShape, TrainingSetup
 
 # HBM per NeuronCore-v2: a Trainium1 chip has 32 GiB for its two cores (trn1.32xlarge: 16 chips,
@@ -95,8 +95,8 @@ class Plan:
 
     @property
     def counts(self) -> dict[str, int]:
-        """Layers per option, in the order none, selective, selective+mlp_act, full (zeros left out)."""
-        return {name: self.layers.count(name) for name in PRESETS if name in self.layers}
+        """Layers per option, in the options' order (presets first; zeros left out)."""
+        return {name: self.layers.count(name) for name in self.options if name in self.layers}
 
     @property
     def used_bytes(self) -> int:
@@ -118,7 +118,7 @@ class Plan:
         counts = self.counts
         if len(counts) == 1:
             return self.options[self.layers[0]].recompute
-        if set(counts) == {"none", "full"} and self.layers == canonical_order(counts):
+        if set(counts) == {"none", "full"} and self.layers == canonical_order(counts, self.options):
             return RecomputeConfig(granularity="full", method="block", num_layers=counts["full"])
         return [self.options[name].recompute for name in self.layers]
 
@@ -171,15 +171,21 @@ def _used(budget: MemoryBudget, limit_on: str) -> int:
 
 
 def evaluate(
-    model: ModelShape, setup: TrainingSetup, layers: str | tuple[str, ...], limit_bytes: int,
+    model: ModelShape, setup: TrainingSetup, layers: str | tuple[str, ...] | RecomputeConfig, limit_bytes: int,
     options: dict[str, LayerOption] | None = None, limit_on: str = "total",
 ) -> Plan:
-    """The :class:`Plan` of a given assignment (one option name, or one per layer), fitting or not."""
+    """The :class:`Plan` of a given assignment (one option name, or one per layer; or a grouped
+    full-recompute config for the whole stack), fitting or not."""
     if limit_on not in LIMITS_ON:
         raise ValueError(f"limit_on must be one of {LIMITS_ON}, got {limit_on!r}")
-    options = options if options is not None else layer_options(model, setup)
+    options = dict(options if options is not None else layer_options(model, setup))
+    if isinstance(layers, RecomputeConfig):
+        group = stack_options(model, setup, layers)
+        options = {group[0].name: group[0]}  # the plan's one option: its recompute is the config
+        flops = sum(o.recompute_flops for o in group)
     budget = memory_budget(model, setup, layers, options)
-    flops = sum(options[name].recompute_flops for name in budget.layers)
+    if not isinstance(layers, RecomputeConfig):
+        flops = sum(options[name].recompute_flops for name in budget.layers)
     return Plan(budget, options, limit_bytes, flops, step_flops(model, setup), limit_on)
 
 
@@ -196,22 +202,42 @@ def _best(
 ) -> tuple[Plan | None, Plan]:
     """(cheapest fitting plan or None, least-memory plan); memory is what ``limit_on`` names."""
     options = layer_options(model, setup)
-    names = [n for n in PRESETS if n in options and (allowed is None or n in allowed)]
+    names = [n for n in options if allowed is None or n in allowed]
     if not names:
         raise ValueError(f"allowed: no known option among {allowed}; choose from {list(options)}")
-    best: tuple[float, int, tuple[str, ...]] | None = None
-    least: tuple[int, float, tuple[str, ...]] | None = None
+    parts, m = _Parts.of(model, setup), setup.microbatches_in_flight
+    names = list(dict.fromkeys(canonical_order(dict.fromkeys(names, 1), options)))  # the layer order's
+    best: tuple[float, int, Any] | None = None
+    least: tuple[int, float, Any] | None = None
     for split in _splits(model.layers, len(names)):
-        order = canonical_order(dict(zip(names, split)))
-        total = _used(memory_budget(model, setup, order, options), limit_on)
-        cost = sum(options[n].recompute_flops for n in order)
+        runs = [(options[n], k) for n, k in zip(names, split)]
+        total = parts.used(runs, m, limit_on)
+        cost = sum(o.recompute_flops * k for o, k in runs)
         if least is None or (total, cost) < least[:2]:
-            least = (total, cost, order)
+            least = (total, cost, split)
         if total <= limit_bytes and (best is None or (cost, total) < best[:2]):
-            best = (cost, total, order)
+            best = (cost, total, split)
+    # Grouped full recompute: every layer rerun (the FLOPs of full on every layer), fewer inputs
+    # kept, k layers alive again at once. It wins only where full on every layer does not fit,
+    # or fits with more memory (layer inputs that outweigh k - 1 layers' activations). Against a
+    # limit on the kept activations alone its buffer would not count: total limits only.
+    if limit_on == "total" and (allowed is None or "full" in allowed):
+        flops = options["full"].recompute_flops * model.layers
+        for k in range(2, model.layers + 1):
+            config = RecomputeConfig(granularity="full", method="uniform", num_layers=k)
+            total = parts.used([(o, 1) for o in stack_options(model, setup, config)], m, limit_on)
+            if least is None or (total, flops) < least[:2]:
+                least = (total, flops, config)
+            if total <= limit_bytes and (best is None or (flops, total) < best[:2]):
+                best = (flops, total, config)
     assert least is not None
-    plan = evaluate(model, setup, best[2], limit_bytes, options, limit_on) if best else None
-    return plan, evaluate(model, setup, least[2], limit_bytes, options, limit_on)
+
+    def layers(choice: Any) -> Any:  # a split in the layer order, or a grouped config
+        return choice if isinstance(choice, RecomputeConfig) else tuple(
+            n for n, k in zip(names, choice) for _ in range(k))
+
+    plan = evaluate(model, setup, layers(best[2]), limit_bytes, options, limit_on) if best else None
+    return plan, evaluate(model, setup, layers(least[2]), limit_bytes, options, limit_on)
 
 
 def valid_tp_degrees(model: ModelShape, setup: TrainingSetup) -> list[int]:

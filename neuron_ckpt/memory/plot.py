@@ -16,7 +16,7 @@ from .analytic import layer_activation_bytes, supported_presets
 from .shape import ModelShape, TrainingSetup
 
 MIB = 1 << 20
-COLORS = dict(zip(PRESETS, ("tab:red", "tab:blue", "tab:purple", "tab:green")))  # by increasing recompute
+COLORS = dict(zip(PRESETS, ("tab:red", "tab:blue", "tab:purple", "tab:orange", "tab:green")))  # by increasing recompute
 
 
 def sequence_lengths(setup: TrainingSetup) -> list[int]:

@@ -139,7 +139,9 @@ class RecomputeConfig:
         """The config of a layer that recomputes as ``name`` (one of :data:`PRESETS`).
 
         ``"none"``: nothing (``RecomputeConfig()``). ``"selective"``: core attention.
-        ``"selective+mlp_act"``: core attention and SwiGLU's activation. ``"full"``: the whole
+        ``"selective+mlp_act"``: core attention, and SwiGLU's output discarded.
+        ``"selective+mlp_act+norm"``: the leanest selective layer: also both norms' outputs
+        discarded (output-discarding recompute, :mod:`.discard`). ``"full"``: the whole
         layer, one layer per activation checkpoint (``method="uniform", num_layers=1``), so it
         fits any stack and any per-layer list. ``distribute_saved_activations`` applies to the
         recomputing presets only.
@@ -151,8 +153,7 @@ class RecomputeConfig:
         distribute = distribute_saved_activations
         if name == "full":
             return cls(granularity="full", method="uniform", num_layers=1, distribute_saved_activations=distribute)
-        modules = ("core_attn", "mlp_act") if name == "selective+mlp_act" else ("core_attn",)
-        return cls(granularity="selective", modules=modules, distribute_saved_activations=distribute)
+        return cls(granularity="selective", modules=_PRESET_MODULES[name], distribute_saved_activations=distribute)
 
     @property
     def preset_name(self) -> str | None:
@@ -218,7 +219,13 @@ def validate_per_layer(
         config.validate(1, sequence_parallel)
 
 
-PRESETS = ("none", "selective", "selective+mlp_act", "full")
+PRESETS = ("none", "selective", "selective+mlp_act", "selective+mlp_act+norm", "full")
 """The recompute choices by name, in order of increasing recompute: the words of the memory
 model, the budget and planner, ``neuron-ckpt memory`` / ``plan``, the plots and the tutorial's
 ``--recompute``. :meth:`RecomputeConfig.preset` turns a name into the config of one layer."""
+
+_PRESET_MODULES = {
+    "selective": ("core_attn",),
+    "selective+mlp_act": ("core_attn", "mlp_act"),
+    "selective+mlp_act+norm": ("core_attn", "mlp_act", "norm"),
+}
