@@ -115,6 +115,8 @@ class discard_outputs:
                 or _SCOPE.get() is _OFF):
             scope: Any = _OFF
         else:
+            # The hooks active outside the block, to pass everything else on to. torch has no
+            # public way to read them; this private call (torch 2.8+, used by AOTAutograd) does.
             outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
             if outer is not None and getattr(outer[0], "__module__", "") == "torch.utils.checkpoint":
                 scope = _OFF  # inside torch's own non-reentrant checkpoint
