@@ -75,6 +75,12 @@ from ..distributed.random import RNGState, TrackerSnapshot, get_rng_state, get_r
 _INSIDE: contextvars.ContextVar[bool] = contextvars.ContextVar("neuron_ckpt_inside_checkpoint", default=False)
 
 
+# The open output-discarding block (.discard builds on this module, so the variable lives here):
+# None outside one, "off" where discarding is off, else the block, whose holds(t) says whether t
+# is an output it discards.
+DISCARD_SCOPE: contextvars.ContextVar[Any] = contextvars.ContextVar("neuron_ckpt_discard_scope", default=None)
+
+
 def inside_checkpoint() -> bool:
     """Whether a function run by :func:`checkpoint` is running (its forward or its recompute)."""
     return _INSIDE.get()
@@ -192,11 +198,10 @@ def _keep_slice(x: torch.Tensor, group: Group) -> torch.Tensor:
 
 
 def _discarded(t: torch.Tensor) -> bool:
-    """An output an output-discarding block drops (:func:`~.discard.discarded`): the ops that keep
-    it keep a note, so a slice of it would be kept for nothing."""
-    from .discard import discarded  # .discard builds on this module
-
-    return discarded(t)
+    """An output the open output-discarding block drops (:mod:`.discard`): the ops that keep it
+    keep a note, so a slice of it would be kept for nothing."""
+    scope = DISCARD_SCOPE.get()
+    return hasattr(scope, "holds") and scope.holds(t)
 
 
 def _gather_slices(piece: torch.Tensor, shape: torch.Size, group: Group) -> torch.Tensor:

@@ -52,6 +52,7 @@ from torch.utils import _pytree as pytree
 from ..distributed import runtime
 from ..distributed.parallel_state import Group
 from .activation_checkpoint import (
+    DISCARD_SCOPE,
     _NO_DOUBLE_BACKWARD,
     _autocast,
     _autocast_state,
@@ -68,7 +69,7 @@ from .activation_checkpoint import (
 )
 
 _OFF = "off"  # the scope of a block where discarding is turned off
-_SCOPE: contextvars.ContextVar[Any] = contextvars.ContextVar("neuron_ckpt_discard_scope", default=None)
+_SCOPE = DISCARD_SCOPE
 
 
 def checkpoint_without_output(
@@ -193,13 +194,6 @@ class _Scope:
 
     def close(self) -> None:
         self.roots.clear()
-
-
-def discarded(t: torch.Tensor) -> bool:
-    """Whether ``t`` is (a view of) an output the current block discards: an op that keeps it
-    keeps a note, so an activation checkpoint keeps it whole rather than a distributed slice."""
-    scope = _SCOPE.get()
-    return isinstance(scope, _Scope) and scope.holds(t)
 
 
 # --------------------------------------------------------------------------------------------
