@@ -35,6 +35,7 @@ measured ``LlamaForCausalLM``. The GPT terms outside the layers are analytic onl
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Sequence
 
 from ..recompute import PRESETS
@@ -241,11 +242,17 @@ class _Parts:
             scores = model.local_heads(setup.tp) * setup.seq_len ** 2 * setup.micro_batch * (setup.width + 8)
         return _Parts(tuple(static), step, tuple(before), tuple(after), loss_transient, scores)
 
+    @cached_property
+    def sums(self) -> tuple[int, int, int]:
+        """Bytes of (the static items, what is kept before the layers, after them): summed once,
+        the planner prices thousands of layer assignments against them."""
+        return tuple(sum(i.nbytes for i in items) for items in (self.static, self.before, self.after))
+
     def activations(self, runs: Sequence[tuple[LayerOption, int]], m: int) -> tuple[int, int]:
         """(activations kept after the forward, their peak over forward and backward) of the
         layers, given in layer order as runs of ``(option, number of layers)``, with ``m``
         micro-batches in flight (the others' activations stay alive meanwhile)."""
-        before, after = sum(i.nbytes for i in self.before), sum(i.nbytes for i in self.after)
+        _, before, after = self.sums
         one = sum(o.saved_bytes * n for o, n in runs) + before + after
         peak_one = stack_peak([(o.saved_bytes, o.backward_peak_bytes, n) for o, n in runs], before, after)
         return one * m, one * (m - 1) + peak_one
@@ -268,7 +275,7 @@ class _Parts:
         saved, peak = self.activations(runs, m)
         if limit_on == "activations":
             return saved
-        return sum(i.nbytes for i in self.static) + saved + self.workspace(saved, peak)[0]
+        return self.sums[0] + saved + self.workspace(saved, peak)[0]
 
 
 def memory_budget(
