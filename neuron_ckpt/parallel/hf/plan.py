@@ -1,0 +1,112 @@
+"""Reading a transformers ``tp_plan``: which modules it names, with which style, checked before
+anything changes; then each style's change, and the model-wide pieces (tied weights, the
+vocabulary-parallel loss, attention dropout on split heads)."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from ...distributed.parallel_state import ParallelState
+from ...distributed.random import MODEL_PARALLEL_RNG, get_rng_tracker
+from ..layer_args import resolve_parallel_state
+from .dense import DENSE_STYLES
+from .dropout import draw_from_the_tp_stream, split_attention_with_dropout
+from .loss import loss_parallel_head, vocab_parallel_loss
+from .style import Split, Style, Target
+
+STYLES: dict[str, Style] = {**DENSE_STYLES}
+
+
+def apply_tensor_parallel(
+    model: torch.nn.Module,
+    plan: dict[str, str] | None = None,
+    *,
+    loss_parallel: bool = True,
+    parallel_state: ParallelState | None = None,
+) -> torch.nn.Module:
+    """Split ``model`` over the tensor-parallel group by ``plan`` (default: ``model.tp_plan``).
+
+    ``plan`` maps module names (``*`` matches one name part, e.g. a layer index) to styles; see
+    the package docstring. Returns ``model``, changed in place.
+    """
+    state = resolve_parallel_state(parallel_state)
+    if plan is None:
+        plan = getattr(model, "tp_plan", None)
+        if not plan:
+            raise ValueError(
+                f"apply_tensor_parallel: {type(model).__name__} has no tensor-parallel plan (model.tp_plan); "
+                "pass plan={module name pattern: style}"
+            )
+    targets = _resolve(model, plan)
+    head = loss_parallel_head(model, targets) if loss_parallel else None
+    tied = _tied_pairs(model, targets)
+    for target in targets:
+        STYLES[target.style].check(model, target, state.tp_size)
+    split_attention = split_attention_with_dropout(model, targets) if state.tp_size > 1 else []
+    if split_attention and MODEL_PARALLEL_RNG not in get_rng_tracker().states:
+        raise ValueError(
+            f"apply_tensor_parallel: {split_attention[0]} has attention dropout and its heads are split: each rank "
+            "draws its own mask from the tensor-parallel RNG stream; call nc.model_parallel_manual_seed(seed) first"
+        )
+    split = Split(model, state, head)
+    for target in targets:
+        STYLES[target.style].apply(target, split)
+    for name in split_attention:
+        draw_from_the_tp_stream(model.get_submodule(name))
+    for lm_head, embedding in tied:
+        model.get_submodule(lm_head).weight = model.get_submodule(embedding).weight
+    if head is not None:
+        model.loss_function = vocab_parallel_loss(state)
+    return model
+
+
+def _resolve(model: torch.nn.Module, plan: dict[str, str]) -> list[Target]:
+    """Every target the plan matches, in module order; unknown styles refused."""
+    patterns = []
+    for key, style in plan.items():
+        if style not in STYLES:
+            raise ValueError(
+                f"apply_tensor_parallel: plan entry {key!r} has style {style!r}, which neuron_ckpt does not map "
+                f"(supported: {', '.join(STYLES)})"
+            )
+        parts = (re.escape(p) if p != "*" else r"[^.]+" for p in key.split("."))
+        patterns.append((re.compile(r"\.".join(parts) + r"\Z"), style))
+    targets = []
+    for name, module in model.named_modules():
+        styles = {style for pattern, style in patterns if pattern.match(name)}
+        if len(styles) > 1:
+            raise ValueError(f"apply_tensor_parallel: {name} matches plan entries with styles {sorted(styles)}")
+        if styles:
+            targets.append(Target(name, module, styles.pop()))
+    return targets
+
+
+def _tied_pairs(model: torch.nn.Module, targets: list[Target]) -> list[tuple[str, str]]:
+    """(LM head, embedding) names sharing one weight: both planned, both split by vocabulary rows."""
+    planned = {t.name: t.style for t in targets}
+    holders: dict[int, list[str]] = {}  # id(weight) -> the modules holding it, one pass over the model
+    for other, m in model.named_modules():
+        if isinstance(getattr(m, "weight", None), torch.Tensor):
+            holders.setdefault(id(m.weight), []).append(other)
+    pairs = []
+    for target in targets:
+        name, style = target.name, target.style
+        weight = getattr(target.module, "weight", None) if target.param is None else None
+        for other in holders.get(id(weight), []) if isinstance(weight, torch.Tensor) else []:
+            if other == name:
+                continue
+            if other not in planned:
+                raise ValueError(
+                    f"apply_tensor_parallel: {name} ({style}) shares its weight with {other}, which the plan "
+                    f"leaves whole; plan both or neither"
+                )
+            if style == "embedding_rowwise":
+                if not planned[other].startswith("colwise"):
+                    raise ValueError(
+                        f"apply_tensor_parallel: {other} ({planned[other]}) shares its weight with {name} "
+                        f"(embedding_rowwise); a tied weight must be split by vocabulary rows in both (colwise)"
+                    )
+                pairs.append((other, name))
+    return pairs
