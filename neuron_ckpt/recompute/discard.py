@@ -25,7 +25,8 @@ as if the block had none of its own; ``function``'s inputs are kept through thos
 
 Correct whatever else reads the output: an op that reads it in the forward (a residual add) reads
 the real tensor; one that keeps it outside the block keeps the real tensor (then nothing is
-saved, and nothing is wrong). Gradients are bit-identical to running ``function`` plainly:
+saved, and nothing is wrong); one that keeps it after it was written in place keeps the real
+tensor too (the rerun would give the value before the write). Gradients are bit-identical to running ``function`` plainly:
 the rerun computes the same values (same ops, same RNG draws).
 
 Where it turns itself off and ``function`` runs plainly: without grad; inside an activation
@@ -161,7 +162,8 @@ class _Note:
 class _Scope:
     def __init__(self, outer: tuple[Callable, Callable] | None):
         self.outer = outer
-        self.roots: dict[int, tuple[torch.Tensor, _Call, int]] = {}  # id(root) -> (root, call, index)
+        # id(root) -> (root, call, index, root's version when the function returned)
+        self.roots: dict[int, tuple[torch.Tensor, _Call, int, int]] = {}
 
     def run(self, function, modules, distribute: bool, args: tuple, kwargs: dict) -> Any:
         tensors, inputs = _Tree.split((args, kwargs))
@@ -172,12 +174,12 @@ class _Scope:
         outputs = _DiscardFunction.apply(call, len(tensors), *tensors, *params)
         for index, out in enumerate(outputs):
             root = _root(out)
-            self.roots[id(root)] = (root, call, index)
+            self.roots[id(root)] = (root, call, index, root._version)
         return call.outputs.fill(outputs)
 
     def pack(self, t: torch.Tensor) -> Any:
         if self.holds(t):
-            root, call, index = self.roots[id(_root(t))]
+            root, call, index, _ = self.roots[id(_root(t))]
             same = t is root or (t.size() == root.size() and t.stride() == root.stride()
                                  and t.storage_offset() == root.storage_offset())
             return _Note(call, index, None if same else (t.size(), t.stride(), t.storage_offset()))
@@ -189,8 +191,11 @@ class _Scope:
         return self.outer[1](packed) if self.outer is not None else packed
 
     def holds(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is (a view of) a discarded output as the function returned it. One written
+        in place since (Mixtral's MoE block multiplies the norm's output by jitter noise) is
+        kept as it is: the rerun would give the value before the write."""
         hit = self.roots.get(id(_root(t)))
-        return hit is not None and hit[0] is _root(t)
+        return hit is not None and hit[0] is _root(t) and hit[3] == hit[0]._version
 
     def close(self) -> None:
         self.roots.clear()
