@@ -20,11 +20,11 @@ import pytest
 
 from neuron_ckpt.memory import ModelShape, TrainingSetup, layer_activation_bytes
 from neuron_ckpt.memory.layers import measure_on_ranks
-from neuron_ckpt.recompute import MODULES, RecomputeConfig
+from neuron_ckpt.recompute import DENSE_MODULES, RecomputeConfig
 
 WORLD = 4
 S, B, H, A, G, F = 32, 2, 64, 4, 2, 176
-SUBSETS = [subset for n in range(1, 5) for subset in itertools.combinations(MODULES, n)]
+SUBSETS = [subset for n in range(1, 5) for subset in itertools.combinations(DENSE_MODULES, n)]
 
 
 def _cases(t: int) -> list[tuple[tuple[str, ...], bool, str, str, bool]]:

@@ -50,10 +50,11 @@ import torch
 
 from ..parallel import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from ..parallel.norms import LayerNorm, RMSNorm
-from . import hf
+from . import hf, mla, moe
 from .config import RecomputeConfig, validate_per_layer
 from .module import DiscardScope, Recompute, unwrapped
-from .module_map import DISCARDING, Patterns, resolve_module_map, selected_modules
+from .module_map import DISCARDING, Patterns, check_every_name_matched, resolve_module_map, selected_modules
+from .patch import unpatch
 
 Layers = Union[torch.nn.Module, Sequence[torch.nn.Module]]  # a model with .layers, or the layers
 _SCOPE = "_neuron_ckpt_discard_scope"  # on a layer with output-discarding units: its DiscardScope
@@ -108,6 +109,7 @@ def remove_recompute(model: Layers) -> None:
         hf.undo(model)
     roots = [model] if isinstance(model, torch.nn.Module) else list(model)
     for root in roots:
+        unpatch(map(unwrapped, root.modules()))
         for parent in list(root.modules()):
             scope = parent.__dict__.pop(_SCOPE, None)
             if scope is not None:
@@ -125,16 +127,21 @@ def _apply(root, layers: Modules, config, module_map, sequence_parallel: bool | 
     patterns = resolve_module_map(module_map)
     if config is None:
         config = RecomputeConfig()
+    matched: set[str] = set()
     if isinstance(config, RecomputeConfig):
         config.validate(len(layers), sequence_parallel)
-        units = _units(layers, config, patterns)
+        units = _units(layers, config, patterns, matched)
+        configs = [config]
     elif isinstance(config, (list, tuple)):
         validate_per_layer(config, len(layers), sequence_parallel)
-        units = _per_layer(layers, config, patterns)
+        units = _per_layer(layers, config, patterns, matched)
+        configs = list(config)
     else:
         raise TypeError(
             f"config must be a RecomputeConfig, a per-layer list of them or None, got {type(config).__name__}"
         )
+    requested = {m for c in configs if c is not None and c.granularity == "selective" for m in c.modules}
+    check_every_name_matched(requested, matched, patterns, type(root).__name__ if root is not None else "the layers")
     if root is None and any(m is layer for unit in units for m in unit.modules for layer in layers):
         raise TypeError(
             "full recompute replaces whole layers where the model holds them: pass the model or its "
@@ -158,7 +165,8 @@ class _Unit:
     """What one activation checkpoint covers: one module (a selective submodule or a whole
     layer), or consecutive layers run as one (grouped ``uniform``). ``discard``: an
     output-discarding selective unit (``norm``, ``mlp_act``) of ``layer``, whose forward then
-    runs in one ``discard_outputs`` block."""
+    runs in one ``discard_outputs`` block. ``kind``: the selective name (``moe_act`` and
+    ``mla_up_proj`` install themselves, :data:`_INSTALLERS`)."""
 
     name: str
     modules: tuple[torch.nn.Module, ...]
@@ -166,32 +174,44 @@ class _Unit:
     distribute: bool  # keep a 1/t slice of the (replicated) input
     discard: bool = False
     layer: torch.nn.Module | None = None
+    kind: str | None = None
 
     def install(self, slots: dict[int, list[tuple[torch.nn.Module, str]]]) -> None:
+        if self.kind in _INSTALLERS:
+            _INSTALLERS[self.kind](self.modules[0], self.config, slots)
+            return
         k = len(self.modules)
         for j, module in enumerate(self.modules):
             span = 1 if k == 1 else (k if j == 0 else 0)
-            wrapper = Recompute(module, self.config, self.distribute and k == 1, span, self.discard)
+            wrapper = moe.wrapper(module, self.config, self.distribute and k == 1, span, self.discard, self.kind)
             for parent, name in slots[id(module)]:  # a module held in two places: one wrapper
                 parent._modules[name] = wrapper
 
 
-def _units(layers: Modules, config: RecomputeConfig, patterns: Patterns, first: int = 0) -> list[_Unit]:
-    """The units of ``config`` applied to ``layers`` (numbered from ``first``)."""
+# Units that are not a module replaced by a Recompute: the experts' activation (an act_fn module
+# and an _apply_gate method), MLA's up part (inside its attention's forward).
+_INSTALLERS = {"moe_act": moe.install_expert_act, "mla_up_proj": mla.install}
+
+
+def _units(layers: Modules, config: RecomputeConfig, patterns: Patterns, matched: set[str], first: int = 0
+           ) -> list[_Unit]:
+    """The units of ``config`` applied to ``layers`` (numbered from ``first``); the selective
+    names that matched are added to ``matched``."""
     if config.granularity == "selective":
-        return _selective(layers, config, patterns, first)
+        return _selective(layers, config, patterns, matched, first)
     if config.granularity == "full":
         return (_full_block if config.method == "block" else _full_uniform)(layers, config, first)
     return []
 
 
-def _selective(layers: Modules, config: RecomputeConfig, patterns: Patterns, first: int) -> list[_Unit]:
+def _selective(layers: Modules, config: RecomputeConfig, patterns: Patterns, matched: set[str], first: int
+               ) -> list[_Unit]:
     """Each layer's submodules named in ``config.modules``, one unit each."""
     return [
         _Unit(f"{i}.{qualname}", (module,), config, replicated and config.distribute_saved_activations,
-              name in DISCARDING, layer)
+              name in DISCARDING, layer, name)
         for i, layer in enumerate(layers, start=first)
-        for qualname, module, replicated, name in selected_modules(layer, i, config.modules, patterns)
+        for qualname, module, replicated, name in selected_modules(layer, i, config.modules, patterns, matched)
     ]
 
 
@@ -214,13 +234,14 @@ def _full_uniform(layers: Modules, config: RecomputeConfig, first: int) -> list[
     return units
 
 
-def _per_layer(layers: Modules, configs: Sequence[RecomputeConfig | None], patterns: Patterns) -> list[_Unit]:
+def _per_layer(layers: Modules, configs: Sequence[RecomputeConfig | None], patterns: Patterns, matched: set[str]
+               ) -> list[_Unit]:
     """A per-layer list: each entry applied to its own layer by the strategies above."""
     return [
         unit
         for i, (layer, config) in enumerate(zip(layers, configs))
         if config is not None
-        for unit in _units([layer], config, patterns, first=i)
+        for unit in _units([layer], config, patterns, matched, first=i)
     ]
 
 

@@ -26,7 +26,10 @@ from typing import Sequence
 
 GRANULARITIES = (None, "selective", "full")
 METHODS = ("uniform", "block")
-MODULES = ("core_attn", "mlp", "mlp_act", "norm")
+DENSE_MODULES = ("core_attn", "mlp", "mlp_act", "norm")
+# Megatron's names for mixture-of-experts layers and multi-latent attention (see .moe and .mla).
+MOE_MODULES = ("moe", "moe_act", "shared_experts", "mla_up_proj")
+MODULES = DENSE_MODULES + MOE_MODULES
 # Megatron Bridge spells the norm "layernorm"; accept it and store the canonical name.
 MODULE_ALIASES = {"layernorm": "norm"}
 
@@ -53,10 +56,13 @@ class RecomputeConfig:
 
     modules: tuple[str, ...] = ("core_attn",)
     """Selective recompute only: which submodules of each layer to recompute, out of
-    ``"core_attn"`` (scores, softmax, dropout, weighted sum), ``"mlp"`` (the whole MLP),
-    ``"mlp_act"`` (the MLP's activation function) and ``"norm"`` (``"layernorm"`` is accepted
-    too). Which submodule each name means in a given model is set by ``module_map`` in
-    :func:`~.apply.apply_recompute`."""
+    ``"core_attn"`` (scores, softmax, dropout, weighted sum), ``"mlp"`` (the whole dense MLP),
+    ``"mlp_act"`` (the dense MLP's activation function), ``"norm"`` (``"layernorm"`` is accepted
+    too), and on mixture-of-experts and latent-attention layers ``"moe"`` (the whole MoE block,
+    routing replayed), ``"moe_act"`` (the experts' activation), ``"shared_experts"`` and
+    ``"mla_up_proj"`` (MLA's q/k/v up projections and RoPE). Which submodule each name means in
+    a given model is set by ``module_map`` in :func:`~.apply.apply_recompute`; a name that some
+    layers lack (``moe`` on a dense layer) skips them, one that no layer has is an error."""
 
     distribute_saved_activations: bool = False
     """Keep only this rank's 1/t slice of each activation checkpoint's (replicated) input and

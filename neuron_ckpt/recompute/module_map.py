@@ -2,12 +2,14 @@
 
 ``module_map`` maps a name to an attribute name, a dotted path, a class, or a tuple of those;
 entries given override :data:`DEFAULT_MODULE_MAP` one by
-one. A name that matches nothing in a layer is an error, so a typo never silently disables
-recompute. On a ``transformers`` model the defaults fit Llama, Mistral and Qwen2 layers
-(``mlp``, ``act_fn``, ``input_layernorm`` / ``post_attention_layernorm``); its ``core_attn`` is
-the attention *function*, recomputed through transformers' attention registry (:mod:`.hf`),
-unless ``module_map`` names a module for it (``{"core_attn": "self_attn"}`` recomputes the whole
-attention block, projections included).
+one. A name that matches nothing in any layer of the model is an error, so a typo never silently
+disables recompute; a name only some layers have applies to those (``moe`` on DeepSeek-V3, whose
+first layers are dense). On a ``transformers`` model the defaults fit Llama, Mistral and Qwen2
+layers (``mlp``, ``act_fn``, ``input_layernorm`` / ``post_attention_layernorm``) and its MoE and
+MLA layers (:mod:`.moe`, :mod:`.mla`: ``mlp`` and ``mlp_act`` then mean the dense MLP only); its
+``core_attn`` is the attention *function*, recomputed through transformers' attention registry
+(:mod:`.hf`), unless ``module_map`` names a module for it (``{"core_attn": "self_attn"}``
+recomputes the whole attention block, projections included).
 
 A name must also land on a submodule whose forward runs. A module that uses a child's parameters
 without calling it (``LlamaMLP`` multiplies by ``gate_proj`` and ``up_proj`` in one fused matmul)
@@ -21,6 +23,7 @@ from typing import Any, Sequence, Union
 
 import torch
 
+from . import mla, moe
 from .module import unwrapped
 
 from ..parallel.attention import CoreAttention
@@ -36,17 +39,43 @@ DEFAULT_MODULE_MAP: dict[str, Pattern] = {
     "mlp_act": ("act_fn", "mlp_act"),
     # the attribute names: transformers' Llama, Mistral, Qwen2 layers (their norms are own classes)
     "norm": (RMSNorm, LayerNorm, torch.nn.LayerNorm, torch.nn.RMSNorm, "input_layernorm", "post_attention_layernorm"),
+    # transformers' MoE and MLA layers (.moe, .mla); what each default also requires is _REQUIRED
+    "moe": "mlp",
+    "moe_act": "experts",
+    "shared_experts": ("shared_experts", "shared_expert"),
+    "mla_up_proj": "self_attn",
 }
+
+
+def _inside_moe(qualname: str, module: torch.nn.Module, blocks: list[str]) -> bool:
+    return any(qualname.startswith(b + ".") for b in blocks)
+
+
+# What a default pattern's match must also be (a module_map entry is taken as given): ``mlp`` and
+# ``mlp_act`` mean the dense MLP (Megatron: ``mlp`` applies to non-MoE layers only; the experts'
+# activation is ``moe_act``), ``moe`` an MoE block, ``moe_act`` / ``shared_experts`` parts of one,
+# ``mla_up_proj`` a latent attention. ``blocks``: the qualified names of the layer's MoE blocks.
+_REQUIRED = {
+    "mlp": lambda q, m, blocks: q not in blocks and not _inside_moe(q, m, blocks),
+    "mlp_act": lambda q, m, blocks: not _inside_moe(q, m, blocks),
+    "moe": lambda q, m, blocks: q in blocks,
+    "moe_act": _inside_moe,
+    "shared_experts": _inside_moe,
+    "mla_up_proj": lambda q, m, blocks: mla.is_latent_attention(m),
+}
+
+# Checks on every match of a name, default or not: one line refusing what cannot be recomputed.
+_CHECKS = {"moe_act": moe.check_experts, "mla_up_proj": mla.check_attention}
 
 # Selective modules recomputed output-discarding (.discard): an ordinary checkpoint around them
 # would save nothing, since the op after them keeps their output (the projection after a norm,
 # the down projection after SwiGLU). The others are ordinary checkpoints.
-DISCARDING = ("norm", "mlp_act")
+DISCARDING = ("norm", "mlp_act", "moe_act", "mla_up_proj")
 
 # Selective modules whose input is the replicated hidden state (without sequence parallel), so
 # distribute_saved_activations can split it; core attention and MLP activation inputs are
 # already sharded by head / feature over the TP group and are saved as they are.
-_REPLICATED_INPUT = ("mlp", "norm")
+_REPLICATED_INPUT = ("mlp", "norm", "moe")
 
 
 def resolve_module_map(module_map: Patterns | None) -> Patterns:
@@ -92,21 +121,22 @@ def _children_without_forward(layer: torch.nn.Module) -> list[str]:
 
 
 def selected_modules(
-    layer: torch.nn.Module, index: int, names: Sequence[str], patterns: Patterns
+    layer: torch.nn.Module, index: int, names: Sequence[str], patterns: Patterns, matched: set[str] | None = None
 ) -> list[tuple[str, torch.nn.Module, bool, str]]:
     """``(qualified name, module, input is replicated, selective name)`` of layer ``index`` for
-    the selective ``names``; the outermost match wins, a module shared within the layer comes once."""
+    the selective ``names``; the outermost match wins, a module shared within the layer comes once.
+    A name this layer lacks is skipped; the names that matched something are added to ``matched``
+    (:func:`check_every_name_matched` refuses a name no layer has)."""
     found: dict[str, tuple[torch.nn.Module, bool, str]] = {}
     idle = _children_without_forward(layer)
+    modules = [(q, unwrapped(m)) for q, m in layer.named_modules() if q]  # as without recompute
+    blocks = [q for q, m in modules if moe.is_moe_block(m)]
     for name in names:
-        modules = [(q, unwrapped(m)) for q, m in layer.named_modules() if q]  # as without recompute
         hits = [(q, m) for q, m in modules if _matches(q, m, patterns[name])]
-        if not hits:
-            raise ValueError(
-                f"modules: {name!r} matched no submodule of layer {index} ({type(layer).__name__}) with "
-                f"pattern {patterns[name]!r}; pass module_map={{{name!r}: <attribute name or class>}}. "
-                f"Submodules: {[q for q, _ in modules][:20]}"
-            )
+        if name in _REQUIRED and patterns[name] is DEFAULT_MODULE_MAP[name]:
+            hits = [(q, m) for q, m in hits if _REQUIRED[name](q, m, blocks)]
+        if hits and matched is not None:
+            matched.add(name)
         for q, m in hits:
             owner = next((o for o in idle if q == o or q.startswith(o + ".")), None)
             if owner is not None:
@@ -118,6 +148,8 @@ def selected_modules(
                     f"recomputing it would recompute nothing; pass module_map={{{name!r}: <a submodule "
                     "whose forward runs>}}"
                 )
+            if name in _CHECKS:
+                _CHECKS[name](m, index, q)
             if all(m is not other for other, _, _ in found.values()):  # a shared instance once
                 found.setdefault(q, (m, name in _REPLICATED_INPUT, name))
     return [
@@ -125,3 +157,25 @@ def selected_modules(
         for q, (m, replicated, name) in found.items()
         if not any(q.startswith(other + ".") for other in found)  # an enclosing module is recomputed already
     ]
+
+
+def check_every_name_matched(requested: set[str], matched: set[str], patterns: Patterns, model: str) -> None:
+    """A selective name that no layer of ``model`` has is an error (a typo never silently turns
+    recompute off); one that only some layers have (``moe`` beside DeepSeek's dense first layers)
+    applies where it matches."""
+    for name in [n for n in MODULES if n in requested - matched]:
+        meaning = _MEANING.get(name, "") if patterns[name] is DEFAULT_MODULE_MAP[name] else ""
+        raise ValueError(
+            f"modules: {name!r} matched no submodule of any layer of {model} with pattern {patterns[name]!r}"
+            f"{meaning}; pass module_map={{{name!r}: <attribute name or class>}}"
+        )
+
+
+_MEANING = {
+    "mlp": " (a dense MLP, not an MoE block: on MoE layers use 'moe')",
+    "mlp_act": " (a dense MLP's activation: the experts' is 'moe_act')",
+    "moe": " (an MoE block: a module with an experts child and a gate or router child)",
+    "moe_act": " (the experts of an MoE block)",
+    "shared_experts": " (the shared experts of an MoE block)",
+    "mla_up_proj": " (a multi-latent attention with a kv_b_proj)",
+}
