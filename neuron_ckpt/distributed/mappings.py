@@ -15,7 +15,8 @@ reduce_scatter_to_sequence_parallel_   reduce-scatter (0)   all-gather (dim 0)
 region
 =====================================  ===================  =====================
 
-Sequence-parallel activations are ``[s, b, h]``: the sequence is dim 0. All functions take the
+Sequence-parallel activations are ``[s, b, h]``: the sequence is dim 0 (the sequence functions
+take ``dim=1`` for transformers' ``[b, s, h]``). All functions take the
 group explicitly (a :class:`~neuron_ckpt.distributed.parallel_state.Group`); ``None`` means the
 tensor-parallel group of the current parallel state.
 
@@ -130,24 +131,27 @@ def gather_from_tensor_parallel_region(x: torch.Tensor, group: Group | None = No
     return _GatherSplitBack.apply(x, -1, _tp(group))
 
 
-def scatter_to_sequence_parallel_region(x: torch.Tensor, group: Group | None = None) -> torch.Tensor:
-    """``[s, b, h] -> [s/t, b, h]`` (this rank's chunk); the gradient is all-gathered."""
-    return _Split.apply(x, 0, _tp(group))
+def scatter_to_sequence_parallel_region(x: torch.Tensor, group: Group | None = None, dim: int = 0) -> torch.Tensor:
+    """``[s, b, h] -> [s/t, b, h]`` (this rank's chunk); the gradient is all-gathered. ``dim``: the
+    sequence dimension (1 for transformers' ``[b, s, h]``)."""
+    return _Split.apply(x, dim, _tp(group))
 
 
 def gather_from_sequence_parallel_region(
-    x: torch.Tensor, group: Group | None = None, tensor_parallel_output_grad: bool = True
+    x: torch.Tensor, group: Group | None = None, tensor_parallel_output_grad: bool = True, dim: int = 0
 ) -> torch.Tensor:
-    """``[s/t, b, h] -> [s, b, h]``.
+    """``[s/t, b, h] -> [s, b, h]`` (along ``dim``, the sequence dimension).
 
     When the gathered tensor feeds tensor-parallel compute (the usual case) every rank's
     gradient is partial, so backward reduce-scatters it; when it feeds replicated compute
     (``tensor_parallel_output_grad=False``) backward only keeps this rank's chunk.
     """
     fn = _GatherReduceScatterBack if tensor_parallel_output_grad else _GatherSplitBack
-    return fn.apply(x, 0, _tp(group))
+    return fn.apply(x, dim, _tp(group))
 
 
-def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group: Group | None = None) -> torch.Tensor:
-    """``[s, b, h]`` partial sums ``-> [s/t, b, h]`` summed; the gradient is all-gathered."""
-    return _ReduceScatter.apply(x, 0, _tp(group))
+def reduce_scatter_to_sequence_parallel_region(
+    x: torch.Tensor, group: Group | None = None, dim: int = 0
+) -> torch.Tensor:
+    """``[s, b, h]`` partial sums ``-> [s/t, b, h]`` summed (along ``dim``); the gradient is all-gathered."""
+    return _ReduceScatter.apply(x, dim, _tp(group))
