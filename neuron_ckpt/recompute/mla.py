@@ -10,7 +10,8 @@ up part (``qkv_up_proj_and_rope_apply``) through ``CheckpointWithoutOutput``; he
 function run through :func:`~.discard.checkpoint_without_output`, so the ops after it (core
 attention, or the ``core_attn`` checkpoint, which saves its inputs through the same hooks) keep
 notes instead of q/k/v, recomputed from the latents when backward needs them. The down
-projections and the q/kv layernorms stay outside: their outputs are the up part's kept inputs.
+projections and the q/kv layernorms stay outside: their outputs are the up part's kept inputs,
+with a copy of the rope part of ``kv_a_proj_with_mqa``'s output (``qk_rope_head_dim`` per token).
 
 transformers writes these steps inline in ``DeepseekV3Attention.forward`` (the kv side in its
 ``expand_kv`` method), so :func:`mla_forward` is that forward, op for op (the same module
@@ -96,9 +97,12 @@ def _mla_forward(self, hidden_states, position_embeddings, attention_mask, cache
     k_rot = k_rot.view(batch_size, 1, seq_length, self.qk_rope_head_dim)
     cos, sin = position_embeddings
 
+    # The rope part as a copy: kept as the view it is, it would keep all of kv_a_proj_with_mqa's
+    # output (kv_lora_rank + qk_rope_head_dim per token), which bf16 training otherwise frees
+    # (kv_a_layernorm keeps its fp32 copy of the latent instead).
     up = functools.partial(_up, self, modeling)
     query_states, key_states, value_states = checkpoint_without_output(
-        up, q_latent, kv_nope, k_rot, cos, sin, fence=(self,)
+        up, q_latent, kv_nope, k_rot.contiguous(), cos, sin, fence=(self,)
     )
 
     attention_interface = modeling.ALL_ATTENTION_FUNCTIONS.get_interface(
