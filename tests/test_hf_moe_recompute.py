@@ -343,3 +343,4 @@ def test_an_attention_class_mla_up_proj_does_not_mirror_is_refused():
                                          r"which is not supported: only \['DeepseekV3Attention'\]"):
         apply_recompute(model, selective("mla_up_proj"))
     assert "forward" not in model.model.layers[1].self_attn.__dict__
+

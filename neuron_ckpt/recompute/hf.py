@@ -3,7 +3,8 @@ a ``PreTrainedModel`` (a ``*ForCausalLM`` or a base model). transformers is impo
 
 * **Layers**: the outermost ``GradientCheckpointingLayer`` modules, as transformers' own
   ``_set_gradient_checkpointing`` finds them; :mod:`.apply` applies the generic strategies (full,
-  ``mlp``, ``mlp_act``, ``norm``) to that list.
+  and every selective module but the attention function) to that list (mixture-of-experts and
+  latent-attention modules: :mod:`.moe`, :mod:`.mla`).
 * **Core attention** (selective ``core_attn``, unless ``module_map`` names a module for it):
   transformers' core attention is a function chosen by ``config._attn_implementation``, not a
   module. A wrapper registered once per wrapped implementation (``"recompute_eager"``,

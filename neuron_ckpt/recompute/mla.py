@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from .discard import checkpoint_without_output
-from .patch import patch
+from .patch import mark, patch
 
 SUPPORTED = ("DeepseekV3Attention",)
 
@@ -53,6 +53,7 @@ def check_attention(module: torch.nn.Module, index: int, qualname: str) -> None:
 
 def install(attention: torch.nn.Module, *_: Any) -> None:
     patch(attention, "forward", _Forward(attention))
+    mark(attention, "mla_up_proj: q/k/v up projections and RoPE recomputed, output discarded")
 
 
 class _Forward:

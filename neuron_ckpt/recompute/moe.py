@@ -43,7 +43,7 @@ from .activation_checkpoint import checkpoint
 from .config import RecomputeConfig
 from .discard import checkpoint_without_output
 from .module import Recompute, unwrapped
-from .patch import patch
+from .patch import mark, patch
 from .routing import RoutingReplay
 
 ROUTER_NAMES = ("gate", "router")
@@ -153,6 +153,7 @@ def install_expert_act(experts: torch.nn.Module, config: RecomputeConfig,
             parent._modules[name] = discarding
     if hasattr(type(experts), "_apply_gate"):
         patch(experts, "_apply_gate", _DiscardedGate(experts))
+        mark(experts, "moe_act: _apply_gate recomputed, output discarded")
 
 
 class _DiscardedGate:

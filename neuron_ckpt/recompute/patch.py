@@ -20,6 +20,19 @@ def patch(module: torch.nn.Module, name: str, value: Any) -> None:
     module.__dict__[name] = value
 
 
+def mark(module: torch.nn.Module, text: str) -> None:
+    """Show ``text`` in ``print(model)`` on ``module`` (what recompute changed in it)."""
+    patch(module, "extra_repr", _ExtraRepr(module.extra_repr(), text))
+
+
+class _ExtraRepr:
+    def __init__(self, original: str, text: str):
+        self.text = f"{text}; {original}" if original else text
+
+    def __call__(self) -> str:
+        return self.text
+
+
 def unpatch(modules: Any) -> None:
     """Restore every attribute :func:`patch` set on ``modules`` (an iterable of modules)."""
     for module in modules:
