@@ -1,0 +1,171 @@
+"""What one transformers MoE / MLA decoder layer keeps for backward, under each recompute choice.
+
+A decoder layer (``*DecoderLayer.forward``) is ``x + attn(norm1(x))``, then ``r + mlp(norm2(r))``
+with ``mlp`` an MoE block or, on the dense layers, a dense MLP; the residual adds keep nothing.
+:func:`layer_tensors` writes it storage by storage (:mod:`.attention`, :mod:`.experts`) with its
+recompute units, and :func:`layer_memory` applies the rule of :mod:`.rules` to a recompute
+choice:
+
+=================  ============================================================================
+choice             what it is on a transformers model (``apply_recompute``)
+=================  ============================================================================
+``none``           nothing recomputed
+``core_attn``      the attention function checkpointed: keeps q, k, v as it receives them
+``norm``           both RMSNorms output-discarding: keep their inputs
+``mlp``            the dense MLP checkpointed (dense layers only): keeps its input
+``mlp_act``        the dense MLP's ``act_fn`` output-discarding (dense layers only)
+``moe``            the whole MoE block checkpointed, routing replayed: keeps its input, and the
+                   replay's recorded indices outside autograd
+``moe_act``        the experts' SwiGLU output-discarding (grouped_mm: ``_apply_gate``'s product;
+                   the eager loop: ``act_fn``'s output only)
+``shared_experts`` the shared experts checkpointed: keep their input
+``mla_up_proj``    MLA's up projections, RoPE and concat output-discarding: keep the latents
+                   and ``kv_a_proj``'s output (k_rot is a slice of it); q, k, v become notes
+``full``           the whole layer checkpointed: keeps its input (and, on an MoE layer, the
+                   replay's indices)
+=================  ============================================================================
+
+A selective choice may name several modules (``("core_attn", "mla_up_proj", "norm")``); a
+module a layer does not have changes nothing there, as ``apply_recompute`` skips it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Union
+
+from ...recompute import RecomputeConfig
+from ..terms import ActivationTerm
+from . import experts as mlp
+from .attention import gqa, mla, rms_norm
+from .rules import LayerTensors
+from .shape import MoESetup, MoEShape
+
+MODULES = ("core_attn", "norm", "mlp", "mlp_act", "moe", "moe_act", "shared_experts", "mla_up_proj")
+CHOICES = ("none", *MODULES, "full")
+KINDS = ("dense", "moe")
+Recompute = Union[str, Iterable[str], RecomputeConfig]
+
+
+def layer_tensors(shape: MoEShape, setup: MoESetup, kind: str) -> LayerTensors:
+    """A ``kind`` ("dense" or "moe") layer's storages without recompute, and its units."""
+    T, h, w = setup.tokens, shape.hidden, setup.width
+    layer = LayerTensors()
+    x = layer.save("layer_input", w * T * h, False)
+    x1 = rms_norm(layer, "norm1", x, T * h, T, w, False)
+    (mla if shape.mla is not None else gqa)(layer, shape, setup, x1)
+    r = layer.save("residual", w * T * h, False)  # norm2's input: x + attention
+    x2 = rms_norm(layer, "norm2", r, T * h, T, w, False)
+    layer.unit("norm", ["norm1"], [x], discards=[x1])
+    layer.unit("norm", ["norm2"], [r], discards=[x2])
+    if kind == "dense":
+        mlp.dense_mlp(layer, shape, setup, x2)
+        layer.unit("full", [""], [x])
+        return layer
+    mlp.router(layer, shape, setup, x2)
+    mlp.experts(layer, shape, setup)
+    if shape.shared_ffn:
+        mlp.shared_experts(layer, shape, setup, x2)
+    replay = mlp.replay_indices(shape, setup)
+    layer.unit("moe", ["mlp"], [x2], outside=replay)
+    layer.unit("full", [""], [x], outside=replay)
+    return layer
+
+
+def modules_of(recompute: Recompute) -> tuple[str, ...]:
+    """The modules a recompute choice names (``("full",)`` for full recompute; ``()`` for none):
+    a name of :data:`CHOICES`, several module names joined by ``+`` or in a list, or a
+    :class:`RecomputeConfig` (selective, or full one layer per checkpoint)."""
+    if isinstance(recompute, RecomputeConfig):
+        if recompute.distribute_saved_activations:
+            raise ValueError("distribute_saved_activations is not modelled for transformers MoE layers")
+        if recompute.granularity == "full" and (recompute.method, recompute.num_layers) != ("uniform", 1):
+            raise ValueError("recompute: full recompute is priced one layer per checkpoint (uniform, num_layers=1) "
+                             f"for MoE layers, got {recompute.method} {recompute.num_layers}")
+        return {None: (), "full": ("full",)}.get(recompute.granularity, recompute.modules)
+    names = recompute.split("+") if isinstance(recompute, str) else list(recompute)
+    if names in (["none"], []):
+        return ()
+    for name in names:
+        if name not in CHOICES or name == "none" or (name == "full" and len(names) > 1):
+            raise ValueError(f"recompute: {name!r} is not one of {list(CHOICES)} (several modules: "
+                             "'core_attn+norm' or a list; 'none' and 'full' alone)")
+    return tuple(dict.fromkeys(names))
+
+
+def check(shape: MoEShape, setup: MoESetup, kind: str) -> None:
+    """A ``ValueError`` naming the field when the model, the job and ``kind`` do not fit together."""
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    if kind == "dense" and not shape.dense_layers:
+        raise ValueError(f"kind: {shape.name or shape.family} has no dense layers")
+    if kind == "moe" and len(shape.dense_layers) == shape.layers:
+        raise ValueError(f"kind: {shape.name or shape.family} has no MoE layers")
+    why = shape.valid_tp(setup.tp)
+    if why is not None:
+        raise ValueError(why)
+
+
+@dataclass(frozen=True)
+class LayerMemory:
+    """What one layer of ``kind`` keeps on one rank under ``modules``: ``terms`` (autograd's
+    saved storages, forward order) and ``outside`` (held outside autograd: the routing replay)."""
+
+    kind: str
+    modules: tuple[str, ...]
+    terms: tuple[ActivationTerm, ...]
+    outside: tuple[ActivationTerm, ...]
+
+    @property
+    def autograd_bytes(self) -> int:
+        """What ``SavedTensorRecorder`` measures."""
+        return sum(t.nbytes for t in self.terms)
+
+    @property
+    def nbytes(self) -> int:
+        """Everything the layer holds for its backward."""
+        return self.autograd_bytes + sum(t.nbytes for t in self.outside)
+
+    @property
+    def label(self) -> str:
+        return "+".join(self.modules) or "none"
+
+
+def layer_memory(shape: MoEShape, setup: MoESetup, recompute: Recompute = "none", kind: str = "moe") -> LayerMemory:
+    """One ``kind`` layer's memory on one rank under ``recompute``."""
+    check(shape, setup, kind)
+    modules = modules_of(recompute)
+    terms, outside = layer_tensors(shape, setup, kind).kept(modules)
+    return LayerMemory(kind, modules, tuple(terms), tuple(outside))
+
+
+def applies(shape: MoEShape, kind: str, module: str) -> bool:
+    """Whether ``module`` recomputes anything in a ``kind`` layer of ``shape`` (as
+    ``apply_recompute`` finds it: ``mlp`` and ``mlp_act`` are the dense MLP's, ``moe`` and
+    ``moe_act`` the MoE block's, ``shared_experts`` where there are some, ``mla_up_proj`` MLA's)."""
+    if module in ("none", "full", "core_attn", "norm"):
+        return True
+    if module in ("mlp", "mlp_act"):
+        return kind == "dense"
+    if module == "mla_up_proj":
+        return shape.mla is not None
+    return kind == "moe" and (module != "shared_experts" or shape.shared_ffn > 0)
+
+
+def module_table(shape: MoEShape, setup: MoESetup) -> dict[str, dict[str, LayerMemory | None]]:
+    """Each layer kind the model has, under each of :data:`CHOICES` (None where the module does
+    not apply to that kind)."""
+    return {kind: {c: layer_memory(shape, setup, c, kind) if applies(shape, kind, c) else None for c in CHOICES}
+            for kind in shape.kinds}
+
+
+def model_bytes(shape: MoEShape, setup: MoESetup, recompute: Recompute = "none") -> int:
+    """What the ``shape.layers`` layers hold for backward together (every layer under
+    ``recompute``; the terms shared by the stack, the rotary tables, are left out)."""
+    per_kind = {kind: layer_memory(shape, setup, recompute, kind).nbytes for kind in shape.kinds}
+    dense = len(shape.dense_layers)
+    return dense * per_kind.get("dense", 0) + (shape.layers - dense) * per_kind.get("moe", 0)
+
+
+__all__ = ["CHOICES", "KINDS", "LayerMemory", "MODULES", "applies", "layer_memory", "layer_tensors", "model_bytes",
+           "module_table", "modules_of"]
