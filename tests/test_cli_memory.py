@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -96,3 +97,83 @@ def test_bad_input_from_the_command_line_has_no_traceback():
     assert proc.returncode == 2
     assert proc.stdout == "" and len(proc.stderr.strip().splitlines()) == 1
     assert "Traceback" not in proc.stderr and "heads" in proc.stderr
+
+
+# --- --config: transformers MoE models (neuron_ckpt.memory.moe) --------------------------------
+
+TINY_QWEN3 = {
+    "model_type": "qwen3_moe", "vocab_size": 128, "hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 16, "moe_intermediate_size": 32, "intermediate_size": 96, "num_experts": 4,
+    "num_experts_per_tok": 2, "norm_topk_prob": True, "mlp_only_layers": [0],
+}  # fmt: skip
+
+
+def test_config_presets_print_each_layer_kind_under_every_module(capsys):
+    """Mixtral 8x7B has MoE layers only; DeepSeek-V3 3 dense and 58 MoE layers; a module a kind
+    lacks is null there and leaves those layers as they are in the total."""
+    from neuron_ckpt.memory.moe import CHOICES, MoESetup, layer_memory, load_moe_config
+
+    mixtral = _run_json(capsys, "--config", "mixtral-8x7b", "--seq", "4096", "--tp", "8")
+    shape, setup = load_moe_config("mixtral-8x7b"), MoESetup(4096, 1, 8)
+    assert list(mixtral["per_layer_bytes"]) == ["moe"] and list(mixtral["per_layer_bytes"]["moe"]) == list(CHOICES)
+    assert mixtral["per_layer_bytes"]["moe"]["moe_act"] == layer_memory(shape, setup, "moe_act").nbytes
+    assert mixtral["per_layer_bytes"]["moe"]["mlp"] is None
+    assert mixtral["layers_total_bytes"]["none"] == 32 * mixtral["per_layer_bytes"]["moe"]["none"]
+    assert mixtral["outside_autograd_bytes"]["moe"]["moe"] == 8 * 4096 * 2  # the replayed top-2 indices
+
+    deepseek = _run_json(capsys, "--config", "deepseek-v3", "--seq", "4096", "--tp", "8", "--experts", "eager")
+    per = deepseek["per_layer_bytes"]
+    assert deepseek["spec"]["dense_layers"] == 3 and deepseek["spec"]["experts"] == "eager"
+    assert per["dense"]["moe"] is None and per["moe"]["mlp"] is None and per["dense"]["mla_up_proj"] is not None
+    assert deepseek["layers_total_bytes"]["moe"] == 3 * per["dense"]["none"] + 58 * per["moe"]["moe"]
+
+    assert main(["memory", "--config", "deepseek-v3", "--seq", "1024", "--attention", "eager"]) == 0
+    out = capsys.readouterr().out
+    assert "dense layer" in out and "moe layer" in out and "mla_up_proj" in out and "eager attention" in out
+
+
+def test_config_file_or_directory_and_the_dropped_quantization_notice(capsys, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(TINY_QWEN3))
+    report = _run_json(capsys, "--config", str(tmp_path), "--seq", "16", "--tp", "2", "--dtype", "fp32")
+    assert report["spec"]["dense_layers"] == 1 and report["model"]["head_dim"] == 16 and report["notices"] == []
+    quantized = json.loads((Path(__file__).parents[1] / "neuron_ckpt/memory/moe/presets/deepseek-v3.json").read_text())
+    quantized["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
+    (tmp_path / "ds.json").write_text(json.dumps(quantized))
+    assert main(["memory", "--config", str(tmp_path / "ds.json"), "--seq", "64"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert "quantization_config dropped" in first
+
+
+@pytest.mark.parametrize("change,needle", [
+    ({"num_hiden_layers": 3}, "did you mean 'num_hidden_layers'"),
+    ({"moe_intermediate_size": None}, "missing key 'moe_intermediate_size'"),
+    ({"hidden_size": "64"}, "hidden_size"),
+    ({"hidden_act": "gelu"}, "silu"),
+    ({"model_type": "llama"}, "MoE families"),
+    ({"num_experts_per_tok": 8}, "top_k"),
+])  # fmt: skip
+def test_bad_config_files_are_one_line_and_exit_2(capsys, tmp_path, change, needle):
+    data = {k: v for k, v in {**TINY_QWEN3, **change}.items() if v is not None}
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    with pytest.raises(SystemExit) as exc:
+        main(["memory", "--config", str(tmp_path / "config.json"), "--seq", "16"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and needle in err, err
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--config", "mixtral-8x7b", "--seq", "64", "--hidden", "128"], "drop --hidden"),
+    (["--config", "mixtral-8x7b", "--seq", "64", "--recompute", "full", "--measure"], "drop --recompute, --measure"),
+    (["--config", "mixtral-8x7b", "--seq", "64", "--attention", "flash"], "sdpa"),
+    (["--config", "mixtral-8x7b", "--seq", "64", "--tp", "16"], "kv_heads"),
+    (["--config", "no-such-model", "--seq", "64"], "MoE presets: deepseek-v3, mixtral-8x7b"),
+    (["--hidden", "128", "--heads", "8", "--seq", "64", "--experts", "eager"], "--experts"),
+    (["--heads", "8", "--seq", "64"], "--hidden is required"),
+])  # fmt: skip
+def test_bad_config_options_are_one_line_and_exit_2(capsys, args, needle):
+    with pytest.raises(SystemExit) as exc:
+        main(["memory", *args])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and needle in err, err

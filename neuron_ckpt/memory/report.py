@@ -5,7 +5,8 @@ The command's logic lives here; :mod:`neuron_ckpt.cli` only dispatches. The argu
 (:func:`case_from_args`); :func:`build_report` returns a plain dict (what ``--json`` prints);
 :func:`format_report` renders it as a table. ``--measure`` spawns ``--tp`` local gloo processes
 (``run_local``) and runs up to two real layers (:mod:`.layers`); per-layer figures do not
-depend on the layer count. ``--plot`` draws :mod:`.plot`.
+depend on the layer count. ``--plot`` draws :mod:`.plot`. ``--config`` (a transformers MoE
+config.json or preset) is :mod:`.moe.report`'s.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from .analytic import (
     supported_presets,
 )  # fmt: skip
 from .layers import MEASURED_LAYERS, Case, measure_on_ranks
+from .moe.shape import ATTENTION as MOE_ATTENTION
+from .moe.shape import EXPERTS as MOE_EXPERTS
 from .shape import DEFAULT_VOCAB, DTYPE_BYTES, KINDS, ModelShape, TrainingSetup, default_ffn
 
 MIB = 1 << 20
@@ -50,8 +53,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``memory`` subcommand's options."""
     add = parser.add_argument
     add("--model", choices=KINDS, default="gpt", help="gpt: the paper's layer; llama: RMSNorm/GQA/SwiGLU")
-    add("--hidden", type=positive_int, required=True, help="h, model width")
-    add("--heads", type=positive_int, required=True, help="a, attention heads")
+    add("--config", metavar="CONFIG",
+        help="a transformers MoE config.json (model_type mixtral, qwen3_moe, qwen2_moe, deepseek_v3), a directory "
+             "holding one, or a preset (mixtral-8x7b, deepseek-v3): its dense and MoE layers under every recompute "
+             "module, analytic (the sizes come from the file)")
+    add("--hidden", type=positive_int, help="h, model width (required without --config)")
+    add("--heads", type=positive_int, help="a, attention heads (required without --config)")
     add("--kv-heads", type=positive_int, help="llama: key/value heads (GQA); default: --heads")
     add("--ffn", type=positive_int, help="MLP width; default 4h (gpt) or Llama's 8h/3 rounded to 256")
     add("--seq", type=positive_int, required=True, help="s, tokens per sequence")
@@ -62,9 +69,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--distribute-saved-activations", action="store_true", help="full recompute: keep 1/t of the layer input")
     add("--layers", type=positive_int, default=1, help="layers in the model (totals are layers x per layer)")
     add("--dtype", choices=tuple(DTYPE_BYTES), default="bf16", help="activation dtype")
-    add("--attention", choices=ATTENTION, default="explicit",
+    add("--attention", choices=ATTENTION + MOE_ATTENTION,
         help="core attention: explicit (keeps the s x s probabilities, the paper's layer; default) or flash "
-             "(a fused kernel: torch SDPA's flash on CPU/CUDA, NxD's NKI kernel on trn1; llama only)")
+             "(a fused kernel: torch SDPA's flash on CPU/CUDA, NxD's NKI kernel on trn1; llama only); with "
+             "--config transformers' implementation: sdpa (default) or eager")
+    add("--experts", choices=MOE_EXPERTS, help="with --config: transformers' experts implementation (default grouped_mm)")
     add("--measure", action="store_true", help=f"run {MEASURED_LAYERS} real layers on --tp local gloo processes")
     add("--json", action="store_true", help="print one JSON object instead of a table")
     add("--plot", metavar="PATH", help="write a PNG: bytes per layer against sequence length")
@@ -73,11 +82,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def case_from_args(args: argparse.Namespace) -> Case:
     """``(model, setup, recompute)``, checked as the analytic model checks them; a
     ``ValueError`` naming the field otherwise. The vocabulary plays no part in one layer."""
+    missing = [flag for flag, value in (("--hidden", args.hidden), ("--heads", args.heads)) if value is None]
+    if missing:
+        raise ValueError(f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} required (or --config)")
+    if args.experts is not None:
+        raise ValueError("--experts applies to --config (transformers MoE models) only")
+    attention = "explicit" if args.attention is None else args.attention
+    if attention not in ATTENTION:
+        raise ValueError(f"--attention must be one of {ATTENTION} for --model {args.model}, got {attention!r} "
+                         "(sdpa / eager are for --config)")
     kv_heads = args.heads if args.kv_heads is None else args.kv_heads
     ffn = default_ffn(args.model, args.hidden) if args.ffn is None else args.ffn
     model = ModelShape(args.model, args.hidden, args.heads, kv_heads, ffn, args.layers, DEFAULT_VOCAB)
     setup = TrainingSetup(args.seq, args.micro_batch, args.tp, dtype=args.dtype,
-                          sequence_parallel=args.sequence_parallel, attention=args.attention)
+                          sequence_parallel=args.sequence_parallel, attention=attention)
     recompute = RecomputeConfig.preset(args.recompute)
     if args.distribute_saved_activations:
         recompute = replace(recompute, distribute_saved_activations=True)
@@ -207,6 +225,10 @@ def check_plot_path(path: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """The ``memory`` command. Raises ``ValueError`` on bad input (the CLI prints one line)."""
+    if args.config is not None:  # a transformers MoE model: its own report (.moe.report)
+        from .moe import report as moe_report
+
+        return moe_report.run(args)
     model, setup, recompute = case_from_args(args)
     if args.plot:
         check_plot_path(args.plot)
