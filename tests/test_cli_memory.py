@@ -82,6 +82,10 @@ def test_flash_attention_is_named_and_measured(capsys):
       "--distribute-saved-activations"], "sequence_parallel"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, args, needle):
+    _exits_2_with_one_line(capsys, args, needle)
+
+
+def _exits_2_with_one_line(capsys, args: list[str], needle: str) -> None:
     with pytest.raises(SystemExit) as exc:
         main(["memory", *args])
     assert exc.value.code == 2
@@ -155,11 +159,7 @@ def test_config_file_or_directory_and_the_dropped_quantization_notice(capsys, tm
 def test_bad_config_files_are_one_line_and_exit_2(capsys, tmp_path, change, needle):
     data = {k: v for k, v in {**TINY_QWEN3, **change}.items() if v is not None}
     (tmp_path / "config.json").write_text(json.dumps(data))
-    with pytest.raises(SystemExit) as exc:
-        main(["memory", "--config", str(tmp_path / "config.json"), "--seq", "16"])
-    assert exc.value.code == 2
-    err = capsys.readouterr().err
-    assert len(err.strip().splitlines()) == 1 and needle in err, err
+    _exits_2_with_one_line(capsys, ["--config", str(tmp_path / "config.json"), "--seq", "16"], needle)
 
 
 @pytest.mark.parametrize("args,needle", [
@@ -172,8 +172,4 @@ def test_bad_config_files_are_one_line_and_exit_2(capsys, tmp_path, change, need
     (["--heads", "8", "--seq", "64"], "--hidden is required"),
 ])  # fmt: skip
 def test_bad_config_options_are_one_line_and_exit_2(capsys, args, needle):
-    with pytest.raises(SystemExit) as exc:
-        main(["memory", *args])
-    assert exc.value.code == 2
-    err = capsys.readouterr().err
-    assert len(err.strip().splitlines()) == 1 and needle in err, err
+    _exits_2_with_one_line(capsys, args, needle)
