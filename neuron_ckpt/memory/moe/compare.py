@@ -1,0 +1,86 @@
+"""Measured against analytic for one model: ``python -m neuron_ckpt.memory.moe.compare``.
+
+:func:`compare` builds one layer of each kind the model has (DeepSeek: its dense first layer and
+an MoE layer; the vocabulary shrunk, which no layer reads), applies each recompute choice in
+turn to the same model (``apply_recompute`` replaces the previous one), runs the layers once
+per choice (:func:`~.measure.measure_layers`, no backward) and returns, per layer kind and
+choice, what ``SavedTensorRecorder`` counted and what :func:`~.layer.layer_memory` says.
+``experts=`` prices and builds fewer routed experts, to fit a real-size layer in memory: what a
+layer keeps depends on E only through the router's ``[T, E]`` scores and grouped_mm's ``[E]``
+offsets (the analytic side is computed for the same E, so the comparison stays exact).
+
+Runs on one process (TP 1), or on every rank of an initialised world with ``setup.tp`` ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import dataclass, replace
+
+from ...recompute import apply_recompute, remove_recompute
+from .config import load_moe_config
+from .layer import CHOICES, applies, layer_memory
+from .measure import build_model, measure_layers, recompute_config
+from .shape import ATTENTION, EXPERTS, MoESetup, MoEShape
+
+
+@dataclass(frozen=True)
+class Row:
+    kind: str
+    choice: str
+    measured: int
+    analytic: int
+    seconds: float
+
+
+def one_layer_each(shape: MoEShape, experts: int | None = None) -> MoEShape:
+    """``shape`` with one dense layer (where it has dense layers) and one MoE layer."""
+    dense = bool(shape.dense_layers)
+    return replace(shape, layers=1 + dense, dense_layers=(0,) if dense else (), experts=experts or shape.experts)
+
+
+def compare(shape: MoEShape, setup: MoESetup, choices=CHOICES, vocab: int = 128) -> list[Row]:
+    """Measured and analytic bytes of each layer of ``shape`` under each choice that applies."""
+    kinds = ["dense" if shape.is_dense(i) else "moe" for i in range(shape.layers)]
+    model = build_model(shape, setup, "none", vocab=vocab)
+    rows = []
+    for choice in choices:
+        if not all(any(applies(shape, k, name) for k in kinds) for name in choice.split("+")):
+            continue
+        remove_recompute(model)
+        config = recompute_config(choice)
+        if config is not None:
+            apply_recompute(model, config)
+        start = time.perf_counter()
+        measured = measure_layers(model, setup, backward=False).per_layer_bytes
+        seconds = time.perf_counter() - start
+        for kind, nbytes in zip(kinds, measured):
+            rows.append(Row(kind, choice, nbytes, layer_memory(shape, setup, choice, kind).autograd_bytes, seconds))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m neuron_ckpt.memory.moe.compare", description=__doc__.split("\n")[0])
+    parser.add_argument("--config", required=True, help="an MoE config.json or preset (mixtral-8x7b, deepseek-v3)")
+    parser.add_argument("--seq", type=int, required=True)
+    parser.add_argument("--micro-batch", type=int, default=1)
+    parser.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
+    parser.add_argument("--attention", choices=ATTENTION, default="sdpa")
+    parser.add_argument("--experts-impl", choices=EXPERTS, default="grouped_mm")
+    parser.add_argument("--experts", type=int, help="build and price this many routed experts instead")
+    parser.add_argument("--choices", default=",".join(CHOICES), help="comma-separated recompute choices")
+    args = parser.parse_args(argv)
+    shape = one_layer_each(load_moe_config(args.config), args.experts)
+    setup = MoESetup(args.seq, args.micro_batch, 1, args.dtype, args.attention, args.experts_impl)
+    print(f"{shape.name}: {'dense + MoE layer' if shape.dense_layers else 'one MoE layer'}, E={shape.experts}, "
+          f"s={setup.seq_len} b={setup.micro_batch} {setup.dtype} {setup.attention} {setup.experts}, TP 1")
+    print(f"{'kind':<6}{'recompute':<16}{'measured MiB':>14}{'analytic MiB':>14}{'equal':>7}{'forward s':>11}")
+    for r in compare(shape, setup, args.choices.split(",")):
+        print(f"{r.kind:<6}{r.choice:<16}{r.measured / 2**20:>14.3f}{r.analytic / 2**20:>14.3f}"
+              f"{'yes' if r.measured == r.analytic else 'NO':>7}{r.seconds:>11.1f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
