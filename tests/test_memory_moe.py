@@ -11,6 +11,8 @@ missed, counted twice or of another dtype is at least a few hundred bytes off.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -133,6 +135,20 @@ def test_routing_replay_holds_its_indices_outside_autograd(family, choice, monke
     assert len(replays[0].recorded) == len(want.outside) == (3 if family == "deepseek_v3" else 1)
 
 
+@pytest.mark.parametrize("choice", ["none", "core_attn", "mla_up_proj", "core_attn+mla_up_proj"])
+def test_mla_with_equal_head_sizes_runs_the_fused_kernel_sdpa_fused_prices(choice):
+    """With qk_nope + qk_rope = v_head_dim torch's CPU sdpa runs the flash kernel on MLA (q, k,
+    v's root, its output, an fp32 logsumexp): what ``sdpa-fused`` prices for any head sizes,
+    as CUDA's memory-efficient kernel keeps the same for DeepSeek's unequal ones."""
+    shape = replace(SHAPES["deepseek_v3"], mla=MLA(16, 16, 8, 8, 16))
+    s = MoESetup(S, B, 1, "bf16", "sdpa")
+    measured = measure_layers(build_model(shape, s, choice), s).per_layer_bytes
+    for attention in ("sdpa", "sdpa-fused"):
+        fused = replace(s, attention=attention)
+        assert measured == [layer_memory(shape, fused, choice, kind).autograd_bytes for kind in kinds(shape)]
+    assert "logsumexp_fp32" in _terms(shape, s) and "probs_fp32" not in _terms(shape, s)
+
+
 def _terms(shape: MoEShape, s: MoESetup, choice: str = "none", kind: str = "moe") -> dict[str, int]:
     return {t.name: t.nbytes for t in layer_memory(shape, s, choice, kind).terms}
 
@@ -171,6 +187,8 @@ def test_real_models_at_4096_tokens():
         # [a, s, s] probabilities (the CPU math path) are the same at TP 1 and 8
         assert _terms(deepseek, ds)["probs_fp32"] == 4 * 128 * T * T == 8192 * MiB
         assert _terms(deepseek, ds, kind="dense")["mlp.product"] == 2 * T * 18432 // t
+        fused = _terms(deepseek, replace(ds, attention="sdpa-fused"))  # CUDA's memory-efficient kernel
+        assert "probs_fp32" not in fused and fused["logsumexp_fp32"] == 4 * 128 * T
     assert layer_memory(deepseek, MoESetup(T, 1, 8), "none", "dense").nbytes < \
         layer_memory(deepseek, MoESetup(T, 1, 1), "none", "dense").nbytes
 

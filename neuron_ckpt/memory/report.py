@@ -72,7 +72,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--attention", choices=ATTENTION + MOE_ATTENTION,
         help="core attention: explicit (keeps the s x s probabilities, the paper's layer; default) or flash "
              "(a fused kernel: torch SDPA's flash on CPU/CUDA, NxD's NKI kernel on trn1; llama only); with "
-             "--config transformers' implementation: sdpa (default) or eager")
+             "--config transformers' implementation: sdpa (default; torch's CPU dispatch), eager, or sdpa-fused "
+             "(a fused sdpa kernel whatever the head sizes: CUDA's memory-efficient kernel for MLA)")
     add("--experts", choices=MOE_EXPERTS, help="with --config: transformers' experts implementation (default grouped_mm)")
     add("--measure", action="store_true", help=f"run {MEASURED_LAYERS} real layers on --tp local gloo processes")
     add("--json", action="store_true", help="print one JSON object instead of a table")
@@ -90,7 +91,7 @@ def case_from_args(args: argparse.Namespace) -> Case:
     attention = "explicit" if args.attention is None else args.attention
     if attention not in ATTENTION:
         raise ValueError(f"--attention must be one of {ATTENTION} for --model {args.model}, got {attention!r} "
-                         "(sdpa / eager are for --config)")
+                         "(sdpa / eager / sdpa-fused are for --config)")
     kv_heads = args.heads if args.kv_heads is None else args.kv_heads
     ffn = default_ffn(args.model, args.hidden) if args.ffn is None else args.ffn
     model = ModelShape(args.model, args.hidden, args.heads, kv_heads, ffn, args.layers, DEFAULT_VOCAB)

@@ -14,8 +14,9 @@ the shared cos/sin tables (outside the layer); Qwen3's per-head q/k norms are RM
 
 * ``sdpa``: with no mask and ``d <= 256`` transformers passes the kv heads as they are
   (``enable_gqa``) and torch runs its fused flash kernel, which keeps q and k (RoPE's outputs),
-  v (the v projection's output, a strided view of it), its output (the storage ``o_proj`` keeps
-  too) and an fp32 logsumexp per query row.
+  v (the v projection's output, a strided view of it), its output and an fp32 logsumexp per
+  query row. The output takes q's memory layout, ``[b, s, heads, d]`` (RoPE keeps the
+  projection's), so ``o_proj`` keeps the same storage.
 * ``eager``: ``repeat_kv`` copies k and v to the query heads (v is copied by the matmul itself
   when nothing is repeated: a strided view); the score matmul keeps q and the repeated k, the
   softmax its fp32 output, the second matmul the probabilities in the activation dtype (the same
@@ -27,7 +28,9 @@ rope parts, q and k concatenated into new tensors (``expand_kv`` writes k into `
 a slice of ``kv_b_proj``'s output. The up part (``q_b_proj``, ``kv_b_proj``) keeps the two
 latents; ``mla_up_proj`` keeps them and a copy of k_rot. torch's CPU flash kernel needs q, k and v of one head size; DeepSeek's differ
 (``qk_nope + qk_rope`` against ``v_head_dim``), so sdpa runs the math path: fp32 copies of q and
-k scaled, the fp32 probabilities and an fp32 copy of v, whatever the model's dtype.
+k scaled, the fp32 probabilities and an fp32 copy of v, whatever the model's dtype. CUDA runs
+its memory-efficient kernel there, which keeps what the flash kernel keeps: ``sdpa-fused``
+prices that (the flash path's storages; on CPU measured where the head sizes are equal).
 """
 
 from __future__ import annotations
@@ -64,7 +67,7 @@ def gqa(layer: LayerTensors, shape: MoEShape, setup: MoESetup, x: str) -> None:
     q = layer.save("q", w * T * a * d, split)  # RoPE's output
     k = layer.save("k", w * T * g * d, split)
     v = layer.save("v", w * T * g * d, split)  # v_proj's output, read through a strided view
-    if setup.attention == "sdpa":
+    if setup.attention != "eager":
         if d > SDPA_GQA_MAX_HEAD_DIM:
             raise ValueError(f"head_dim ({d}) > {SDPA_GQA_MAX_HEAD_DIM}: transformers' sdpa repeats k and v, "
                              "which this model does not price; use attention='eager'")
@@ -105,11 +108,13 @@ def mla(layer: LayerTensors, shape: MoEShape, setup: MoESetup, x: str) -> None:
     k = layer.save("k", w * T * a * m.qk_head_dim, split)  # expand_kv's new_empty
     v = layer.save("kv_b_proj.out", w * T * a * (m.qk_nope_head_dim + m.v_head_dim), split)  # v: a slice of it
     dv = m.v_head_dim
-    if setup.attention == "sdpa" and m.qk_head_dim == dv:  # the flash kernel
+    if setup.attention == "sdpa-fused" or (setup.attention == "sdpa" and m.qk_head_dim == dv):  # a fused kernel
         for name in (q, k, v):
             layer.keep(name, "attn.core")
         layer.save("logsumexp_fp32", _FP32 * b * a * s, split, "attn.core")
-        layer.save("attn_out", w * T * a * dv, split, "attn.core", "attn.o_proj")
+        layer.save("attn_out", w * T * a * dv, split, "attn.core")
+        # q is the concat's [b, a, s, d] tensor, so the output is too: o_proj keeps its transposed copy
+        layer.save("o_proj.input", w * T * a * dv, split, "attn.o_proj")
     elif setup.attention == "sdpa":  # the math path, in fp32 on CPU
         layer.save("q_scaled_fp32", _FP32 * T * a * m.qk_head_dim, split, "attn.core")
         layer.save("k_scaled_fp32", _FP32 * T * a * m.qk_head_dim, split, "attn.core")

@@ -55,7 +55,11 @@ def hf_config(shape: MoEShape, setup: MoESetup, layers: int | None = None, vocab
         config = cls(**common, **extra, intermediate_size=shape.dense_ffn or 1, moe_intermediate_size=shape.moe_ffn,
                      num_experts=shape.experts, norm_topk_prob=shape.norm_topk_prob, mlp_only_layers=dense)
         config.head_dim = shape.head_dim
-    config._attn_implementation = setup.attention
+    fused_only = setup.attention == "sdpa-fused" and shape.mla and shape.mla.qk_head_dim != shape.mla.v_head_dim
+    if fused_only:
+        raise ValueError("attention 'sdpa-fused' with MLA head sizes that differ is not what torch runs on CPU "
+                         "(the math path); build it with 'sdpa'")
+    config._attn_implementation = "eager" if setup.attention == "eager" else "sdpa"
     return config
 
 

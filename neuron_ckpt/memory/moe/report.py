@@ -3,7 +3,7 @@ under every recompute module, analytic.
 
 :mod:`neuron_ckpt.memory.report` owns the command and hands it here when ``--config`` is given
 (:func:`run`): the file (or preset) is read strictly (:func:`~.config.load_moe_config`), the job
-is ``--seq``, ``--micro-batch``, ``--tp``, ``--dtype``, ``--attention`` (sdpa | eager) and
+is ``--seq``, ``--micro-batch``, ``--tp``, ``--dtype``, ``--attention`` (sdpa | eager | sdpa-fused) and
 ``--experts`` (grouped_mm | eager); :func:`build_report` returns the plain dict ``--json``
 prints, :func:`format_report` the table. The options that describe a model by hand or a
 measurement (``--hidden``, ``--recompute``, ``--measure``...) are refused in one line: the file

@@ -30,7 +30,7 @@ from ...checks import is_int, require_positive_int
 from ..shape import DTYPE_BYTES
 
 FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3")
-ATTENTION = ("sdpa", "eager")
+ATTENTION = ("sdpa", "eager", "sdpa-fused")
 EXPERTS = ("grouped_mm", "eager")
 
 # Which parts the family's transformers TP plan splits over the tensor-parallel group.
@@ -174,7 +174,9 @@ class MoESetup:
     dtype: the model's dtype ("bf16" | "fp16" | "fp32"); DeepSeek's router weight stays fp32,
     as ``from_pretrained`` keeps it. attention: transformers' attention implementation, "sdpa"
     (torch's CPU dispatch: the fused flash kernel where q, k and v share a head size and no mask
-    is passed, the math path otherwise) or "eager". experts: the experts implementation,
+    is passed, the math path otherwise) or "eager"; "sdpa-fused" prices sdpa as a fused kernel
+    whatever the head sizes (what CUDA's memory-efficient kernel keeps for MLA, whose head sizes
+    differ; on CPU it is what runs wherever they are equal). experts: the experts implementation,
     "grouped_mm" (transformers' default) or "eager" (the per-expert loop).
     """
 
