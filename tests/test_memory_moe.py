@@ -88,6 +88,22 @@ def test_measured_equals_analytic_at_tp1(family, setup_name, choice):
     assert _TP1[(family, setup_name, choice)] == analytic(family, setup(setup_name), choice)
 
 
+def _has_moe_tensor_parallel() -> bool:
+    from neuron_ckpt.parallel.hf import STYLES
+
+    return "moe_tp_experts" in STYLES
+
+
+@pytest.mark.skipif(not _has_moe_tensor_parallel(), reason="apply_tensor_parallel has no MoE plan styles yet")
+def test_measured_equals_analytic_at_tp2_on_every_rank(world):
+    """The family's own plan at TP 2 (gloo): attention heads and the experts' intermediate size
+    split, DeepSeek-V3's MLA and Qwen2's shared expert whole (their plans leave them out)."""
+    ranks = world(2).run(measure_cases, CASES, 2)
+    for i, (family, name, choice) in enumerate(CASES):
+        want = analytic(family, setup(name, 2), choice)
+        assert [r[i] for r in ranks] == [want, want], (family, name, choice)
+
+
 @pytest.mark.parametrize("experts", ["grouped_mm", "eager"])
 @pytest.mark.parametrize("family", ["mixtral", "deepseek_v3"])
 def test_bytes_do_not_depend_on_how_tokens_spread_over_experts(family, experts):
