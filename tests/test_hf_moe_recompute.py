@@ -344,3 +344,55 @@ def test_an_attention_class_mla_up_proj_does_not_mirror_is_refused():
         apply_recompute(model, selective("mla_up_proj"))
     assert "forward" not in model.model.layers[1].self_attn.__dict__
 
+
+# --- TP 2 (gloo): the experts split by the model's own plan, recompute against none ---------------
+
+
+def _tp2_recompute(family: str, experts: str, modules: tuple[str, ...], reentrant: bool | None,
+                   distribute: bool = False) -> list[str]:
+    """At TP 2 each rank's loss, aux loss and local gradients with ``modules`` recomputed equal
+    (bit for bit) those of the same split model without recompute; returns what differs.
+    ``distribute``: keep half of the (replicated) input of each ``moe`` checkpoint per rank."""
+    import neuron_ckpt as nc
+
+    nc.initialize_model_parallel(2)
+    results = []
+    config = RecomputeConfig("selective", modules=modules, use_reentrant=reentrant,
+                             distribute_saved_activations=distribute)
+    for config in (None, config):
+        nc.model_parallel_manual_seed(1234)
+        model = nc.apply_tensor_parallel(tiny(family, experts))
+        if config is not None:
+            apply_recompute(model, config)
+        nc.model_parallel_manual_seed(7)  # attention dropout (tracker stream) and jitter (default generator)
+        results.append(step(model))
+    got, want = results
+    bad = [k for k, a, b in (("loss", got[0], want[0]), ("aux", got[1], want[1])) if not (a is None and b is None or torch.equal(a, b))]
+    return bad + [n for n in want[3] if not torch.equal(got[3][n], want[3][n])]
+
+
+TP_CASES = [  # (family, experts implementation, modules, use_reentrant)
+    ("mixtral", "grouped_mm", ("moe",), None), ("mixtral", "grouped_mm", ("moe",), True),
+    ("mixtral", "eager", ("moe_act",), None), ("mixtral", "grouped_mm", ("moe_act",), True),
+    ("qwen2_moe", "grouped_mm", ("shared_experts",), None),  # reentrant: equal to rounding (module docstring)
+    ("deepseek_v3", "grouped_mm", ("shared_experts", "moe_act"), None),
+    ("deepseek_v3", "grouped_mm", ("shared_experts", "moe_act"), True),
+    ("deepseek_v3", "grouped_mm", ("mla_up_proj", "core_attn"), None),
+    ("deepseek_v3", "eager", ("moe", "mla_up_proj"), True),
+    ("mixtral", "grouped_mm", ("moe",), "distributed"),
+]  # fmt: skip
+
+
+def _has_moe_tensor_parallel() -> bool:
+    from neuron_ckpt.parallel.hf import STYLES
+
+    return "moe_tp_experts" in STYLES
+
+
+@pytest.mark.skipif(not _has_moe_tensor_parallel(), reason="apply_tensor_parallel has no MoE plan styles yet")
+@pytest.mark.parametrize("family,experts,modules,reentrant", TP_CASES)
+def test_tp2_recompute_is_bit_exact(world, family, experts, modules, reentrant):
+    distribute = reentrant == "distributed"
+    reentrant = True if distribute else reentrant
+    for differs in world(2).run(_tp2_recompute, family, experts, modules, reentrant, distribute):
+        assert differs == []
