@@ -208,7 +208,7 @@ def _errors() -> dict:
     model = tiny("llama")
     before = [type(m) for m in model.modules()]
     for key, call in {
-        "style": lambda: nc.apply_tensor_parallel(model, {"model.layers.*.self_attn.q_proj": "packed_colwise",
+        "style": lambda: nc.apply_tensor_parallel(model, {"model.layers.*.self_attn.q_proj": "local_colwise",
                                                             "model.layers.*.mlp.down_proj": "rowwise"}),
         "kind": lambda: nc.apply_tensor_parallel(model, {"model.norm": "colwise"}),
         "heads": lambda: nc.apply_tensor_parallel(tiny("llama", kv_heads=1)),
@@ -226,9 +226,10 @@ def test_bad_plans_fail_in_one_line_before_anything_changes(world):
     r = world(2).run(_errors)[0]
     assert r["unchanged"]
     assert r["style"] == (
-        "apply_tensor_parallel: plan entry 'model.layers.*.self_attn.q_proj' has style 'packed_colwise', which "
+        "apply_tensor_parallel: plan entry 'model.layers.*.self_attn.q_proj' has style 'local_colwise', which "
         "neuron_ckpt does not map (supported: colwise, colwise_gather_output, colwise_rep, rowwise, "
-        "rowwise_split_input, rowwise_rep, embedding_rowwise, replicated_with_grad_allreduce, replicate)"
+        "rowwise_split_input, rowwise_rep, embedding_rowwise, replicated_with_grad_allreduce, replicate, "
+        "moe_tp_experts, mla_kv_a_proj, packed_colwise, packed_rowwise)"
     )
     assert r["kind"] == "apply_tensor_parallel: model.norm (colwise): needs a torch.nn.Linear, got LlamaRMSNorm"
     assert r["heads"].startswith("apply_tensor_parallel: model.layers.0.self_attn.k_proj (colwise): 1 heads of 8 do not split")

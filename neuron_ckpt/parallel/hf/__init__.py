@@ -15,7 +15,15 @@ plan style                        becomes
 ``embedding_rowwise``             :class:`VocabParallelEmbedding` (vocabulary rows split)
 ``replicated_with_grad_allreduce``  kept; each parameter's gradient is summed over the group
 ``replicate``                     kept as it is
+``moe_tp_experts``                experts module: inputs enter, output leaves the TP region
+``packed_colwise`` (parameter)    an experts' ``gate_up_proj``: gate and up rows sliced alike
+``rowwise`` (3-D parameter)       an experts' ``down_proj``: sliced on its intermediate dim
+``mla_kv_a_proj``                 kept; the rotary key's gradient summed over the group
 ===============================  =============================================================
+
+Mixture-of-experts models (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V2/V3, Llama 4, Aria) split each
+expert's intermediate size, the router stays whole: see :mod:`.experts`; multi-head latent
+attention (DeepSeek-V2's plan): :mod:`.mla`.
 
 ``loss_parallel`` (default on): the LM head planned ``colwise_gather_output`` keeps its logits
 split over the vocabulary and the model's loss becomes :func:`vocab_parallel_cross_entropy`, so
@@ -34,11 +42,14 @@ Not covered: sequence parallelism (transformers' activations are ``[b, s, h]`` a
 its own), and key/value heads fewer than the group (replicating them, as
 :class:`QKVParallelLinear` does, would need the attention module's own head counts changed).
 
-Files: ``plan`` reads the plan and runs the styles (``STYLES``, a table of style -> check and
-apply); ``dense`` holds the linear, embedding and replicated styles; ``shards`` slices and tags
-parameters; ``loss`` the vocabulary-parallel loss; ``dropout`` split attention's RNG stream.
+Files: ``plan`` reads the plan and runs the styles (``STYLES`` for entries naming a module,
+``PARAMETER_STYLES`` for entries naming a parameter: tables of style -> check and apply, joined
+from the files that define them; ``PLAN_CHECKS`` across entries); ``dense`` holds the linear,
+embedding and replicated styles; ``experts`` the mixture-of-experts ones; ``mla`` latent
+attention's; ``shards`` slices and tags parameters; ``loss`` the vocabulary-parallel loss;
+``dropout`` split attention's RNG stream.
 """
 
-from .plan import STYLES, apply_tensor_parallel
+from .plan import PARAMETER_STYLES, STYLES, apply_tensor_parallel
 
-__all__ = ["STYLES", "apply_tensor_parallel"]
+__all__ = ["PARAMETER_STYLES", "STYLES", "apply_tensor_parallel"]

@@ -13,8 +13,13 @@ from .style import Target
 def split_attention_with_dropout(model: torch.nn.Module, targets: list[Target]) -> list[str]:
     """Attention modules whose heads the plan splits (a ``colwise`` child) and that drop out."""
     names = {t.name.rpartition(".")[0] for t in targets if t.param is None and t.style == "colwise" and "." in t.name}
-    return sorted(n for n in names if isinstance(getattr(model.get_submodule(n), "head_dim", None), int)
+    return sorted(n for n in names if _attention(model.get_submodule(n))
                   and getattr(model.get_submodule(n), "attention_dropout", 0) > 0)  # fmt: skip
+
+
+def _attention(module: torch.nn.Module) -> bool:
+    """An attention module: it has a head size (multi-head latent attention: its query-key one)."""
+    return any(isinstance(getattr(module, a, None), int) for a in ("head_dim", "qk_head_dim"))
 
 
 def draw_from_the_tp_stream(attention: torch.nn.Module) -> None:

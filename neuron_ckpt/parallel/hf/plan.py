@@ -1,10 +1,11 @@
-"""Reading a transformers ``tp_plan``: which modules it names, with which style, checked before
-anything changes; then each style's change, and the model-wide pieces (tied weights, the
-vocabulary-parallel loss, attention dropout on split heads)."""
+"""Reading a transformers ``tp_plan``: which modules and parameters it names, with which style,
+checked before anything changes; then each style's change, and the model-wide pieces (tied
+weights, the vocabulary-parallel loss, attention dropout on split heads)."""
 
 from __future__ import annotations
 
 import re
+from typing import Callable
 
 import torch
 
@@ -13,10 +14,18 @@ from ...distributed.random import MODEL_PARALLEL_RNG, get_rng_tracker
 from ..layer_args import resolve_parallel_state
 from .dense import DENSE_STYLES
 from .dropout import draw_from_the_tp_stream, split_attention_with_dropout
+from .experts import EXPERT_STYLES, EXPERT_WEIGHT_STYLES, check_experts_plan
 from .loss import loss_parallel_head, vocab_parallel_loss
+from .mla import MLA_STYLES
 from .style import Split, Style, Target
 
-STYLES: dict[str, Style] = {**DENSE_STYLES}
+STYLES: dict[str, Style] = {**DENSE_STYLES, **EXPERT_STYLES, **MLA_STYLES}
+"""Styles of plan entries that name a module."""
+PARAMETER_STYLES: dict[str, Style] = {**EXPERT_WEIGHT_STYLES}
+"""Styles of plan entries that name a parameter (``experts.gate_up_proj``)."""
+PLAN_CHECKS: list[Callable[[torch.nn.Module, list[Target], int], None]] = [check_experts_plan]
+"""Checks across targets, ``(model, targets, tp_size)``, after each target's own."""
+SUPPORTED = tuple(dict.fromkeys([*STYLES, *PARAMETER_STYLES]))
 
 
 def apply_tensor_parallel(
@@ -28,8 +37,8 @@ def apply_tensor_parallel(
 ) -> torch.nn.Module:
     """Split ``model`` over the tensor-parallel group by ``plan`` (default: ``model.tp_plan``).
 
-    ``plan`` maps module names (``*`` matches one name part, e.g. a layer index) to styles; see
-    the package docstring. Returns ``model``, changed in place.
+    ``plan`` maps module or parameter names (``*`` matches one name part, e.g. a layer index) to
+    styles; see the package docstring. Returns ``model``, changed in place.
     """
     state = resolve_parallel_state(parallel_state)
     if plan is None:
@@ -43,7 +52,9 @@ def apply_tensor_parallel(
     head = loss_parallel_head(model, targets) if loss_parallel else None
     tied = _tied_pairs(model, targets)
     for target in targets:
-        STYLES[target.style].check(model, target, state.tp_size)
+        _style(target).check(model, target, state.tp_size)
+    for check in PLAN_CHECKS:
+        check(model, targets, state.tp_size)
     split_attention = split_attention_with_dropout(model, targets) if state.tp_size > 1 else []
     if split_attention and MODEL_PARALLEL_RNG not in get_rng_tracker().states:
         raise ValueError(
@@ -52,7 +63,7 @@ def apply_tensor_parallel(
         )
     split = Split(model, state, head)
     for target in targets:
-        STYLES[target.style].apply(target, split)
+        _style(target).apply(target, split)
     for name in split_attention:
         draw_from_the_tp_stream(model.get_submodule(name))
     for lm_head, embedding in tied:
@@ -63,24 +74,36 @@ def apply_tensor_parallel(
 
 
 def _resolve(model: torch.nn.Module, plan: dict[str, str]) -> list[Target]:
-    """Every target the plan matches, in module order; unknown styles refused."""
+    """Every target the plan matches, in module order (a module before its parameters); unknown
+    styles, and styles given to the wrong kind of target, refused."""
     patterns = []
     for key, style in plan.items():
-        if style not in STYLES:
+        if style not in SUPPORTED:
             raise ValueError(
                 f"apply_tensor_parallel: plan entry {key!r} has style {style!r}, which neuron_ckpt does not map "
-                f"(supported: {', '.join(STYLES)})"
+                f"(supported: {', '.join(SUPPORTED)})"
             )
         parts = (re.escape(p) if p != "*" else r"[^.]+" for p in key.split("."))
         patterns.append((re.compile(r"\.".join(parts) + r"\Z"), style))
     targets = []
     for name, module in model.named_modules():
-        styles = {style for pattern, style in patterns if pattern.match(name)}
-        if len(styles) > 1:
-            raise ValueError(f"apply_tensor_parallel: {name} matches plan entries with styles {sorted(styles)}")
-        if styles:
-            targets.append(Target(name, module, styles.pop()))
+        named = [(name, None)] + [(f"{name}.{p}" if name else p, p) for p, _ in module.named_parameters(recurse=False)]
+        for full, param in named:
+            styles = {style for pattern, style in patterns if pattern.match(full)}
+            if len(styles) > 1:
+                raise ValueError(f"apply_tensor_parallel: {full} matches plan entries with styles {sorted(styles)}")
+            if styles:
+                targets.append(Target(full, module, styles.pop(), param))
+                _style(targets[-1])
     return targets
+
+
+def _style(target: Target) -> Style:
+    if target.param is None and target.style not in STYLES:
+        raise ValueError(f"{target.where}: neuron_ckpt maps this style on parameters (3-D expert weights), not on a module")
+    if target.param is not None and target.style not in PARAMETER_STYLES:
+        raise ValueError(f"{target.where}: neuron_ckpt maps this style on modules, not on a parameter")
+    return (STYLES if target.param is None else PARAMETER_STYLES)[target.style]
 
 
 def _tied_pairs(model: torch.nn.Module, targets: list[Target]) -> list[tuple[str, str]]:

@@ -1,4 +1,11 @@
-"""This rank's slice of a tensor the model holds whole, tagged, and sliced again on load."""
+"""This rank's slice of a tensor the model holds whole, tagged, and sliced again on load.
+
+A packed tensor (``stride`` 2: an experts' ``gate_up_proj``, gate rows then up rows along the
+split dim) is cut into its ``stride`` parts first and each part sliced alike, so rank ``r``
+holds gate slice ``r`` followed by up slice ``r``. It is tagged ``partition_stride`` (Megatron's
+name) besides our ``tensor_parallel`` / ``partition_dim``: gathering it back is an all-gather of
+each part, not of the whole.
+"""
 
 from __future__ import annotations
 
@@ -11,24 +18,32 @@ def no_init(weight: torch.Tensor) -> None:
     """The weights come from the model: nothing to draw."""
 
 
-def take(module: torch.nn.Module, name: str, full: torch.Tensor, dim: int, t: int, r: int) -> None:
-    """Set ``module.<name>`` to slice ``r`` of ``t`` of ``full`` along ``dim``; tag it; let
+def shard_of(full: torch.Tensor, dim: int, t: int, r: int, stride: int = 1) -> torch.Tensor:
+    """Slice ``r`` of ``t`` of ``full`` along ``dim``, of each of its ``stride`` parts."""
+    if stride == 1:
+        return full.chunk(t, dim)[r]
+    return torch.cat([part.chunk(t, dim)[r] for part in full.chunk(stride, dim)], dim)
+
+
+def take(module: torch.nn.Module, name: str, full: torch.Tensor, dim: int, t: int, r: int, stride: int = 1) -> None:
+    """Set ``module.<name>`` to this rank's slice of ``full`` (:func:`shard_of`); tag it; let
     ``load_state_dict`` slice a full tensor the same way."""
-    shard = full.detach().chunk(t, dim)[r].clone()
-    param = torch.nn.Parameter(shard, requires_grad=full.requires_grad)
+    param = torch.nn.Parameter(shard_of(full.detach(), dim, t, r, stride).clone(), requires_grad=full.requires_grad)
     set_tensor_parallel_attributes(param, partition_dim=dim)
+    if stride > 1:
+        param.partition_stride = stride
     setattr(module, name, param)
     shapes = module.__dict__.setdefault("_full_shapes", {})
-    shapes[name] = (tuple(full.shape), dim, t, r)
+    shapes[name] = (tuple(full.shape), dim, t, r, stride)
     if len(shapes) == 1:
         module.register_load_state_dict_pre_hook(_slice_full_tensors)
 
 
 def _slice_full_tensors(module, state_dict, prefix, *args) -> None:
-    for name, (shape, dim, t, r) in module._full_shapes.items():
+    for name, (shape, dim, t, r, stride) in module._full_shapes.items():
         value = state_dict.get(prefix + name)
         if value is not None and tuple(value.shape) == shape and t > 1:
-            state_dict[prefix + name] = value.chunk(t, dim)[r]
+            state_dict[prefix + name] = shard_of(value, dim, t, r, stride)
 
 
 def swap(model: torch.nn.Module, name: str, new: torch.nn.Module) -> None:
