@@ -8,6 +8,13 @@ below 1e-5::
 
     python scripts/hf_tp_parity_table.py            # loss_parallel (logits split over the vocabulary)
     python scripts/hf_tp_parity_table.py --as-written  # the plan's own colwise_gather_output LM head
+
+``--moe``: the mixture-of-experts families instead (issue #35; tiny configs of
+``tests/test_hf_moe_tensor_parallel.py``: Mixtral, Qwen3-MoE, Qwen2-MoE, OLMoE, DeepSeek-V3/V2,
+Aria, Llama 4, GPT-OSS), each under every experts implementation transformers offers it (Llama
+4's experts have only their own forward), with the router's load-balancing loss as well (none
+for DeepSeek, Aria and Llama 4: transformers returns their router logits only). The test asserts
+its cases below 1e-5 too.
 """
 
 from __future__ import annotations
@@ -19,13 +26,19 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: its tests package
 
 from neuron_ckpt.distributed.local import LocalWorld  # noqa: E402
+from tests import test_hf_moe_tensor_parallel as moe  # noqa: E402
 from tests.test_hf_tensor_parallel import FAMILIES, PRESETS, _parity  # noqa: E402
+
+EXPERTS = ("grouped_mm", "eager", "batched_mm")
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--as-written", action="store_true", help="keep the LM head's gathered logits (no loss_parallel)")
+    p.add_argument("--moe", action="store_true", help="the mixture-of-experts families, per experts implementation")
     a = p.parse_args(argv)
+    if a.moe:
+        return moe_table()
     print("| family | preset | loss abs diff | logits rel | worst gradient rel (parameter) |")
     print("|---|---|---:|---:|---|")
     with LocalWorld(2) as world:
@@ -33,6 +46,19 @@ def main(argv: list[str] | None = None) -> None:
             for preset in PRESETS:
                 r = max(world.run(_parity, family, preset, not a.as_written), key=lambda r: r["grad"])
                 print(f"| {family} | {preset} | {r['loss']:.1e} | {r['logits']:.1e} | {r['grad']:.1e} ({r['worst']}) |")
+
+
+
+def moe_table() -> None:
+    print("| family | experts | loss abs diff | aux loss abs diff | logits rel | worst gradient rel (parameter) | experts' weights gradient rel | router gradient rel |")
+    print("|---|---|---:|---:|---:|---|---:|---:|")
+    with LocalWorld(2) as world:
+        for family in moe.FAMILIES:
+            for experts in ("own",) if family == "llama4" else EXPERTS:
+                r = max(world.run(moe._parity, family, experts), key=lambda r: r["grad"])
+                aux = "none" if r["aux"] is None else f"{r['aux']:.1e}"
+                print(f"| {family} | {experts} | {r['loss']:.1e} | {aux} | {r['logits']:.1e} | {r['grad']:.1e} "
+                      f"({r['worst']}) | {r['experts']:.1e} | {r['router']:.1e} |")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -106,6 +106,7 @@ def _parity(family: str, experts: str) -> dict:
         "grad": errors[worst],
         "worst": worst,
         "router": max(e for n, e in errors.items() if n.endswith(ROUTERS)),
+        "experts": max(e for n, e in errors.items() if ".experts." in n),
         "split": sorted(n for n, p in model.named_parameters() if is_tensor_parallel(p)),
         "router_split": any(is_tensor_parallel(p) for n, p in model.named_parameters() if n.endswith(ROUTERS)),
     }
