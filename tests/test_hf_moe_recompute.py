@@ -383,13 +383,6 @@ TP_CASES = [  # (family, experts implementation, modules, use_reentrant)
 ]  # fmt: skip
 
 
-def _has_moe_tensor_parallel() -> bool:
-    from neuron_ckpt.parallel.hf import STYLES
-
-    return "moe_tp_experts" in STYLES
-
-
-@pytest.mark.skipif(not _has_moe_tensor_parallel(), reason="apply_tensor_parallel has no MoE plan styles yet")
 @pytest.mark.parametrize("family,experts,modules,reentrant", TP_CASES)
 def test_tp2_recompute_is_bit_exact(world, family, experts, modules, reentrant):
     distribute = reentrant == "distributed"

@@ -88,13 +88,6 @@ def test_measured_equals_analytic_at_tp1(family, setup_name, choice):
     assert _TP1[(family, setup_name, choice)] == analytic(family, setup(setup_name), choice)
 
 
-def _has_moe_tensor_parallel() -> bool:
-    from neuron_ckpt.parallel.hf import STYLES
-
-    return "moe_tp_experts" in STYLES
-
-
-@pytest.mark.skipif(not _has_moe_tensor_parallel(), reason="apply_tensor_parallel has no MoE plan styles yet")
 def test_measured_equals_analytic_at_tp2_on_every_rank(world):
     """The family's own plan at TP 2 (gloo): attention heads and the experts' intermediate size
     split, DeepSeek-V3's MLA and Qwen2's shared expert whole (their plans leave them out)."""
