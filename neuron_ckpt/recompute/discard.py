@@ -153,9 +153,12 @@ class _Note:
     call: _Call
     index: int
     geometry: tuple[torch.Size, tuple[int, ...], int] | None  # None: the output root itself
+    view: Callable[[torch.Tensor], torch.Tensor] | None = None  # on XLA: replays the view on a root
 
     def tensor(self) -> torch.Tensor:
         root = self.call.recomputed_root(self.index)
+        if self.view is not None:
+            return self.view(root)
         return root if self.geometry is None else root.as_strided(*self.geometry)
 
 
@@ -180,6 +183,13 @@ class _Scope:
     def pack(self, t: torch.Tensor) -> Any:
         if self.holds(t):
             root, call, index, _ = self.roots[id(_root(t))]
+            if t is not root and t.device.type == "xla":
+                # torch-xla reports every tensor's strides as contiguous for its own shape (a
+                # transposed view's too) and lets view() follow a transpose, so no (size, stride,
+                # offset) describes the view: its view chain is replayed on the recomputed root
+                # (Tensor._view_func, private: torch's only replay of a view chain onto another
+                # base). Keeping ``t`` costs nothing there: the graph reads the rerun, not t.
+                return _Note(call, index, None, t._view_func)
             same = t is root or (t.size() == root.size() and t.stride() == root.stride()
                                  and t.storage_offset() == root.storage_offset())
             return _Note(call, index, None if same else (t.size(), t.stride(), t.storage_offset()))
