@@ -34,6 +34,7 @@ import torch
 from .activation_checkpoint import checkpoint
 from .config import RecomputeConfig, validate_per_layer
 from .module import unwrapped
+from .xla_experts import check_experts_implementation
 
 PREFIX = "recompute_"
 _MARK = "_neuron_ckpt_core_attn"  # on the modules of a layer whose core attention is recomputed
@@ -68,6 +69,7 @@ def prepare(model, config, module_map, sequence_parallel: bool | None):
     is recomputed) and ``finish``, to call once the generic part is installed (it returns the
     core-attention unit names)."""
     layers = decoder_layers(model)
+    check_experts_implementation(model)
     config = RecomputeConfig() if config is None else config
     per_layer = isinstance(config, (list, tuple))
     if per_layer:
