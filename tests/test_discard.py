@@ -109,6 +109,20 @@ def test_backward_twice_with_retain_graph_gives_the_same_gradients_and_double_ba
         torch.autograd.grad(discarding(x).square().sum(), x, create_graph=True)
 
 
+def test_a_parameters_gradient_hook_runs_once_per_backward():
+    # A hook completing a gradient (sequence parallel sums a norm weight's over the TP group) would
+    # be applied twice if it ran in the rerun's own backward too: here it doubles the gradient.
+    plain, discarding = _pair()
+    calls = []
+    for block in (plain, discarding):
+        block.norm.norm.weight.register_hook(lambda g: calls.append(1) or g * 2)
+    x = _x()
+    reference = _grads(plain, x)
+    assert len(calls) == 1
+    _identical(reference, _grads(discarding, x), "hooked")
+    assert len(calls) == 2
+
+
 @pytest.mark.parametrize("outer", ["reentrant", "non-reentrant", "torch"])
 def test_nested_inside_full_recompute_gives_the_same_gradients(outer):
     plain, discarding = _pair()

@@ -42,6 +42,7 @@ of the recompute's autograd node, found on the fenced modules as :func:`~.checkp
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import weakref
 from dataclasses import dataclass, field
@@ -285,6 +286,24 @@ class _no_discarding:
         _SCOPE.reset(self.token)
 
 
+@contextlib.contextmanager
+def _hooks_held(params: list[torch.Tensor]):
+    """The parameters' gradient hooks held back while the rerun's graph gives their gradients:
+    those gradients leave through this Function's backward and meet the hooks there, once. (A hook
+    that completes a gradient, such as a sum over the tensor-parallel group for a weight that saw
+    only this rank's tokens, would otherwise run twice.) torch keeps a tensor's hooks in the dict
+    ``_backward_hooks``, which its C++ pre-hook reads at each call; there is no public way to
+    pause them, so the dict is emptied and refilled in place."""
+    held = [(p._backward_hooks, dict(p._backward_hooks)) for p in params if p._backward_hooks]
+    for hooks, _ in held:
+        hooks.clear()
+    try:
+        yield
+    finally:
+        for hooks, saved in held:
+            hooks.update(saved)
+
+
 class _DiscardFunction(torch.autograd.Function):
     """Forward: ``function`` without grad, keeping nothing (the inputs are kept by ``_Call``).
     Backward: the recomputed graph (the one a consumer's note made, or a fresh rerun) gives the
@@ -318,8 +337,9 @@ class _DiscardFunction(torch.autograd.Function):
         params = [p for m in call.modules for p in m.parameters() if p.requires_grad]
         wanted = [t for t in inputs if t.requires_grad] + params
         pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None and o.requires_grad]
-        got = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True)
-                   if pairs and wanted else [None] * len(wanted))
+        with _hooks_held(params):
+            got = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True)
+                       if pairs and wanted else [None] * len(wanted))
         input_grads = [next(got) if t.requires_grad else None for t in inputs]
         param_grads = [next(got) for _ in params]
         return (None, None, *input_grads, *param_grads)
