@@ -40,6 +40,12 @@ _SHARED = (
     "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks",
 )  # fmt: skip
 
+# On a module: a callable ``(module, args, kwargs) -> (args, kwargs)`` its Recompute runs before
+# the checkpoint, so the checkpoint keeps what it returns. Sequence parallel sets it on the first
+# decoder layer (which splits the sequence on entry; the checkpoint would otherwise keep the whole
+# input); the module's own pre-hook that does the same leaves an input it already split alone.
+BEFORE_CHECKPOINT = "_neuron_ckpt_before_checkpoint"
+
 # True while run_layers runs a group's layers inside its checkpoint (forward and recompute).
 _IN_GROUP: contextvars.ContextVar[bool] = contextvars.ContextVar("neuron_ckpt_recompute_group", default=False)
 
@@ -68,6 +74,7 @@ class Recompute(torch.nn.Module):
         if self.discard:
             return checkpoint_without_output(self.module, *args, distribute_saved_activations=self.distribute, **kwargs)
         if self.span == 1:
+            args, kwargs = self.before_checkpoint(args, kwargs)
             return checkpoint(
                 self.module, *args, use_reentrant=self.config.use_reentrant,
                 distribute_saved_activations=self.distribute, **kwargs,
@@ -80,6 +87,11 @@ class Recompute(torch.nn.Module):
                 "called directly"
             )
         return self.module(*args, **kwargs)
+
+    def before_checkpoint(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """What the module asks to run before its checkpoint (:data:`BEFORE_CHECKPOINT`)."""
+        before = self.module.__dict__.get(BEFORE_CHECKPOINT)
+        return before(self.module, args, kwargs) if before is not None else (args, kwargs)
 
     def __getattr__(self, name: str) -> Any:
         try:

@@ -90,6 +90,7 @@ class RoutedRecompute(Recompute):
         if not torch.is_grad_enabled():
             return self.module(*args, **kwargs)
         run = _RoutedRun(self.module, routers(self.module), self.copy_input)
+        args, kwargs = self.before_checkpoint(args, kwargs)
         outputs = checkpoint(
             run, *args, fence=(self.module,), use_reentrant=self.config.use_reentrant,
             distribute_saved_activations=self.distribute, **kwargs,

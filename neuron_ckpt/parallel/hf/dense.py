@@ -113,11 +113,12 @@ class HFVocabParallelEmbedding(VocabParallelEmbedding):
 
 def _apply_grad_allreduce(target: Target, split: Split) -> None:
     for p in target.module.parameters(recurse=False):
-        p.register_hook(_sum_over(split.state))
+        p.register_hook(sum_over_tp(split.state))
 
 
-def _sum_over(state: ParallelState) -> Callable[[torch.Tensor], torch.Tensor]:
-    """A gradient hook summing over the TP group: the parameter saw only this rank's heads."""
+def sum_over_tp(state: ParallelState) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A gradient hook summing over the TP group: the parameter saw only this rank's heads (or,
+    under sequence parallel, only this rank's tokens)."""
     return lambda grad: C.all_reduce(grad, state.tp)
 
 

@@ -17,6 +17,7 @@ from .dropout import draw_from_the_tp_stream, split_attention_with_dropout
 from .experts import EXPERT_STYLES, EXPERT_WEIGHT_STYLES, check_experts_plan
 from .loss import loss_parallel_head, vocab_parallel_loss
 from .mla import MLA_STYLES
+from .sequence import apply_sequence_parallel, plan_sequence_parallel
 from .style import Split, Style, Target
 
 STYLES: dict[str, Style] = {**DENSE_STYLES, **EXPERT_STYLES, **MLA_STYLES}
@@ -33,12 +34,14 @@ def apply_tensor_parallel(
     plan: dict[str, str] | None = None,
     *,
     loss_parallel: bool = True,
+    sequence_parallel: bool = False,
     parallel_state: ParallelState | None = None,
 ) -> torch.nn.Module:
     """Split ``model`` over the tensor-parallel group by ``plan`` (default: ``model.tp_plan``).
 
     ``plan`` maps module or parameter names (``*`` matches one name part, e.g. a layer index) to
-    styles; see the package docstring. Returns ``model``, changed in place.
+    styles; see the package docstring. ``sequence_parallel``: also split the activations outside
+    the split modules along the sequence (:mod:`.sequence`). Returns ``model``, changed in place.
     """
     state = resolve_parallel_state(parallel_state)
     if plan is None:
@@ -61,6 +64,7 @@ def apply_tensor_parallel(
             f"apply_tensor_parallel: {split_attention[0]} has attention dropout and its heads are split: each rank "
             "draws its own mask from the tensor-parallel RNG stream; call nc.model_parallel_manual_seed(seed) first"
         )
+    sequence = plan_sequence_parallel(model, targets, state.tp_size) if sequence_parallel else None
     split = Split(model, state, head)
     for target in targets:
         _style(target).apply(target, split)
@@ -70,6 +74,8 @@ def apply_tensor_parallel(
         model.get_submodule(lm_head).weight = model.get_submodule(embedding).weight
     if head is not None:
         model.loss_function = vocab_parallel_loss(state)
+    if sequence is not None:
+        apply_sequence_parallel(model, sequence, state)
     return model
 
 
