@@ -207,3 +207,17 @@ def test_dropout_on_the_residual_stream_needs_the_tp_stream_seeded(world):
     for line in world(2).run(_unseeded_dropout):
         assert "model.layers.0.resid_attn_dropout drops out on this rank's tokens" in line, line
         assert "model_parallel_manual_seed" in line and "\n" not in line
+
+
+def _distributed_input() -> str:
+    nc.initialize_model_parallel(2)
+    model = nc.apply_tensor_parallel(tiny("llama"), sequence_parallel=True)
+    with pytest.raises(ValueError) as e:
+        apply_recompute(model, RecomputeConfig.preset("full", distribute_saved_activations=True))
+    return str(e.value)
+
+
+def test_distributed_saved_activations_is_refused_under_sequence_parallel(world):
+    # the input a checkpoint keeps is this rank's chunk already, not a replicated tensor to slice
+    for line in world(2).run(_distributed_input):
+        assert "distribute_saved_activations=True cannot be used with sequence_parallel=True" in line, line

@@ -52,7 +52,7 @@ from ..parallel import ColumnParallelLinear, QKVParallelLinear, RowParallelLinea
 from ..parallel.norms import LayerNorm, RMSNorm
 from . import hf, mla, moe
 from .config import RecomputeConfig, validate_per_layer
-from .module import DiscardScope, Recompute, unwrapped
+from .module import SEQUENCE_PARALLEL, DiscardScope, Recompute, unwrapped
 from .module_map import DISCARDING, Patterns, check_every_name_matched, resolve_module_map, selected_modules
 from .patch import unpatch
 
@@ -287,6 +287,8 @@ def _slots(roots: torch.nn.Module | Sequence[torch.nn.Module]) -> dict[int, list
 
 
 def _runs_sequence_parallel(layers: Modules) -> bool:
+    if any(unwrapped(layer).__dict__.get(SEQUENCE_PARALLEL, False) for layer in layers):
+        return True
     return any(
         unwrapped(m).sequence_parallel for layer in layers for m in layer.modules()
         if isinstance(unwrapped(m), _SEQUENCE_PARALLEL_LAYERS)

@@ -33,7 +33,7 @@ import torch
 
 from .activation_checkpoint import checkpoint
 from .config import RecomputeConfig, validate_per_layer
-from .module import unwrapped
+from .module import SEQUENCE_PARALLEL, unwrapped
 from .xla_experts import check_experts_implementation
 
 PREFIX = "recompute_"
@@ -70,6 +70,8 @@ def prepare(model, config, module_map, sequence_parallel: bool | None):
     core-attention unit names)."""
     layers = decoder_layers(model)
     check_experts_implementation(model)
+    if sequence_parallel is None:
+        sequence_parallel = any(layer.__dict__.get(SEQUENCE_PARALLEL, False) for layer in layers)
     config = RecomputeConfig() if config is None else config
     per_layer = isinstance(config, (list, tuple))
     if per_layer:

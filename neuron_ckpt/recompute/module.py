@@ -46,6 +46,11 @@ _SHARED = (
 # input); the module's own pre-hook that does the same leaves an input it already split alone.
 BEFORE_CHECKPOINT = "_neuron_ckpt_before_checkpoint"
 
+# On a layer: True when its input is this rank's chunk of the sequence (a transformers model split
+# with apply_tensor_parallel(sequence_parallel=True)), so apply_recompute knows it runs sequence
+# parallel (our own layers say so by their sequence_parallel attribute).
+SEQUENCE_PARALLEL = "_neuron_ckpt_sequence_parallel"
+
 # True while run_layers runs a group's layers inside its checkpoint (forward and recompute).
 _IN_GROUP: contextvars.ContextVar[bool] = contextvars.ContextVar("neuron_ckpt_recompute_group", default=False)
 

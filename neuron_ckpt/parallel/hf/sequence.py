@@ -54,7 +54,7 @@ from ...distributed.mappings import (
 )
 from ...distributed.parallel_state import ParallelState
 from ...distributed.random import MODEL_PARALLEL_RNG, get_rng_tracker
-from ...recompute.module import BEFORE_CHECKPOINT
+from ...recompute.module import BEFORE_CHECKPOINT, SEQUENCE_PARALLEL
 from ..linear import ColumnParallelLinear, RowParallelLinear
 from .dense import sum_over_tp
 from .dropout import draw_from_the_tp_stream
@@ -82,6 +82,7 @@ class SequencePlan:
     """What sequence parallel changes, found (and checked) before anything changes."""
 
     base: str  # the model holding the layers, the embedding and the final norm ("model")
+    layers: list[str]
     first_layer: str
     final_norm: str
     regions: list[_Region]
@@ -125,7 +126,7 @@ def plan_sequence_parallel(model: torch.nn.Module, targets: list[Target], tp_siz
             f"{where}: {dropping[0]} drops out on this rank's tokens, drawing from the tensor-parallel RNG stream; "
             "call nc.model_parallel_manual_seed(seed) first"
         )
-    return SequencePlan(base, layer_names[0], final_norm, regions, token_wise)
+    return SequencePlan(base, layer_names, layer_names[0], final_norm, regions, token_wise)
 
 
 def _mixes_tokens(module: torch.nn.Module) -> bool:
@@ -156,6 +157,8 @@ def apply_sequence_parallel(model: torch.nn.Module, plan: SequencePlan, state: P
     first = model.get_submodule(plan.first_layer)
     first.register_forward_pre_hook(entry, with_kwargs=True)
     first.__dict__[BEFORE_CHECKPOINT] = entry.before_checkpoint  # full recompute keeps the split input
+    for name in plan.layers:
+        model.get_submodule(name).__dict__[SEQUENCE_PARALLEL] = True  # apply_recompute refuses distributing inputs
     norm = model.get_submodule(plan.final_norm)
     norm.register_forward_hook(lambda m, a, out: gather_from_sequence_parallel_region(
         out, tp, tensor_parallel_output_grad=False, dim=SEQ))  # fmt: skip
