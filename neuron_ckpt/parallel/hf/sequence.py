@@ -83,7 +83,6 @@ class SequencePlan:
 
     base: str  # the model holding the layers, the embedding and the final norm ("model")
     layers: list[str]
-    first_layer: str
     final_norm: str
     regions: list[_Region]
     token_wise: list[str]  # children of the layers that run on this rank's tokens
@@ -93,6 +92,7 @@ def plan_sequence_parallel(model: torch.nn.Module, targets: list[Target], tp_siz
     """Find the layers, their regions and token-wise children, and the final norm; refuse (one
     line, nothing changed) a model this cannot split."""
     from ...recompute.hf import decoder_layers
+    from ...recompute.moe import is_moe_block  # an MoE block: its router and aux loss need every token
 
     where = "apply_tensor_parallel(sequence_parallel=True)"
     try:
@@ -115,7 +115,7 @@ def plan_sequence_parallel(model: torch.nn.Module, targets: list[Target], tp_siz
         for child_name, child in layer.named_children():
             full = f"{layer_name}.{child_name}"
             inside = {n: s for n, s in planned.items() if n.startswith(full + ".")}
-            if not inside and not _mixes_tokens(child) and not _routes_tokens(child):
+            if not inside and not _mixes_tokens(child) and not is_moe_block(child):
                 token_wise.append(full)
                 continue
             regions.append(_region(full, child, inside))
@@ -126,7 +126,7 @@ def plan_sequence_parallel(model: torch.nn.Module, targets: list[Target], tp_siz
             f"{where}: {dropping[0]} drops out on this rank's tokens, drawing from the tensor-parallel RNG stream; "
             "call nc.model_parallel_manual_seed(seed) first"
         )
-    return SequencePlan(base, layer_names, layer_names[0], final_norm, regions, token_wise)
+    return SequencePlan(base, layer_names, final_norm, regions, token_wise)
 
 
 def _mixes_tokens(module: torch.nn.Module) -> bool:
@@ -136,14 +136,9 @@ def _mixes_tokens(module: torch.nn.Module) -> bool:
     )
 
 
-def _routes_tokens(module: torch.nn.Module) -> bool:
-    """An MoE block (it holds ``experts``): its router and load-balancing loss need every token,
-    even where the plan leaves it whole (GPT-OSS)."""
-    return isinstance(getattr(module, "experts", None), torch.nn.Module)
-
-
 def _region(name: str, module: torch.nn.Module, inside: dict[str, str]) -> _Region:
-    owners = {f"{name}.{n}" if n else name for n, m in module.named_modules() if any(True for _ in m.parameters(recurse=False))}
+    owners = {f"{name}.{n}" if n else name for n, m in module.named_modules()
+              if next(m.parameters(recurse=False), None) is not None}  # fmt: skip
     split_only = bool(inside) and all(inside.get(o) in _DENSE for o in owners)
     rows = [n for n, s in inside.items() if s in _ROW and n.count(".") == name.count(".") + 1]
     return _Region(name, split_only, rows[0] if split_only and len(rows) == 1 else None)
@@ -154,7 +149,7 @@ def apply_sequence_parallel(model: torch.nn.Module, plan: SequencePlan, state: P
     tp = state.tp
     entry = _SplitEntry(tp)
     (model.get_submodule(plan.base) if plan.base else model).register_forward_pre_hook(entry.record, with_kwargs=True)
-    first = model.get_submodule(plan.first_layer)
+    first = model.get_submodule(plan.layers[0])
     first.register_forward_pre_hook(entry, with_kwargs=True)
     first.__dict__[BEFORE_CHECKPOINT] = entry.before_checkpoint  # full recompute keeps the split input
     for name in plan.layers:
