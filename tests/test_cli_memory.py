@@ -136,6 +136,28 @@ def test_config_presets_print_each_layer_kind_under_every_module(capsys):
     assert "dense layer" in out and "moe layer" in out and "mla_up_proj" in out and "eager attention" in out
 
 
+def test_config_with_sequence_parallel(capsys):
+    """--sequence-parallel with --config prices apply_tensor_parallel(sequence_parallel=True): the
+    spec and the table say so, the figures are layer_memory's, and only the token-wise terms (the
+    layer's input, the norms, the residual) shrink, to s/t tokens; full keeps the s/t-token input."""
+    from neuron_ckpt.memory.moe import MoESetup, layer_memory, load_moe_config
+
+    args = ("--config", "mixtral-8x7b", "--seq", "4096", "--tp", "8")
+    tp, sp = _run_json(capsys, *args), _run_json(capsys, *args, "--sequence-parallel")
+    assert (tp["spec"]["sequence_parallel"], sp["spec"]["sequence_parallel"]) == (False, True)
+    shape, setup = load_moe_config("mixtral-8x7b"), MoESetup(4096, 1, 8, sequence_parallel=True)
+    assert sp["per_layer_bytes"]["moe"]["moe_act"] == layer_memory(shape, setup, "moe_act").nbytes
+    assert sp["per_layer_bytes"]["moe"]["full"] == 2 * 4096 * 4096 // 8 + 8 * 4096 * 2  # input s/t, indices all s
+    token_wise = ("layer_input", "norm1.", "norm2.", "residual")
+    for kept_tp, kept_sp in zip(tp["breakdown"]["moe"], sp["breakdown"]["moe"]):
+        assert kept_tp["name"] == kept_sp["name"]
+        shrinks = kept_tp["name"].startswith(token_wise)
+        assert kept_sp["nbytes"] == kept_tp["nbytes"] // (8 if shrinks else 1), kept_tp["name"]
+        assert kept_sp["split_by_tp"] == (shrinks or kept_tp["split_by_tp"]), kept_tp["name"]
+    assert main(["memory", *args, "--sequence-parallel"]) == 0
+    assert "t=8 (the model's TP plan, sequence parallel)" in capsys.readouterr().out
+
+
 def test_config_file_or_directory_and_the_dropped_quantization_notice(capsys, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(TINY_QWEN3))
     report = _run_json(capsys, "--config", str(tmp_path), "--seq", "16", "--tp", "2", "--dtype", "fp32")
@@ -167,6 +189,8 @@ def test_bad_config_files_are_one_line_and_exit_2(capsys, tmp_path, change, need
     (["--config", "mixtral-8x7b", "--seq", "64", "--recompute", "full", "--measure"], "drop --recompute, --measure"),
     (["--config", "mixtral-8x7b", "--seq", "64", "--attention", "flash"], "sdpa"),
     (["--config", "mixtral-8x7b", "--seq", "64", "--tp", "16"], "kv_heads"),
+    (["--config", "mixtral-8x7b", "--seq", "60", "--tp", "8", "--sequence-parallel"],
+     "seq_len (60) must be a multiple of tp (8) when sequence_parallel is True"),
     (["--config", "no-such-model", "--seq", "64"], "MoE presets: deepseek-v3, mixtral-8x7b"),
     (["--hidden", "128", "--heads", "8", "--seq", "64", "--experts", "eager"], "--experts"),
     (["--heads", "8", "--seq", "64"], "--hidden is required"),

@@ -50,9 +50,9 @@ def choices(shape: MoEShape) -> list[str]:
     return have + sorted(combos - set(have))
 
 
-def setup(name: str, tp: int = 1) -> MoESetup:
+def setup(name: str, tp: int = 1, sequence_parallel: bool = False) -> MoESetup:
     dtype, attention, experts = SETUPS[name]
-    return MoESetup(S, B, tp, dtype, attention, experts)
+    return MoESetup(S, B, tp, dtype, attention, experts, sequence_parallel)
 
 
 CASES = [(f, s, c) for f in SHAPES for s in SETUPS for c in choices(SHAPES[f])]
@@ -63,7 +63,7 @@ def analytic(family: str, s: MoESetup, choice: str) -> list[int]:
     return [layer_memory(shape, s, choice, kind).autograd_bytes for kind in kinds(shape)]
 
 
-def measure_cases(cases, tp: int = 1) -> list[list[int]]:
+def measure_cases(cases, tp: int = 1, sequence_parallel: bool = False) -> list[list[int]]:
     """Per-layer bytes of each ``(family, setup name, choice)`` on this rank."""
     if tp > 1:
         import neuron_ckpt as nc
@@ -71,7 +71,7 @@ def measure_cases(cases, tp: int = 1) -> list[list[int]]:
         nc.initialize_model_parallel(tp)
     out = []
     for family, name, choice in cases:
-        s = setup(name, tp)
+        s = setup(name, tp, sequence_parallel)
         m = measure_layers(build_model(SHAPES[family], s, choice), s)
         assert m.unscoped_bytes == 0
         out.append(m.per_layer_bytes)
@@ -88,12 +88,15 @@ def test_measured_equals_analytic_at_tp1(family, setup_name, choice):
     assert _TP1[(family, setup_name, choice)] == analytic(family, setup(setup_name), choice)
 
 
-def test_measured_equals_analytic_at_tp2_on_every_rank(world):
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "sequence_parallel"])
+def test_measured_equals_analytic_at_tp2_on_every_rank(world, sequence_parallel):
     """The family's own plan at TP 2 (gloo): attention heads and the experts' intermediate size
-    split, DeepSeek-V3's MLA and Qwen2's shared expert whole (their plans leave them out)."""
-    ranks = world(2).run(measure_cases, CASES, 2)
+    split, DeepSeek-V3's MLA and Qwen2's shared expert whole (their plans leave them out). With
+    sequence parallel the layer's input, the norms and the residual hold s/t tokens, each region
+    gathers the whole sequence back (keeping the norm's s/t-token output) and runs as under TP."""
+    ranks = world(2).run(measure_cases, CASES, 2, sequence_parallel)
     for i, (family, name, choice) in enumerate(CASES):
-        want = analytic(family, setup(name, 2), choice)
+        want = analytic(family, setup(name, 2, sequence_parallel), choice)
         assert [r[i] for r in ranks] == [want, want], (family, name, choice)
 
 
@@ -202,6 +205,21 @@ def test_real_models_at_4096_tokens():
         layer_memory(deepseek, MoESetup(T, 1, 1), "none", "dense").nbytes
 
 
+@pytest.mark.parametrize("choice,kept", [
+    ("none", {"norm1.out", "norm2.out"}),  # each region's entry keeps its norm's s/t tokens
+    ("norm", set()),  # the norm's output discarded: the entry's kept input is a note
+    ("moe", {"norm1.out", "norm2.out"}),  # the MoE checkpoint's input is the gathered copy: a note
+    ("full", set()),  # the entries are inside the layer's checkpoint
+])  # fmt: skip
+def test_under_sequence_parallel_a_region_keeps_the_norm_output_chunk_never_the_gathered_copy(choice, kept):
+    sp = MoESetup(S, B, 2, sequence_parallel=True)
+    terms = _terms(SHAPES["mixtral"], sp, choice)
+    assert {n for n in terms if n.endswith(".out") and n.startswith("norm")} == kept
+    assert not any(n.endswith("gathered_input") for n in terms)
+    assert all(terms[n] == 2 * S * B // 2 * 64 for n in kept)  # bf16 [b, s/t, h]
+    assert terms.get("layer_input", 0) == (2 * S * B // 2 * 64 if choice in ("norm", "full") else 0)
+
+
 @pytest.mark.parametrize("bad,match", [
     (dict(kind="shared"), "kind must be one of"),
     (dict(recompute="moe+full"), "'full' alone"),
@@ -215,3 +233,7 @@ def test_bad_choices_are_one_line_value_errors(bad, match):
         layer_memory(SHAPES["mixtral"], MoESetup(S, B), "none", "dense")
     with pytest.raises(ValueError, match="must divide kv_heads"):
         layer_memory(SHAPES["mixtral"], MoESetup(S, B, tp=4), "none")
+    with pytest.raises(ValueError, match="sequence_parallel must be a bool"):
+        MoESetup(S, B, 2, sequence_parallel="yes")
+    with pytest.raises(ValueError, match=r"seq_len \(15\) must be a multiple of tp \(2\) when sequence_parallel"):
+        MoESetup(15, B, 2, sequence_parallel=True)

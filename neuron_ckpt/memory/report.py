@@ -64,7 +64,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--seq", type=positive_int, required=True, help="s, tokens per sequence")
     add("--micro-batch", type=positive_int, default=1, help="b, sequences per micro-batch")
     add("--tp", type=positive_int, default=1, help="t, tensor-parallel degree")
-    add("--sequence-parallel", action="store_true", help="shard norms/dropouts along the sequence")
+    add("--sequence-parallel", action="store_true",
+        help="shard norms/dropouts along the sequence (with --config: apply_tensor_parallel(sequence_parallel=True))")
     add("--recompute", choices=PRESETS, default="none", help="a recompute preset")
     add("--distribute-saved-activations", action="store_true", help="full recompute: keep 1/t of the layer input")
     add("--layers", type=positive_int, default=1, help="layers in the model (totals are layers x per layer)")

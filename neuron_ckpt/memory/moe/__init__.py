@@ -9,10 +9,12 @@ every recompute module; measured to the byte by :mod:`.measure`.
     shape = load_moe_config("deepseek-v3")                          # a preset, or a config.json
     setup = MoESetup(seq_len=4096, micro_batch=1, tp=8)             # bf16, sdpa, grouped_mm
     layer_memory(shape, setup, "moe_act", kind="moe").nbytes        # one MoE layer, one rank
+    sp = MoESetup(seq_len=4096, tp=8, sequence_parallel=True)       # the norms at s/t tokens
 
 :mod:`.shape` holds the sizes and the job, :mod:`.attention` and :mod:`.experts` the storages of
 each part, :mod:`.rules` the one rule that turns them into what a recompute choice keeps,
-:mod:`.layer` a whole layer and the recompute choices, :mod:`.config` the strict reading of a
+:mod:`.layer` a whole layer and the recompute choices, :mod:`.sequence` what sequence parallel
+changes, :mod:`.config` the strict reading of a
 config.json, :mod:`.measure` the real transformers layers counted by ``SavedTensorRecorder``,
 :mod:`.report` the ``neuron-ckpt memory --config`` output.
 """

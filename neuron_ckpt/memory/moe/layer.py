@@ -25,6 +25,9 @@ choice             what it is on a transformers model (``apply_recompute``)
                    replay's indices)
 =================  ============================================================================
 
+Under sequence parallel the layer's input, the norms and the residual hold s/t tokens and each
+region's entry is one more output-discarding unit, on under every choice (:mod:`.sequence`).
+
 A selective choice may name several modules (``("core_attn", "mla_up_proj", "norm")``); a
 module a layer does not have changes nothing there, as ``apply_recompute`` skips it.
 """
@@ -39,6 +42,7 @@ from ..terms import ActivationTerm
 from . import experts as mlp
 from .attention import gqa, mla, rms_norm
 from .rules import LayerTensors
+from .sequence import always_on, enter_region
 from .shape import MoESetup, MoEShape
 
 MODULES = ("core_attn", "norm", "mlp", "mlp_act", "moe", "moe_act", "shared_experts", "mla_up_proj")
@@ -49,15 +53,18 @@ Recompute = Union[str, Iterable[str], RecomputeConfig]
 
 def layer_tensors(shape: MoEShape, setup: MoESetup, kind: str) -> LayerTensors:
     """A ``kind`` ("dense" or "moe") layer's storages without recompute, and its units."""
-    T, h, w = setup.tokens, shape.hidden, setup.width
+    h, w = shape.hidden, setup.width
+    T, sp = setup.local_tokens, setup.sequence_parallel  # the token-wise parts' rows: T/t under sequence parallel
     layer = LayerTensors()
-    x = layer.save("layer_input", w * T * h, False)
-    x1 = rms_norm(layer, "norm1", x, T * h, T, w, False)
+    x = layer.save("layer_input", w * T * h, sp)
+    n1 = rms_norm(layer, "norm1", x, T * h, T, w, sp)
+    x1 = enter_region(layer, "attn", n1, h, setup)
     (mla if shape.mla is not None else gqa)(layer, shape, setup, x1)
-    r = layer.save("residual", w * T * h, False)  # norm2's input: x + attention
-    x2 = rms_norm(layer, "norm2", r, T * h, T, w, False)
-    layer.unit("norm", ["norm1"], [x], discards=[x1])
-    layer.unit("norm", ["norm2"], [r], discards=[x2])
+    r = layer.save("residual", w * T * h, sp)  # norm2's input: x + attention
+    n2 = rms_norm(layer, "norm2", r, T * h, T, w, sp)
+    x2 = enter_region(layer, "mlp", n2, h, setup)
+    layer.unit("norm", ["norm1"], [x], discards=[n1])
+    layer.unit("norm", ["norm2"], [r], discards=[n2])
     if kind == "dense":
         mlp.dense_mlp(layer, shape, setup, x2)
         layer.unit("full", [""], [x])
@@ -135,7 +142,7 @@ def layer_memory(shape: MoEShape, setup: MoESetup, recompute: Recompute = "none"
     """One ``kind`` layer's memory on one rank under ``recompute``."""
     check(shape, setup, kind)
     modules = modules_of(recompute)
-    terms, outside = layer_tensors(shape, setup, kind).kept(modules)
+    terms, outside = layer_tensors(shape, setup, kind).kept(modules + always_on(setup))
     return LayerMemory(kind, modules, tuple(terms), tuple(outside))
 
 

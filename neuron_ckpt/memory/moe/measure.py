@@ -4,12 +4,13 @@
 :func:`build_model` builds the ``*ForCausalLM`` with ``AutoModelForCausalLM.from_config`` in the
 setup's dtype (DeepSeek's router weight and bias stay fp32, as ``from_pretrained`` keeps them),
 the setup's attention and experts implementations, split over the tensor-parallel group when
-``setup.tp > 1`` (``apply_tensor_parallel``: call it on every rank of an initialised world) and
-with a recompute choice applied (``apply_recompute``). :func:`measure_layers` runs its decoder
-layers one after another, as the model's forward does (the same rotary tables, position ids and
-mask), under :class:`~neuron_ckpt.memory.SavedTensorRecorder`, one scope per layer. Left out, as
-shared by every layer (a per-model term): parameters, the rotary tables, the position ids, the
-mask.
+``setup.tp > 1`` or it runs sequence parallel (``apply_tensor_parallel``: call it on every rank of
+an initialised world) and with a recompute choice applied (``apply_recompute``).
+:func:`measure_layers` runs the base model's own forward from the embedding's output on (so
+sequence parallel splits the first layer's input and gathers the final norm's output where
+training does) under :class:`~neuron_ckpt.memory.SavedTensorRecorder`, one scope per decoder
+layer and one for the final norm. Left out, as shared by every layer (a per-model term):
+parameters, the rotary tables, the position ids, the mask.
 """
 
 from __future__ import annotations
@@ -85,10 +86,10 @@ def build_model(shape: MoEShape, setup: MoESetup, recompute: Recompute = "none",
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=TORCH_DTYPES[setup.dtype])
     model.set_experts_implementation(setup.experts)
     model.train()
-    if setup.tp > 1:
+    if setup.tp > 1 or setup.sequence_parallel:
         from ...parallel.hf import apply_tensor_parallel
 
-        model = apply_tensor_parallel(model)
+        model = apply_tensor_parallel(model, sequence_parallel=setup.sequence_parallel)
     config = recompute_config(recompute)
     if config is not None:
         apply_recompute(model, config)
@@ -105,34 +106,52 @@ class Measured:
     storages: list[tuple[str, str, tuple[int, ...], int]]
 
 
+FINAL_NORM_SCOPE = "final_norm"
+
+
 def layer_inputs(model, setup: MoESetup, seed: int = 0):
-    """``(x, extra kwargs, shared tensors)`` as the model's forward hands them to its first layer."""
+    """``(x, position ids, shared)``: the embedding's output the base model is run from, and the
+    tensors its layers share, as its forward makes them (``{"position_embeddings": the rotary
+    tables, "attention_mask": the causal mask or None}``)."""
     from transformers.masking_utils import create_causal_mask
 
     g = torch.Generator().manual_seed(seed)
     inner = model.model
-    hidden = inner.config.hidden_size
-    x = torch.randn(setup.micro_batch, setup.seq_len, hidden, generator=g).to(TORCH_DTYPES[setup.dtype])
+    x = torch.randn(setup.micro_batch, setup.seq_len, inner.config.hidden_size, generator=g)
+    x = x.to(TORCH_DTYPES[setup.dtype])
     position_ids = torch.arange(setup.seq_len).unsqueeze(0)
     mask = create_causal_mask(config=inner.config, inputs_embeds=x, attention_mask=None, cache=None,
                               position_ids=position_ids)  # fmt: skip
-    rope = inner.rotary_emb(x, position_ids=position_ids)
-    shared = [position_ids, *rope] + ([mask] if torch.is_tensor(mask) else [])
-    kwargs = dict(attention_mask=mask, position_ids=position_ids, position_embeddings=rope)
-    return x.requires_grad_(), kwargs, shared
+    shared = {"position_embeddings": inner.rotary_emb(x, position_ids=position_ids), "attention_mask": mask}
+    return x.requires_grad_(), position_ids, shared
 
 
 def measure_layers(model, setup: MoESetup, seed: int = 0, backward: bool = True) -> Measured:
-    """Run ``model``'s decoder layers once on this rank and count what each keeps for backward."""
-    x, kwargs, shared = layer_inputs(model, setup, seed)
-    layers = list(model.model.layers)
-    with SavedTensorRecorder(exclude_modules=[model], exclude_tensors=shared) as rec:
-        hidden = x
-        for i, layer in enumerate(layers):
-            with rec.scope(LAYER_SCOPE.format(i)):
-                hidden = layer(hidden, **kwargs)
+    """Run ``model``'s decoder layers once on this rank and count what each keeps for backward.
+
+    Through the base model's forward, not layer by layer: sequence parallel learns the whole
+    length from that forward's call (a fully recomputed first layer would split its input twice
+    without it) and gathers after the final norm (counted apart, in its own scope)."""
+    x, position_ids, shared = layer_inputs(model, setup, seed)
+    inner = model.model
+    layers = list(inner.layers)
+    scopes = {LAYER_SCOPE.format(i): layer for i, layer in enumerate(layers)} | {FINAL_NORM_SCOPE: inner.norm}
+    # Each layer gets these shared tensors (the values the forward made itself), which the recorder
+    # knows to leave out: a checkpoint keeping the mask would count it in the first layer only.
+    share = lambda module, args, kwargs: (args, {**kwargs, **shared})  # noqa: E731
+    handles = [layer.register_forward_pre_hook(share, with_kwargs=True) for layer in layers]
+    mask = shared["attention_mask"]
+    excluded = [position_ids, *shared["position_embeddings"], *([mask] if torch.is_tensor(mask) else [])]
+    try:
+        with SavedTensorRecorder(exclude_modules=[model], exclude_tensors=excluded) as rec:
+            handles += rec.attach(scopes)
+            hidden = inner(inputs_embeds=x, position_ids=position_ids).last_hidden_state
+    finally:
+        for handle in handles:
+            handle.remove()
     by_scope = rec.bytes_by_scope()
     per_layer = [by_scope.pop(LAYER_SCOPE.format(i), 0) for i in range(len(layers))]
+    by_scope.pop(FINAL_NORM_SCOPE, None)
     storages = sorted(((s.scope, str(s.dtype).removeprefix("torch."), s.shape, s.nbytes) for s in rec.storages),
                       key=lambda row: -row[3])
     if backward:

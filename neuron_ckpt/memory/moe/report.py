@@ -3,8 +3,8 @@ under every recompute module, analytic.
 
 :mod:`neuron_ckpt.memory.report` owns the command and hands it here when ``--config`` is given
 (:func:`run`): the file (or preset) is read strictly (:func:`~.config.load_moe_config`), the job
-is ``--seq``, ``--micro-batch``, ``--tp``, ``--dtype``, ``--attention`` (sdpa | eager | sdpa-fused) and
-``--experts`` (grouped_mm | eager); :func:`build_report` returns the plain dict ``--json``
+is ``--seq``, ``--micro-batch``, ``--tp``, ``--sequence-parallel``, ``--dtype``, ``--attention`` (sdpa |
+eager | sdpa-fused) and ``--experts`` (grouped_mm | eager); :func:`build_report` returns the plain dict ``--json``
 prints, :func:`format_report` the table. The options that describe a model by hand or a
 measurement (``--hidden``, ``--recompute``, ``--measure``...) are refused in one line: the file
 gives the sizes, and every recompute module is printed.
@@ -23,10 +23,10 @@ from .shape import ATTENTION, EXPERTS, MoESetup, MoEShape
 MIB, GIB = 1 << 20, 1 << 30
 
 # The command's options that describe a model by hand, measure or plot: not with --config.
-HAND_OPTIONS = ("model", "hidden", "heads", "kv_heads", "ffn", "sequence_parallel", "recompute",
-                "distribute_saved_activations", "layers", "measure", "plot")  # fmt: skip
-_DEFAULTS = {"model": "gpt", "recompute": "none", "layers": 1, "sequence_parallel": False,
-             "distribute_saved_activations": False, "measure": False}  # fmt: skip
+HAND_OPTIONS = ("model", "hidden", "heads", "kv_heads", "ffn", "recompute", "distribute_saved_activations", "layers",
+                "measure", "plot")  # fmt: skip
+_DEFAULTS = {"model": "gpt", "recompute": "none", "layers": 1, "distribute_saved_activations": False,
+             "measure": False}  # fmt: skip
 
 
 def check_options(args: argparse.Namespace) -> None:
@@ -41,7 +41,8 @@ def check_options(args: argparse.Namespace) -> None:
 
 
 def setup_from_args(args: argparse.Namespace) -> MoESetup:
-    return MoESetup(args.seq, args.micro_batch, args.tp, args.dtype, args.attention or "sdpa", args.experts or "grouped_mm")
+    return MoESetup(args.seq, args.micro_batch, args.tp, args.dtype, args.attention or "sdpa",
+                    args.experts or "grouped_mm", args.sequence_parallel)
 
 
 def _describe(shape: MoEShape) -> str:
@@ -71,7 +72,8 @@ def build_report(shape: MoEShape, setup: MoESetup, source: str = "", notices: li
 
     return {
         "spec": {"config": source, "name": shape.name, "family": shape.family, "seq_len": setup.seq_len,
-                 "micro_batch": setup.micro_batch, "tp": setup.tp, "dtype": setup.dtype, "attention": setup.attention,
+                 "micro_batch": setup.micro_batch, "tp": setup.tp, "sequence_parallel": setup.sequence_parallel,
+                 "dtype": setup.dtype, "attention": setup.attention,
                  "experts": setup.experts, "layers": shape.layers, "dense_layers": dense, "moe_layers": moe,
                  "description": _describe(shape)},
         "model": {k: v for k, v in asdict(shape).items() if k != "name"},
@@ -90,8 +92,9 @@ def format_report(report: dict) -> str:
     s, kinds = report["spec"], list(report["per_layer_bytes"])
     title = f"{s['name'] or s['family']} ({s['family']}): {s['description']}"
     lines = [*report["notices"], title,
-             f"s={s['seq_len']} b={s['micro_batch']} {s['dtype']}, t={s['tp']} (the model's TP plan, no sequence "
-             f"parallel), {s['attention']} attention, {s['experts']} experts",
+             f"s={s['seq_len']} b={s['micro_batch']} {s['dtype']}, t={s['tp']} (the model's TP plan, "
+             f"{'' if s['sequence_parallel'] else 'no '}sequence parallel), {s['attention']} attention, "
+             f"{s['experts']} experts",
              "activations per layer per rank (analytic), MiB; '-': the module is not in that layer", "",
              f"{'recompute':<16}" + "".join(f"{k + ' layer':>14}" for k in kinds) + f"{'all layers GiB':>16}"]
     for choice in CHOICES:

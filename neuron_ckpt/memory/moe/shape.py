@@ -170,7 +170,10 @@ class MoESetup:
     """How the job runs one layer, per rank.
 
     seq_len, micro_batch: s and b (T = s b tokens). tp: tensor-parallel degree (transformers'
-    plan, no sequence parallelism: activations are ``[b, s, h]`` on every rank).
+    plan). sequence_parallel: ``apply_tensor_parallel(model, sequence_parallel=True)``: the
+    token-wise parts (the norms, the residual stream) hold this rank's s/t tokens, the regions
+    (attention, the MoE block, the dense MLP) gather the whole sequence (:mod:`.sequence`);
+    False: ``[b, s, h]`` on every rank. Needs s divisible by t.
     dtype: the model's dtype ("bf16" | "fp16" | "fp32"); DeepSeek's router weight stays fp32,
     as ``from_pretrained`` keeps it. attention: transformers' attention implementation, "sdpa"
     (torch's CPU dispatch: the fused flash kernel where q, k and v share a head size and no mask
@@ -186,10 +189,16 @@ class MoESetup:
     dtype: str = "bf16"
     attention: str = "sdpa"
     experts: str = "grouped_mm"
+    sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "micro_batch", "tp"):
             require_positive_int(name, getattr(self, name))
+        if not isinstance(self.sequence_parallel, bool):
+            raise ValueError(f"sequence_parallel must be a bool, got {self.sequence_parallel!r}")
+        if self.sequence_parallel and self.seq_len % self.tp:
+            raise ValueError(f"seq_len ({self.seq_len}) must be a multiple of tp ({self.tp}) when sequence_parallel "
+                             "is True (each rank holds s/t tokens)")
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"dtype must be one of {tuple(DTYPE_BYTES)}, got {self.dtype!r}")
         if self.attention not in ATTENTION:
@@ -205,6 +214,12 @@ class MoESetup:
     @property
     def tokens(self) -> int:
         return self.seq_len * self.micro_batch
+
+    @property
+    def local_tokens(self) -> int:
+        """The tokens a token-wise part (a norm, the residual stream) holds on one rank: T/t under
+        sequence parallel, else T."""
+        return self.tokens // self.tp if self.sequence_parallel else self.tokens
 
 
 __all__ = ["ATTENTION", "EXPERTS", "FAMILIES", "MLA", "MoESetup", "MoEShape", "SPLIT_BY_PLAN"]
