@@ -221,3 +221,28 @@ def test_distributed_saved_activations_is_refused_under_sequence_parallel(world)
     # the input a checkpoint keeps is this rank's chunk already, not a replicated tensor to slice
     for line in world(2).run(_distributed_input):
         assert "distribute_saved_activations=True cannot be used with sequence_parallel=True" in line, line
+
+
+def _layers_called_directly() -> bool:
+    # A stack run without the model's own forward (as a pipeline stage would): the first layer
+    # splits once, also when full recompute splits it before its checkpoint.
+    ps = nc.initialize_model_parallel(2)
+    torch.manual_seed(1)
+    ids = torch.randint(0, VOCAB, (2, 12))
+    outs = []
+    for preset in ("none", "full"):
+        model = nc.apply_tensor_parallel(tiny("llama"), sequence_parallel=True)
+        apply_recompute(model, RecomputeConfig.preset(preset))
+        base = model.model
+        hidden = base.embed_tokens(ids)
+        positions = torch.arange(12).unsqueeze(0)
+        rotary = base.rotary_emb(hidden, positions)
+        for layer in base.layers:
+            hidden = layer(hidden, attention_mask=None, position_embeddings=rotary, position_ids=positions)
+        outs.append(hidden)
+        hidden.sum().backward()
+    return tuple(outs[0].shape) == (2, 6, 32) and torch.equal(outs[0], outs[1])
+
+
+def test_layers_called_on_their_own_split_the_sequence_once(world):
+    assert world(2).run(_layers_called_directly) == [True, True]

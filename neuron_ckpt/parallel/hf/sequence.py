@@ -209,11 +209,13 @@ class _SplitEntry:
                 return
 
     def before_checkpoint(self, layer, args, kwargs) -> tuple[tuple, dict]:
+        x, _ = _hidden(args, kwargs, type(layer).__name__)
+        self.length = x.shape[SEQ]  # the whole length, also when the layer is called on its own
         return self(layer, args, kwargs) or (args, kwargs)
 
     def __call__(self, layer, args, kwargs):
         x, put = _hidden(args, kwargs, type(layer).__name__)
-        if self.length is not None and x.shape[SEQ] != self.length:
+        if self.length is not None and x.shape[SEQ] * self.tp.size == self.length:
             return None  # this rank's chunk already (split before a full-recompute checkpoint)
         if x.shape[SEQ] % self.tp.size:
             raise ValueError(
