@@ -13,10 +13,8 @@ SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBu
 MULTI_STAGE = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble")  # several stages per rank
 # torch's V-shaped schedules place two stages per rank in a V (rank 0 holds the first and the
 # last stage), which the loop placement of .cut and the tied-embedding group do not describe.
-REFUSED = {
-    "ZBVZeroBubble": "it places stages in a V (rank 0 holds the first and last stage); this library places them in a loop",
-    "DualPipeV": "it places stages in a V (rank 0 holds the first and last stage); this library places them in a loop",
-}
+_V_SHAPED = "it places stages in a V (rank 0 holds the first and last stage); this library places them in a loop"
+REFUSED = {"ZBVZeroBubble": _V_SHAPED, "DualPipeV": _V_SHAPED}
 LOSS_AVERAGES = ("tokens", "micro_batches")
 
 

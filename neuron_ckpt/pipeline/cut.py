@@ -54,7 +54,8 @@ class PipelineCut:
 
     def costs(self, embedding_cost: float = 1.0, head_cost: float = 1.0) -> tuple[float, ...]:
         """Each stage's cost: its layers, plus the embedding on the first and the head on the last."""
-        return tuple(_stage_cost(k, len(r), self.num_stages, embedding_cost, head_cost) for k, r in enumerate(self.layers))
+        S = self.num_stages
+        return tuple(_stage_cost(k, len(r), S, embedding_cost, head_cost) for k, r in enumerate(self.layers))
 
 
 def cut_layers(

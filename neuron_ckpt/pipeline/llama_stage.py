@@ -93,7 +93,9 @@ class LlamaStage(torch.nn.Module):
             self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, sp, dtype, parallel_state=state)
             # Tied: the embedding's draw, so a head on another stage starts equal to the table.
             with _drawn_for(seed, "embedding" if args.tie_word_embeddings else "head"):
-                self.lm_head = ColumnParallelLinear(args.hidden_size, args.vocab_size, **options.linear(args, bias=False))
+                self.lm_head = ColumnParallelLinear(
+                    args.hidden_size, args.vocab_size, **options.linear(args, bias=False)
+                )
             if self.is_first and args.tie_word_embeddings:
                 self.lm_head.weight = self.embed_tokens.weight  # one parameter, as LlamaForCausalLM
         self.rotary = RotaryEmbedding(args)
