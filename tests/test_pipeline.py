@@ -229,6 +229,7 @@ PP2_CASES = [
     ("Interleaved1F1B", 2, 4, SELECTIVE, None, True),
     ("InterleavedZeroBubble", 2, 4, BLOCK_1, None, False),
 ]
+PP4_CASES = [("1F1B", 1, 4, BLOCK_1, None, True)]  # middle stages outside the embedding group
 PP2_TP2_CASES = [
     ("1F1B", 1, 4, None, None, False),
     ("GPipe", 1, 2, BLOCK_1, None, True),
@@ -263,29 +264,37 @@ def _parity_cases(t: int, p: int, cases: list) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def parity(world) -> dict[int, list[list[dict]]]:
-    return {2: _run(world, 2, _parity_cases, 1, 2, PP2_CASES), 4: _run(world, 4, _parity_cases, 2, 2, PP2_TP2_CASES)}
+    return {
+        "pp2": _run(world, 2, _parity_cases, 1, 2, PP2_CASES),
+        "pp4": _run(world, 4, _parity_cases, 1, 4, PP4_CASES),
+        "pp2tp2": _run(world, 4, _parity_cases, 2, 2, PP2_TP2_CASES),
+    }
 
 
-@pytest.mark.parametrize("n, i", [(2, i) for i in range(len(PP2_CASES))] + [(4, i) for i in range(len(PP2_TP2_CASES))])
-def test_loss_and_every_gradient_equal_the_pp1_model(parity, n, i):
-    ranks = [rank_cases[i] for rank_cases in parity[n]]
+SETUPS = {"pp2": (PP2_CASES, 1), "pp4": (PP4_CASES, 1), "pp2tp2": (PP2_TP2_CASES, 2)}  # cases, ranks of the last stage
+
+
+@pytest.mark.parametrize("setup, i", [(k, i) for k, (cases, _) in SETUPS.items() for i in range(len(cases))])
+def test_loss_and_every_gradient_equal_the_pp1_model(parity, setup, i):
+    cases, last = SETUPS[setup]
+    ranks = [rank_cases[i] for rank_cases in parity[setup]]
     for rank in ranks:
         assert rank["grads"] < TOL, rank
     losses = [r["loss"] for r in ranks if r["loss"] is not None]
-    assert len(losses) == n // 2 and max(losses) < TOL  # the last stage's ranks (one per TP rank)
+    assert len(losses) == last and max(losses) < TOL  # the last stage's ranks (one per TP rank)
     keys = set().union(*(set(r["keys"]) for r in ranks))
-    tied = (PP2_CASES if n == 2 else PP2_TP2_CASES)[i][5]
+    tied = cases[i][5]
     assert len(keys) == 4 * 9 + (2 if tied else 3)  # every parameter on some stage (9 per layer)
 
 
 def test_recompute_counts_per_stage(parity):
     # 1F1B, block k=1, cut [2, 2]: the first layer of each stage (Megatron's per-stage count).
-    assert parity[2][0][0]["recomputed"] == parity[2][1][0]["recomputed"] == []  # GPipe without recompute
-    assert parity[2][0][5]["recomputed"] == ["layers.0"] and parity[2][1][5]["recomputed"] == ["layers.2"]
+    assert parity["pp2"][0][0]["recomputed"] == parity["pp2"][1][0]["recomputed"] == []  # GPipe without recompute
+    assert parity["pp2"][0][5]["recomputed"] == ["layers.0"] and parity["pp2"][1][5]["recomputed"] == ["layers.2"]
     # Per-layer plan over the whole model, uneven cut [1, 3]: each stage takes its slice.
-    assert parity[2][0][7]["recomputed"] == []
-    assert parity[2][1][7]["recomputed"] == ["layers.1", "layers.2.mlp.act_fn", "layers.2.self_attn.core_attn"]
-    assert parity[2][0][2]["stages"] == (0, 2) and parity[2][1][2]["stages"] == (1, 3)  # 2 virtual stages
+    assert parity["pp2"][0][7]["recomputed"] == []
+    assert parity["pp2"][1][7]["recomputed"] == ["layers.1", "layers.2.mlp.act_fn", "layers.2.self_attn.core_attn"]
+    assert parity["pp2"][0][2]["stages"] == (0, 2) and parity["pp2"][1][2]["stages"] == (1, 3)  # 2 virtual stages
 
 
 def _block_per_virtual_stage() -> list[list[str]]:
@@ -405,6 +414,17 @@ def test_layout_at_run_time(world):
         ((2, 3), (2,), (0, 2), (0, 2)), ((2, 3), (3,), (1, 3), (1, 3)),
     ]  # fmt: skip
     assert [r["ends"] for r in ranks] == [(0, True, False), (0, True, False), (1, False, True), (1, False, True)]
+
+
+def _groups_at_pp4() -> tuple:
+    state = nc.initialize_model_parallel(pipeline_parallel_size=4)
+    return state.pp.ranks, None if state.embedding is None else state.embedding.ranks, state.dp.ranks
+
+
+def test_middle_stages_are_outside_the_embedding_group(world):
+    assert _run(world, 4, _groups_at_pp4) == [
+        ((0, 1, 2, 3), (0, 3), (0,)), ((0, 1, 2, 3), None, (1,)), ((0, 1, 2, 3), None, (2,)), ((0, 1, 2, 3), (0, 3), (3,)),
+    ]  # fmt: skip
 
 
 def _bad_inputs() -> list[str]:

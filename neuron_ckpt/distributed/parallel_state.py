@@ -275,8 +275,10 @@ def initialize_model_parallel(tensor_parallel_size: int = 1, pipeline_parallel_s
         return _STATE
     groups = {name: _new_groups([list(g) for g in getattr(layout, name)], rt.rank) for name in ("tp", "dp")}
     if pipeline_parallel_size > 1:  # without PP no new communicator (and no new process group)
-        groups.update({name: _new_groups([list(g) for g in getattr(layout, name)], rt.rank)
-                       for name in ("pp", "embedding")})
+        groups["pp"] = _new_groups([list(g) for g in layout.pp], rt.rank)
+        # At p = 2 the embedding groups are the PP groups: the same communicators serve both.
+        groups["embedding"] = groups["pp"] if layout.embedding == layout.pp else \
+            _new_groups([list(g) for g in layout.embedding], rt.rank)
     else:
         groups.update(pp=None, embedding=None)
     _STATE = ParallelState(**groups)
