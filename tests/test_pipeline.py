@@ -311,6 +311,18 @@ def test_block_recompute_counts_per_virtual_stage(world):
     assert kinds0 == kinds1 == ["Recompute", "Recompute"]
 
 
+def _per_stage_plan() -> list[str]:
+    nc.initialize_model_parallel(pipeline_parallel_size=2)
+    pipe = LlamaPipeline(config(), PipelineConfig("1F1B", 2), MB, SEQ)
+    block_2 = RecomputeConfig(granularity="full", method="block", num_layers=2)
+    return apply_pipeline_recompute(pipe, [block_2, [None, RecomputeConfig.preset("selective")]])
+
+
+def test_a_plan_per_stage(world):
+    # The first stage (most micro-batches in flight under 1F1B) recomputes more than the last.
+    assert _run(world, 2, _per_stage_plan) == [["0", "1"], ["3.self_attn.core_attn"]]
+
+
 # ---------------------------------------------------------------------------------------------
 # Dropout: each stage's streams, bit-exact replay, independent of the schedule.
 
