@@ -139,11 +139,12 @@ class Held:
     saved_peak: int
 
 
-def hold(chunks: Sequence[ChunkBytes], moments: Moments) -> Held:
-    """Follow a rank's live bytes over its schedule (:class:`Moments`) given each chunk's bytes."""
+def hold(chunks: Sequence[ChunkBytes], moments: Moments, constant: int = 0) -> Held:
+    """Follow a rank's live bytes over its schedule (:class:`Moments`) given each chunk's bytes;
+    ``constant``: saved bytes held from the first forward to the last backward."""
 
     def live(counts: tuple[int, ...], with_runtime: bool = True) -> int:
-        return sum(n * (c.kept + (c.held - c.shared if with_runtime else 0)) for n, c in zip(counts, chunks))
+        return constant + sum(n * (c.kept + (c.held - c.shared if with_runtime else 0)) for n, c in zip(counts, chunks))
 
     at = max(moments.forward, key=live)
     peak = max([live(s) for s in moments.forward] +
@@ -169,12 +170,17 @@ class RankModel:
         static, step = _static_items(model, setup, self.parameters)
         self.static = [i for i in static if has_layers or i.name != "attention mask"]
         _, self.after_items, loss_transient = _outside_items(model, setup)
+        torch_buffers = pipeline.buffers == "torch"
         self.embed = embedding_bytes(model, setup)
+        # torch cuts the batch into micro-batches as views (tensor_split); at t = 1 the embedding
+        # keeps its ids as they come, so every micro-batch keeps the one [m b, s] storage.
+        first = any(c.first for c in self.chunks)
+        self.batch_ids = pipeline.microbatches * self.embed if first and torch_buffers and (
+            model.kind == "llama" and setup.tp == 1) else 0
         self.rope = sum(t.nbytes for t in rotary_terms(model, setup)) if model.kind == "llama" else 0
         self.after = sum(i.nbytes for i in self.after_items)
         s, b, t = setup.seq_len, setup.micro_batch, setup.tp
         self.boundary = setup.width * (s // t if setup.sequence_parallel else s) * b * model.hidden
-        torch_buffers = pipeline.buffers == "torch"
         per_buffer = pipeline.microbatches * self.boundary if torch_buffers else 0
         self.buffers = per_buffer * sum((not c.first) + (not c.last) for c in self.chunks)
         # The logits [s, b, v/t]: in fwd_cache until the backward with torch's buffers, so the
@@ -192,7 +198,7 @@ class RankModel:
     def chunk_bytes(self, chunk: Chunk, runs: Sequence[tuple[LayerOption, int]]) -> ChunkBytes:
         """One micro-batch of ``chunk`` with its layers given in layer order as runs of
         ``(option, number of layers)``."""
-        before = (self.embed if chunk.first else 0) + (self.rope if chunk.layers else 0)
+        before = (self.embed if chunk.first and not self.batch_ids else 0) + (self.rope if chunk.layers else 0)
         after = self.after if chunk.last else 0
         kept = sum(o.saved_bytes * n for o, n in runs) + before + after
         peak = stack_peak([(o.saved_bytes, o.backward_peak_bytes, n) for o, n in runs], before, after)
@@ -205,20 +211,23 @@ class RankModel:
 
     def total(self, per_chunk: Sequence[Sequence[tuple[LayerOption, int]]]) -> int:
         """The rank's peak bytes with each local chunk's layers given as runs (:meth:`chunk_bytes`)."""
-        held = hold([self.chunk_bytes(c, r) for c, r in zip(self.chunks, per_chunk)], self.moments)
+        held = hold([self.chunk_bytes(c, r) for c, r in zip(self.chunks, per_chunk)], self.moments, self.batch_ids)
         kept = held.saved + held.runtime
         return self.parts.sums[0] + self.buffers + kept + self.parts.workspace(kept, held.peak)[0]
 
     def budget(self, per_chunk: Sequence[Sequence[LayerOption]]) -> StageBudget:
         """The rank's :class:`StageBudget` with ``per_chunk`` options (one per layer, per local chunk)."""
         bytes_ = [self.chunk_bytes(c, [(o, 1) for o in options]) for c, options in zip(self.chunks, per_chunk)]
-        held = hold(bytes_, self.moments)
+        held = hold(bytes_, self.moments, self.batch_ids)
         n = dict(zip((c.stage for c in self.chunks), held.counts))
         flat = [o for options in per_chunk for o in options]
         counts = [n[c.stage] for c, options in zip(self.chunks, per_chunk) for _ in options]
         items = list(self.static) + _layer_items(flat, counts)
         first = [n[c.stage] for c in self.chunks if c.first]
-        if first:
+        if self.batch_ids:
+            items.append(LineItem("act: embedding", self.batch_ids, "activations",
+                                  "ids of the whole batch: torch's micro-batches are views of it"))
+        elif first:
             what = "dropout mask" if self.model.kind == "gpt" else "ids, shard mask"
             items.append(LineItem("act: embedding", self.embed * first[0], "activations", what))
         if self.rope:

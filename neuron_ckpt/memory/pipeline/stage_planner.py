@@ -116,6 +116,15 @@ class PipelinePlan:
                            f"{p.schedule}, m={p.microbatches}, layers cut evenly)")
         return text + f"; no pipeline degree above {p.pp} fits ({p.schedule}, m={p.microbatches})"
 
+    def recompute(self) -> list[list[Any]]:
+        """One entry per virtual stage, in stage order: the per-layer list of its layers' recompute
+        (None: none), which :func:`neuron_ckpt.pipeline.apply_pipeline_recompute` takes as a
+        per-stage plan."""
+        by_stage = {}
+        for stage in self.stages:
+            by_stage.update(zip((c.stage for c in stage.budget.chunks), stage.recompute()))
+        return [by_stage[k] for k in range(self.pipeline.stages)]
+
     def to_dict(self) -> dict[str, Any]:
         p = self.pipeline
         return {
