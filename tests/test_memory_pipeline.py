@@ -282,7 +282,14 @@ def _measure(case: tuple) -> tuple:
              if isinstance(x, CoreAttention)]
     got = measure_rank(lambda: pipe.step(ids, ids.clone()), pipe.modules, pipe.torch_stages,
                        exclude_modules=pipe.modules, exclude_tensors=masks)
-    return pipe.parallel_state.pp_rank, pipe.cut.layers_per_stage, got.most_after_forward, got.peak_bytes, got.after_step
+    # torch's receive buffers, by distinct storage. Private attributes: PipelineStage keeps them
+    # there and nowhere public (one per micro-batch, for the input and for the output's gradient).
+    buffers = {info.buffer.untyped_storage().data_ptr(): info.buffer.untyped_storage().nbytes()
+               for stage in pipe.torch_stages
+               for infos in (*stage.args_recv_info.values(), *stage.grad_recv_info.values())
+               for info in infos if getattr(info, "buffer", None) is not None}
+    return (pipe.parallel_state.pp_rank, pipe.cut.layers_per_stage, got.most_after_forward, got.peak_bytes,
+            got.after_step, sum(buffers.values()))
 
 
 def _measure_all(n: int) -> list[tuple]:
@@ -311,7 +318,8 @@ def measured(world) -> dict[tuple[int, int], list[tuple]]:
 
 @pytest.mark.parametrize("n, i", [(n, i) for n in CASES for i in range(len(CASES[n]))])
 def test_measured_equals_analytic_per_stage(measured, n, i):
-    """Every rank of every case, against ``stage_budgets`` with torch's runtime. Two differences,
+    """Every rank of every case, against ``stage_budgets`` with torch's runtime (its receive
+    buffers too, counted off the stages). Two differences,
     asserted to the byte: the loss divides by one token count for the whole batch (int64, shared
     by the micro-batches; the model counts one per micro-batch, as ``LlamaForCausalLM`` keeps),
     and with ``mlp_act`` a backward holds the recomputed SwiGLU output, which output-discarding
@@ -330,8 +338,9 @@ def test_measured_equals_analytic_per_stage(measured, n, i):
         budgets = stage_budgets(shape, setup, pipeline,
                                 "none" if layers is None else [c or RecomputeConfig() for c in layers])
     assert len(ranks) == t * p
-    for pp_rank, _, most, peak, after in ranks:
+    for pp_rank, _, most, peak, after, buffers in ranks:
         budget = budgets[pp_rank]
+        assert buffers == RankModel(shape, setup, pipeline, pp_rank).buffers  # m per micro-batch, each way
         shared = 8 * max(budget.in_flight[-1] - 1, 0) if budget.chunks[-1].last else 0
         refill = 2 * S * B * 176 // t if layers is ACT and pp_rank == 0 else 0
         assert after == 0
