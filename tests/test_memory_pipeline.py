@@ -173,15 +173,24 @@ def test_even_cut_gives_the_remainder_to_the_later_stages():
 SEVEN_B = ModelShape("llama", 4096, 32, 32, 11008, 32, 32000, "llama2-7b")
 
 
-@pytest.mark.parametrize("attention", ["explicit", "flash"])
-def test_one_stage_is_the_whole_model_budget(attention):
-    """Without torch's runtime (which would hold the logits until the backward)."""
+TIED = replace(SEVEN_B, tie_word_embeddings=True, name="tied")
+GPT = ModelShape.gpt(2048, 16, 32)
+
+
+@pytest.mark.parametrize("model, attention", [(SEVEN_B, "explicit"), (SEVEN_B, "flash"), (TIED, "flash"),
+                                              (GPT, "explicit")])
+def test_one_stage_is_the_whole_model_budget(model, attention):
+    """Without torch's runtime (which would hold the logits until the backward). A tied model's
+    table counts once on one stage; over two, the last stage holds its own copy."""
     setup = TrainingSetup(4096, tp=8, dp=4, attention=attention)
     for layers in ["none", "full", RecomputeConfig("full", "uniform", 4), ["none", "full"] * 16]:
-        whole = memory_budget(SEVEN_B, setup, layers)
-        stage = stage_budgets(SEVEN_B, setup, PipelineSetup(1, 1, "gpipe", buffers="none"), layers)[0]
+        whole = memory_budget(model, setup, layers)
+        stage = stage_budgets(model, setup, PipelineSetup(1, 1, "gpipe", buffers="none"), layers)[0]
         assert (stage.total_bytes, stage.activation_bytes) == (whole.total_bytes, whole.activation_bytes)
         assert stage.budget.activation_peak_bytes == whole.activation_peak_bytes
+    two = stage_budgets(model, setup, PipelineSetup(2, 2, "gpipe"))
+    copy = model.vocab // 8 * model.hidden if model.kind == "gpt" or model.tie_word_embeddings else 0
+    assert sum(b.budget.items[0].nbytes for b in two) == 2 * (model.local_parameters(8) + copy)  # bf16
 
 
 def test_uneven_cut_bytes_per_stage():

@@ -74,7 +74,9 @@ def rank_parameters(model: ModelShape, setup: TrainingSetup, chunks: Sequence[Ch
     tied = model.kind == "gpt" or model.tie_word_embeddings
     n = sum(c.layers for c in chunks) * per_layer
     n += sum(table for c in chunks if c.first)
-    n += sum(outside if tied else outside - table for c in chunks if c.last)
+    # The last stage's head; tied, its own copy of the table unless the rank holds stage 0 too.
+    own_copy = tied and not any(c.first for c in chunks)
+    n += sum(outside - table + (table if own_copy else 0) for c in chunks if c.last)
     return n
 
 
