@@ -34,7 +34,7 @@ from neuron_ckpt.memory.analytic import layer_activation_bytes, rotary_terms
 from neuron_ckpt.memory.budget import _outside_items, embedding_bytes
 from neuron_ckpt.memory.options import layer_options
 from neuron_ckpt.memory.pipeline import (
-    PipelinePlan, PipelineSetup, closed_form_in_flight, even_cut, peak_in_flight, plan_pipeline, rank_order,
+    PipelinePlan, PipelineSetup, closed_form_in_flight, peak_in_flight, plan_pipeline, rank_order,
     smallest_pp, stage_budgets,
 )  # fmt: skip
 from neuron_ckpt.memory.pipeline.measure import measure_rank
@@ -156,10 +156,14 @@ def test_pipeline_setup_refuses_what_torch_does_not_run(kwargs, needle):
     assert needle in str(exc.value) and "\n" not in str(exc.value)
 
 
-def test_even_cut_gives_the_remainder_to_the_later_stages():
-    assert even_cut(80, 8) == (10,) * 8
-    assert even_cut(80, 6) == (13, 13, 13, 13, 14, 14)  # NxD's auto_partition
-    assert even_cut(32, 3) == (10, 11, 11)
+def test_the_default_cut_is_the_pipelines_own():
+    # the plan describes the pipeline LlamaPipeline builds: its cut, balanced by cost (the
+    # embedding and the head a layer each), the extra layers to the later stages
+    from neuron_ckpt.pipeline.cut import cut_layers
+
+    assert PipelineSetup(8, 16).cut(80) == cut_layers(80, 8).layers_per_stage == (9, 10, 10, 10, 10, 10, 11, 10)
+    assert PipelineSetup(2, 4, "interleaved", 2).cut(8) == cut_layers(8, 2, 2).layers_per_stage
+    assert cut_layers(80, 6, embedding_cost=0, head_cost=0).layers_per_stage == (13, 13, 13, 13, 14, 14)  # NxD's
     assert PipelineSetup(2, 4, stage_layers=(3, 5)).first_layers(8) == [0, 3]
     with pytest.raises(ValueError, match="add up to 9, the model has 8"):
         PipelineSetup(2, 4, stage_layers=(4, 5)).cut(8)
@@ -393,8 +397,10 @@ def test_smallest_pp_is_the_first_degree_that_fits():
     setup = TrainingSetup(S, B, tp=1, dp=1, sequence_parallel=False, attention="explicit")
     pipeline = PipelineSetup(2, 8, "gpipe")
     fits_at = {p: plan_pipeline(model, setup, PipelineSetup(p, 8, "gpipe"), 1.0, reserve_gib=0) for p in (2, 4, 8)}
-    # A limit that two stages cannot keep and four can.
-    limit = max(s.budget.total_bytes for s in fits_at[4].stages)
+    # A limit that two stages cannot keep, even recomputing, and four can.
+    top = max(s.budget.total_bytes for s in fits_at[4].stages)
+    limit = next(top * f / 100 for f in range(100, 10, -1)
+                 if not plan_pipeline(model, setup, pipeline, top * f / 100 / 2**30, reserve_gib=0).fits)
     assert not all(s.budget.total_bytes <= limit for s in fits_at[2].stages)
     plan = plan_pipeline(model, setup, pipeline, limit / 2**30, reserve_gib=0)
     first = next(p for p in range(3, LAYERS + 1)
@@ -417,7 +423,8 @@ def test_nxd_70b_recipes_on_trn1():
     for name, seq, attention in (("llama2-70b", 4096, "explicit"), ("llama3.1-70b", 8192, "flash")):
         model = ModelShape.from_llama(load_llama_config(name))
         plan = plan_pipeline(model, TrainingSetup(seq, tp=32, dp=4, attention=attention), pipeline, "trn1")
-        assert plan.fits and all(s.counts == {"none": 10} for s in plan.stages)
+        # the pipeline's own cut (9, 10, ..., 11, 10: the embedding and the head a layer each)
+        assert plan.fits and [s.counts for s in plan.stages] == [{"none": n} for n in pipeline.cut(80)]
         assert [s.budget.microbatches_in_flight for s in plan.stages] == list(range(8, 0, -1))
     model = ModelShape.from_llama(load_llama_config("llama3.1-70b"))
     plan = plan_pipeline(model, TrainingSetup(8192, tp=32, dp=4, attention="explicit"), pipeline, "trn1")

@@ -143,16 +143,18 @@ def test_layout_refuses_sizes_that_do_not_fit(args, field):
 
 
 def _brute_force(n: int, s: int, e: float, h: float) -> tuple[int, ...]:
-    """Every cut with a layer per stage: the smallest most expensive stage, then the one whose
-    later stages hold the most layers."""
+    """Every cut with a layer per stage: the smallest most expensive stage, then the largest
+    cheapest stage, then the one whose later stages hold the most layers."""
     cuts = [c for c in itertools.product(range(1, n + 1), repeat=s) if sum(c) == n]
-    cost = lambda c: max(x + (e if k == 0 else 0) + (h if k == s - 1 else 0) for k, x in enumerate(c))  # noqa: E731
-    best = min(cost(c) for c in cuts)
-    return max((c for c in cuts if cost(c) == best), key=lambda c: c[::-1])
+    costs = lambda c: [x + (e if k == 0 else 0) + (h if k == s - 1 else 0) for k, x in enumerate(c)]  # noqa: E731
+    best = min(max(costs(c)) for c in cuts)
+    cuts = [c for c in cuts if max(costs(c)) == best]
+    even = max(min(costs(c)) for c in cuts)
+    return max((c for c in cuts if min(costs(c)) == even), key=lambda c: c[::-1])
 
 
 @pytest.mark.parametrize("e, h", [(1.0, 1.0), (0.0, 0.0), (0.5, 2.0), (3.0, 0.0)])
-def test_balanced_cut_is_the_cheapest_with_later_stages_heavier(e, h):
+def test_balanced_cut_is_the_cheapest_then_the_most_even_with_later_stages_heavier(e, h):
     for n, s in itertools.product(range(1, 9), range(1, 5)):
         if n >= s:
             got = cut_layers(n, s, embedding_cost=e, head_cost=h).layers_per_stage

@@ -18,6 +18,7 @@ stages ``r, r + p, ..., r + (v - 1) p``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -111,29 +112,32 @@ def _stage_cost(k: int, n: int, stages: int, embedding: float, head: float) -> f
     return n + (embedding if k == 0 else 0.0) + (head if k == stages - 1 else 0.0)
 
 
-def _fill_from_the_back(num_layers: int, stages: int, embedding: float, head: float, bound: float) -> list[int] | None:
-    """Give each stage from the last one back as many layers as fit under ``bound`` (leaving one
-    for each earlier stage); stage 0 takes the rest. None when stage 0 then exceeds ``bound``."""
-    counts = [0] * stages
-    left = num_layers
-    for k in range(stages - 1, 0, -1):
-        room = bound - _stage_cost(k, 0, stages, embedding, head)
-        n = min(int(room + 1e-9), left - k)  # k stages before this one, one layer each
-        if n < 1:
-            return None
-        counts[k] = n
-        left -= n
-    counts[0] = left
-    return counts if _stage_cost(0, left, stages, embedding, head) <= bound + 1e-9 else None
-
-
 def _balanced(num_layers: int, stages: int, embedding: float, head: float) -> list[int]:
-    """The cut with the smallest most expensive stage; the later stages take the extra layers."""
-    # The bottleneck is some stage's cost: n layers plus nothing, the embedding, the head or both.
+    """The cut with the smallest most expensive stage; among those, the one whose cheapest stage
+    costs most (as even as the bottleneck allows); among those, the later stages take the extra
+    layers. 80 layers over 8 stages, the embedding and the head a layer each: 9, 10, 10, 10, 10,
+    10, 11, 10 (costs 10 ... 10, 11, 11)."""
+    # Any stage's cost is n layers plus nothing, the embedding, the head or both.
     extras = {0.0, embedding, head, embedding + head}
     candidates = sorted({n + e for n in range(1, num_layers + 1) for e in extras})
-    for bound in candidates:
-        counts = _fill_from_the_back(num_layers, stages, embedding, head, bound)
-        if counts is not None:
-            return counts
-    raise AssertionError("unreachable: one stage per layer always fits")  # pragma: no cover
+    fixed = [_stage_cost(k, 0, stages, embedding, head) for k in range(stages)]
+
+    def fewest(k: int, low: float) -> int:  # stage k's fewest layers at cost >= low
+        return max(1, math.ceil(low - fixed[k] - 1e-9))
+
+    def most(k: int, high: float) -> int:  # stage k's most layers at cost <= high
+        return math.floor(high - fixed[k] + 1e-9)
+
+    def fits(low: float, high: float) -> bool:
+        lows = [fewest(k, low) for k in range(stages)]
+        highs = [most(k, high) for k in range(stages)]
+        return all(a <= b for a, b in zip(lows, highs)) and sum(lows) <= num_layers <= sum(highs)
+
+    high = next(c for c in candidates if fits(0.0, c))
+    low = max(c for c in [0.0, *candidates] if c <= high and fits(c, high))
+    counts, left = [0] * stages, num_layers
+    for k in range(stages - 1, -1, -1):  # the later stages first, each as heavy as the earlier ones allow
+        earlier = sum(fewest(j, low) for j in range(k))
+        counts[k] = min(most(k, high), left - earlier)
+        left -= counts[k]
+    return counts

@@ -14,10 +14,10 @@ counts the micro-batches in flight from it; :mod:`.cut` says where the layers ar
 stage's recompute and, when nothing fits, the smallest pipeline degree that would.
 """
 
-from .cut import PipelineSetup, even_cut
+from .cut import PipelineSetup
 from .schedule import SCHEDULES, closed_form_in_flight, peak_in_flight, rank_order
 from .stage_budget import StageBudget, stage_budgets
 from .stage_planner import PipelinePlan, StagePlan, plan_pipeline, smallest_pp
 
-__all__ = ["SCHEDULES", "PipelinePlan", "PipelineSetup", "StageBudget", "StagePlan", "closed_form_in_flight", "even_cut",
+__all__ = ["SCHEDULES", "PipelinePlan", "PipelineSetup", "StageBudget", "StagePlan", "closed_form_in_flight",
            "peak_in_flight", "plan_pipeline", "rank_order", "smallest_pp", "stage_budgets"]

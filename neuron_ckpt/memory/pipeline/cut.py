@@ -17,13 +17,6 @@ from .schedule import SCHEDULES, check_schedule
 BUFFERS = ("torch", "none")
 
 
-def even_cut(layers: int, stages: int) -> tuple[int, ...]:
-    """``layers`` over ``stages`` as evenly as they go, the remainder to the later stages (NxD's
-    ``auto_partition``): 80 layers over 6 stages are 13, 13, 13, 13, 14, 14."""
-    base, extra = divmod(layers, stages)
-    return tuple(base + (1 if k >= stages - extra else 0) for k in range(stages))
-
-
 @dataclass(frozen=True)
 class PipelineSetup:
     """A pipeline-parallel job, per model replica.
@@ -33,7 +26,9 @@ class PipelineSetup:
     virtual_stages: model chunks per rank (v >= 2 with "interleaved", else 1).
     stage_layers: decoder layers of each virtual stage in stage order (``p v`` counts summing to
         the model's layers; the first and last stage may hold none, beside the embedding and the
-        head); None: :func:`even_cut`.
+        head); None: the cut :class:`~neuron_ckpt.pipeline.LlamaPipeline` makes by default
+        (:func:`~neuron_ckpt.pipeline.cut.cut_layers`: balanced by cost, the embedding and the head
+        each costing a layer), so the plan describes the pipeline a user builds.
     buffers: "torch" counts what ``torch.distributed.pipelining.PipelineStage`` (2.13) allocates
         for the schedule beyond autograd's saved tensors (one receive buffer per micro-batch for the
         input, one for the output's gradient, and each in-flight output held until its backward:
@@ -80,7 +75,9 @@ class PipelineSetup:
             if layers < self.stages:
                 raise ValueError(f"pp x virtual_stages ({self.stages}) is more than the model's {layers} layers: "
                                  "every stage needs one")
-            return even_cut(layers, self.stages)
+            from ...pipeline.cut import cut_layers
+
+            return cut_layers(layers, self.pp, self.virtual_stages).layers_per_stage
         if sum(self.stage_layers) != layers:
             raise ValueError(f"stage_layers add up to {sum(self.stage_layers)}, the model has {layers} layers")
         return self.stage_layers
@@ -94,4 +91,4 @@ class PipelineSetup:
         return starts
 
 
-__all__ = ["BUFFERS", "SCHEDULES", "PipelineSetup", "even_cut"]
+__all__ = ["BUFFERS", "SCHEDULES", "PipelineSetup"]

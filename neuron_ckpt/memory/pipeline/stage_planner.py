@@ -12,7 +12,7 @@ brute force); grouped full recompute is not weighed per stage.
 
 When a rank does not fit with the least memory its layers can keep, :attr:`PipelinePlan.smallest_pp`
 is the smallest pipeline degree at which every rank would (same schedule, micro-batches, virtual
-stages, tensor- and data-parallel degrees; layers cut evenly).
+stages, tensor- and data-parallel degrees; the default cut).
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ class PipelinePlan:
                 f"{worst.describe()})")
         if self.smallest_pp is not None:
             return text + (f"; would fit: pp={self.smallest_pp} (the smallest pipeline degree that fits, "
-                           f"{p.schedule}, m={p.microbatches}, layers cut evenly)")
+                           f"{p.schedule}, m={p.microbatches}, the default cut)")
         return text + f"; no pipeline degree above {p.pp} fits ({p.schedule}, m={p.microbatches})"
 
     def recompute(self) -> list[list[Any]]:
@@ -201,7 +201,7 @@ def _all_fit(model: ModelShape, setup: TrainingSetup, pipeline: PipelineSetup, l
 def smallest_pp(model: ModelShape, setup: TrainingSetup, pipeline: PipelineSetup, limit: int,
                 allowed: tuple[str, ...] | None = None) -> int | None:
     """The smallest pipeline degree above ``pipeline.pp`` at which every rank fits ``limit`` bytes
-    (same schedule, micro-batches and virtual stages, layers cut evenly); None when none up to one
+    (same schedule, micro-batches and virtual stages, the default cut); None when none up to one
     layer per stage does. Degrees the schedule refuses (1F1B with fewer micro-batches) are skipped."""
     options = _offered(model, setup, allowed)
     for pp in range(pipeline.pp + 1, model.layers // pipeline.virtual_stages + 1):
