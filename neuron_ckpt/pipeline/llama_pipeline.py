@@ -33,6 +33,7 @@ from .llama_stage import LlamaStage
 from .loss import PipelineLoss
 from .schedule import build_schedule, check_recompute_composes, torch_stage
 from .tied import all_reduce_tied_gradients
+from .xla import refuse_on_xla
 
 
 class LlamaPipeline:
@@ -56,6 +57,7 @@ class LlamaPipeline:
         parallel_state: ParallelState | None = None,
         seed: int = 0,
     ):
+        refuse_on_xla(runtime.is_xla())
         args = LlamaArgs.from_hf(config)
         if not isinstance(pipeline, PipelineConfig):
             raise TypeError(f"pipeline must be a PipelineConfig, got {type(pipeline).__name__}")
@@ -167,6 +169,36 @@ class LlamaPipeline:
         for module in self.modules:
             module.train(mode)
         return self
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's stages' parameters (its TP shards) under the full model's names: what a
+        sharded training checkpoint stores for this (stage, TP rank)."""
+        out: dict[str, torch.Tensor] = {}
+        for module in self.modules:
+            out.update(module.state_dict())
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Load what :meth:`state_dict` returned (strict: the same stages and shards)."""
+        mine = set(self.state_dict())
+        if set(state_dict) != mine:
+            missing, unexpected = sorted(mine - set(state_dict)), sorted(set(state_dict) - mine)
+            raise ValueError(f"LlamaPipeline.load_state_dict: stages {list(self.stage_indices)} miss {missing[:4]} "
+                             f"and do not hold {unexpected[:4]} (saved with another cut?)")
+        for module in self.modules:
+            module.load_state_dict({k: state_dict[k] for k in module.state_dict()})
+
+    def rng_state_dict(self) -> list[dict[str, Any]]:
+        """Each local stage's dropout streams (:class:`~.rng.StageRNG`), for a resumed run to
+        continue them; every rank saves its own (``TrainState`` does)."""
+        return [{"default": m.rng.default, "tp": m.rng.tp} for m in self.modules]
+
+    def load_rng_state_dict(self, states: list[dict[str, Any]]) -> None:
+        if len(states) != len(self.modules):
+            raise ValueError(f"LlamaPipeline.load_rng_state_dict: {len(states)} stages' streams, this rank holds "
+                             f"{len(self.modules)} stages")
+        for module, state in zip(self.modules, states):
+            module.rng.default, module.rng.tp = state["default"], state["tp"]
 
     def load_hf_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load this rank's stages' shards out of a full ``transformers`` state dict."""

@@ -98,6 +98,10 @@ class LlamaStage(torch.nn.Module):
                 )
             if self.is_first and args.tie_word_embeddings:
                 self.lm_head.weight = self.embed_tokens.weight  # one parameter, as LlamaForCausalLM
+        if self.tied_weight is not None and not (self.is_first and self.is_last):
+            # Two stages hold these values (summed gradients, the same updates): a gradient norm
+            # over the pipeline weighs each end 1/2 (neuron_ckpt.optim.buckets.stage_replicas).
+            self.tied_weight.pipeline_replicas = 2
         self.rotary = RotaryEmbedding(args)
         self.rng = StageRNG(seed, stage_index, state.tp_rank)
 

@@ -12,8 +12,11 @@ step (``LlamaPipeline.step`` calls it unless told not to; with gradient accumula
 steps call ``LlamaPipeline.finish_gradients()`` once, after the last) and BEFORE any data-parallel
 reduction or ZeRO-1 reduce-scatter: Megatron#844 shipped wrong gradients by reduce-scattering first.
 Both replicas must then get the same update: the same optimizer, the same hyperparameters, the
-same gradient clipping (a gradient norm over the pipeline counts the tied gradient once, on the
-first stage; Megatron#4641 is replicas that drifted under different optimizers).
+same gradient clipping (a gradient norm over the pipeline counts the tied gradient once: both ends
+carry ``pipeline_replicas = 2``, and ``Zero1Optimizer`` weighs each end's squares by 1/2;
+Megatron#4641 is replicas that drifted under different optimizers). With ``Zero1Optimizer``'s
+fp32 gradient accumulation the sum is taken in its buffer (``p.grad`` is None there), before its
+DP reduce-scatter.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import torch
 
 from ..distributed import collectives as C
 from ..distributed.parallel_state import ParallelState
+from ..optim.grad_buffer import gradient_holder
 from .llama_stage import LlamaStage
 
 
@@ -54,9 +58,11 @@ def all_reduce_tied_gradients(stages: Sequence[LlamaStage], parallel_state: Para
         raise ValueError("tied embeddings across stages need the embedding group: initialize_model_parallel("
                          "pipeline_parallel_size=...) creates it")
     for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        p.grad.copy_(C.all_reduce(p.grad, group))
+        # A ZeRO-1 optimizer's fp32 buffer when it accumulates p's gradient (p.grad is None then).
+        grad = gradient_holder(p)
+        if grad is None:
+            p.grad = grad = torch.zeros_like(p)
+        grad.copy_(C.all_reduce(grad, group))
     return len(params)
 
 
