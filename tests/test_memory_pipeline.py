@@ -357,6 +357,8 @@ def test_measured_equals_analytic_per_stage(measured, n, i):
         shared = 8 * max(budget.in_flight[-1] - 1, 0) if budget.chunks[-1].last else 0
         refill = 2 * S * B * 176 // t if layers is ACT and pp_rank == 0 else 0
         assert after == 0
+        print(f"\nn={n} case {i} stage {pp_rank}: kept {most + shared} (analytic {budget.activation_bytes}), "
+              f"peak {peak + shared + refill} (analytic {budget.budget.activation_peak_bytes})")
         assert most + shared == budget.activation_bytes, f"stage {pp_rank}: kept {most}"
         assert peak + shared + refill == budget.budget.activation_peak_bytes, f"stage {pp_rank}: peak {peak}"
 

@@ -47,8 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "--virtual-stages >= 2)")
     parser.add_argument("--virtual-stages", type=int, default=None, help="model chunks per pipeline rank (interleaved)")
     parser.add_argument("--stage-layers", type=_stage_layers, default=None,
-                        help="decoder layers per virtual stage, comma-separated (default: even, the remainder "
-                             "to the later stages, as NxD)")
+                        help="decoder layers per virtual stage, comma-separated (default: LlamaPipeline's cut, "
+                             "balanced by cost with the embedding and the head counted)")
     parser.add_argument("--pipeline-buffers", choices=BUFFERS, default=None,
                         help="torch (default): count torch PipelineStage's per-micro-batch receive buffers and "
                              "held outputs; none: leave them out (another runtime, such as NxD's)")
