@@ -150,7 +150,7 @@ def test_a_directory_or_a_preset_name_reads_strictly(tmp_path):
         load_llama_config(str(tmp_path))  # a directory holding config.json
     assert load_llama_config("llama2-7b").num_hidden_layers == 32
     assert load_llama_config("Llama3-8B").num_key_value_heads == 8  # names are case-insensitive
-    with pytest.raises(ValueError, match=r"llama2-8b: no such file.*preset name \(llama2-7b, llama3-8b, llama3.1-8b\)"):
+    with pytest.raises(ValueError, match=r"llama2-8b: no such file.*preset name \(llama2-70b, llama2-7b, llama3-8b, llama3.1-70b, llama3.1-8b\)"):
         load_llama_config("llama2-8b")
 
 

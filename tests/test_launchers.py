@@ -3,8 +3,10 @@
 ``DRY_RUN=1`` makes run_trn1.sh print its environment and torchrun command and exit, so the
 command lines are checked here without Neuron, torchrun or Slurm; Slurm's ``srun`` and ``scontrol``
 are small fakes on PATH. The values per MODEL are those of NxD's tutorial scripts
-(tp_zero1_llama2_7B_hf_pretrain.sh, tp_zero1_llama3_8B_hf_pretrain.sh). One test runs the real
-(not dry) path with a fake ``torchrun`` and ``sysctl`` to check the reserved-ports step.
+(tp_zero1_llama2_7B_hf_pretrain.sh, tp_zero1_llama3_8B_hf_pretrain.sh) and, for the 70B models, of its
+TP + PP scripts (run_llama2_70B_tp_pp.sh, run_llama3_70B_tp_pp.sh). One test runs the real (not dry)
+path with a fake ``torchrun`` and ``sysctl`` to check the reserved-ports step; another checks that a
+real run with PP_DEGREE > 1 stops before any of them is called (trn1 cannot run pipeline stages today).
 """
 
 from __future__ import annotations
@@ -174,8 +176,80 @@ def test_dry_run_model(tmp_path: Path, model: str) -> None:
 
 
 def test_dry_run_model_refused(tmp_path: Path) -> None:
-    assert "MODEL must be llama2-7b, llama3-8b or llama3.1-8b" in _fails(["bash", str(RUN_TRN1)], tmp_path,
-                                                                          DRY_RUN="1", MODEL="llama2-13b")
+    err = _fails(["bash", str(RUN_TRN1)], tmp_path, DRY_RUN="1", MODEL="llama2-13b")
+    assert "MODEL must be llama2-7b, llama3-8b, llama3.1-8b, llama2-70b or llama3.1-70b, got 'llama2-13b'" in err
+
+
+# NxD's TP + PP values per 70B model: (learning rate, attention, default data file). Both: TP 32 x PP 8, GBS
+# 1024, MBS 1, 2000 warmup of 30000 steps, min_lr = LR / 15, weight decay 0.1, beta2 0.95, and no recompute
+# (the per-stage plan fits every stage on trn1 without it; NxD's selective is RECOMPUTE=selective).
+NXD_70B = {
+    "llama2-70b": ("1.5e-4", "explicit", "data/llama2_train.safetensors"),  # NxD's script runs without flash
+    "llama3.1-70b": ("1.5e-5", "flash", "data/llama3_train_8k.safetensors"),
+}
+
+
+@pytest.mark.parametrize("model", list(NXD_70B))
+def test_dry_run_70b(tmp_path: Path, model: str) -> None:
+    lr, attention, data = NXD_70B[model]
+    home = tmp_path / "home"
+    r = _run(["bash", str(RUN_TRN1)], tmp_path, DRY_RUN="1", MODEL=model)
+    _, argv = _dry(r.stdout)
+    assert _opt(argv, "--model-config") == model and _opt(argv, "--data") == f"{home}/{data}"
+    assert (_opt(argv, "--tp"), _opt(argv, "--pp"), _opt(argv, "--attention")) == ("32", "8", attention)
+    assert (_opt(argv, "--lr"), _opt(argv, "--min-lr-ratio"), _opt(argv, "--decay")) == (lr, "0.06666666666666667", "cosine")
+    assert float(lr) * float(_opt(argv, "--min-lr-ratio")) == pytest.approx(float(lr) / 15, rel=1e-12)  # 1e-5, 1e-6
+    assert (_opt(argv, "--warmup-steps"), _opt(argv, "--max-steps"), _opt(argv, "--recompute")) == ("2000", "30000", "none")
+    assert (_opt(argv, "--global-batch-size"), _opt(argv, "--micro-batch-size")) == ("1024", "1")
+    assert (_opt(argv, "--weight-decay"), _opt(argv, "--beta2"), _opt(argv, "--log-every")) == ("0.1", "0.95", "1")
+    assert "--sequence-parallel" in argv and "--pp-schedule" not in argv  # train.py's 1F1B, as NxD's
+    name = model.replace("-", "_")
+    assert _opt(argv, "--checkpoint-dir") == f"{home}/runs/{name}_tp32_pp8_zero1/checkpoints"
+    # the dry run says trn1 refuses it today, and (one node here) that TP 32 x PP 8 needs more nodes
+    notes = [line for line in r.stdout.splitlines() if line.startswith("# ")]
+    assert any("trn1 cannot run pipeline parallelism today" in n and "aws-neuron-sdk#1189" in n for n in notes)
+    assert any("256 ranks hold one replica" in n for n in notes)
+    assert not (tmp_path / "calls").exists() and not home.exists()
+
+
+def test_dry_run_pp_layout(tmp_path: Path) -> None:
+    """On NxD's 32 nodes: DP 4, so train.py runs 1024 / 4 micro-batches per step; PP_DEGREE=1 drops --pp."""
+    nodes = dict(NUM_NODES="32", NODE_RANK="0", MASTER_ADDR="10.0.0.1", DRY_RUN="1", MODEL="llama3.1-70b")
+    r = _run(["bash", str(RUN_TRN1)], tmp_path, **nodes)
+    assert "# TP 32 x PP 8 x DP 4 on 32 node(s): 256 micro-batches of 1 per step through the stages" in r.stdout
+    _, argv = _dry(_run(["bash", str(RUN_TRN1)], tmp_path, PP_DEGREE="1", **nodes).stdout)
+    assert "--pp" not in argv and _opt(argv, "--checkpoint-dir").endswith("/llama3.1_70b_tp32_zero1/checkpoints")
+    _, argv = _dry(_run(["bash", str(RUN_TRN1)], tmp_path, DRY_RUN="1", PP_DEGREE="2", RECOMPUTE="selective").stdout)
+    assert (_opt(argv, "--tp"), _opt(argv, "--pp")) == ("8", "2") and "_tp8_pp2_zero1/" in _opt(argv, "--metrics-file")
+
+
+@pytest.mark.parametrize("env", [dict(MODEL="llama2-70b"), dict(MODEL="llama3.1-70b", COMPILE="1"), dict(PP_DEGREE="2")])
+def test_pp_refused_on_trn1(tmp_path: Path, env: dict[str, str]) -> None:
+    """A real run (or compile) with PP_DEGREE > 1 stops in one line, saying why, before torchrun, sysctl
+    or the output directory."""
+    ports = tmp_path / "reserved_ports"
+    ports.write_text("\n")
+    out = tmp_path / "out"
+    err = _fails(["bash", str(RUN_TRN1)], tmp_path, OUT=str(out), IP_LOCAL_RESERVED_PORTS_FILE=str(ports), **env)
+    assert err.count("\n") == 1 and err.startswith("run_trn1.sh: PP_DEGREE=")
+    assert "trn1 cannot run pipeline parallelism today" in err and "aws-neuron-sdk#1189" in err
+    assert "pytorch#161017" in err and "docs/pipeline.md" in err and "DRY_RUN=1" in err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        (dict(MODEL="llama2-70b", TP_DEGREE="8"), "TP_DEGREE must be 32 for MODEL=llama2-70b"),
+        (dict(MODEL="llama3.1-70b", TP_DEGREE="16"), "TP_DEGREE must be 32 for MODEL=llama3.1-70b"),
+        (dict(PP_DEGREE="0"), "PP_DEGREE must be a positive integer"),
+        (dict(PP_DEGREE="two"), "PP_DEGREE must be a positive integer"),
+        (dict(MODEL="llama3-8b", PP_DEGREE="2"), "RECOMPUTE=auto plans one model, not a pipeline stage"),
+        (dict(MODEL="llama2-70b", RECIPE="nxd"), "RECIPE=nxd is NxD's 7B/8B recipe"),
+    ],
+)
+def test_dry_run_pp_refused(tmp_path: Path, env: dict[str, str], message: str) -> None:
+    assert message in _fails(["bash", str(RUN_TRN1)], tmp_path, DRY_RUN="1", **env)
 
 
 def test_data_packed_for_another_model_refused(tmp_path: Path) -> None:

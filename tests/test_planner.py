@@ -10,6 +10,8 @@
 * A per-layer list of ``RecomputeConfig`` runs a Llama with the same loss and gradients as no
   recompute, each layer recomputing as its entry says (forward-call counts).
 * ``neuron-ckpt plan``: exit 0 with the plan, 1 when nothing fits, 2 with one line on bad input.
+  With ``--pp P`` it plans each pipeline stage (``stages`` in ``--json``) and names the smallest
+  pipeline degree that fits when a stage does not; ``--pp 1`` prints what it prints without it.
 """
 
 from __future__ import annotations
@@ -533,3 +535,57 @@ def test_cli_nothing_fits_exits_1_with_the_reason(capsys):
     assert _run([*SEVEN_B[:-2], "--micro-batch", "8", "--tp", "2", "--device-memory", "trn1"]) == 1
     err = capsys.readouterr().err
     assert "nothing fits" in err and "would fit" in err
+
+
+# ---------------------------------------------------------------------------------------------
+# The CLI with a pipeline (the model: tests/test_memory_pipeline.py).
+
+
+def test_cli_pp_1_is_the_plan_without_a_pipeline(capsys):
+    argv = [*SEVEN_B, "--device-memory", "trn1", "--attention", "explicit"]
+    assert _run(argv) == 0
+    plain = capsys.readouterr().out
+    for extra in (["--pp", "1"], ["--pp", "1", "--micro-batches", "64"]):
+        assert _run([*argv, *extra]) == 0
+        assert capsys.readouterr().out == plain
+
+
+NXD_70B = ["--tp", "32", "--dp", "4", "--device-memory", "trn1", "--pp", "8", "--micro-batches", "256"]
+
+
+def test_cli_pp_json_lists_every_stage(capsys):
+    """NxD's Llama-3.1 70B recipe (s 8192, flash, 1F1B, m 256): one entry per stage, stage i
+    holding 8 - i micro-batches of its layers, no recompute needed."""
+    assert _run(["--config", "llama3.1-70b", "--seq", "8192", *NXD_70B, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["fits"] and data["pp"] == 8 and data["schedule"] == "1f1b" and data["smallest_pp"] is None
+    assert [s["stage"] for s in data["stages"]] == list(range(8))
+    for i, stage in enumerate(data["stages"]):
+        assert {"stage", "layers", "microbatches_in_flight", "activation_bytes", "total_bytes", "recompute"} <= set(stage)
+        n = (9, 10, 10, 10, 10, 10, 11, 10)[i]  # the pipeline's own cut of 80 layers
+        assert stage["layers"] == n and stage["microbatches_in_flight"] == 8 - i and stage["recompute"] == {"none": n}
+        assert stage["activation_bytes"] < stage["total_bytes"] <= data["limit_bytes"]
+        assert stage["total_bytes"] == stage["budget"]["total_bytes"]
+
+
+def test_cli_pp_nothing_fits_names_the_smallest_pp(capsys):
+    argv = ["--config", "llama3.1-70b", "--seq", "8192", "--tp", "32", "--dp", "4", "--device-memory", "trn1",
+            "--pp", "2", "--micro-batches", "16", "--schedule", "gpipe", "--attention", "explicit"]
+    assert _run(argv) == 1
+    captured = capsys.readouterr()
+    assert captured.err.count("\n") == 1 and "nothing fits" in captured.err and "would fit: pp=3" in captured.err
+    assert "stage  layers  in flight" in captured.out  # the stages are printed all the same
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--virtual-stages", "2"], "--virtual-stages applies to a pipeline"),
+    (["--schedule", "gpipe", "--stage-layers", "16,16"], "--schedule, --stage-layers apply to a pipeline"),
+    (["--pp", "2"], "--micro-batches is required"),
+    (["--pp", "4", "--micro-batches", "2"], "must be >= pp (4) for torch's 1F1B"),
+    (["--pp", "2", "--micro-batches", "4", "--stage-layers", "10,20"], "add up to 30, the model has 32"),
+    (["--pp", "2", "--micro-batches", "4", "--stage-layers", "ten"], "comma-separated layer counts"),
+])  # fmt: skip
+def test_cli_pp_bad_input_is_one_line_and_exit_2(capsys, extra, message):
+    assert _run([*SEVEN_B, "--device-memory", "trn1", *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err

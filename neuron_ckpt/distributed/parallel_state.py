@@ -1,9 +1,25 @@
-"""Parallel state: the tensor-parallel and data-parallel groups of this rank, as one object.
+"""Parallel state: the tensor-, data- and pipeline-parallel groups of this rank, as one object.
 
-Rank layout: tensor-parallel ranks are contiguous (a TP group sits inside a node), data-parallel
-groups stride across them. With world size 8 and ``tensor_parallel_size=2``::
+Rank layout, as NxD and Megatron lay it out: tensor-parallel ranks are contiguous (a TP group sits
+inside a node), then data parallel, then pipeline parallel outermost::
+
+    rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank
+
+With world size 8, ``tensor_parallel_size=2`` (and ``pipeline_parallel_size=1``, the default)::
 
     TP groups: [0,1] [2,3] [4,5] [6,7]      DP groups: [0,2,4,6] [1,3,5,7]
+
+With world size 8, ``tensor_parallel_size=2, pipeline_parallel_size=2``::
+
+    TP groups: [0,1] [2,3] [4,5] [6,7]      DP groups: [0,2] [1,3] [4,6] [5,7]
+    PP groups: [0,4] [1,5] [2,6] [3,7]      embedding groups: the same (first and last stage)
+
+A PP group is one (dp, tp) column: the ranks that hold the same TP shard of the same replica, one
+per stage, so a stage's activation chunk (its TP rank's piece under sequence parallel) goes to the
+same TP rank of the next stage. The embedding group is the first and last rank of each PP group:
+the stages that hold the input embedding and the LM head, whose gradients a tied model sums
+(:mod:`neuron_ckpt.pipeline.tied`). :func:`parallel_layout` gives every group as rank lists
+without creating any.
 """
 
 from __future__ import annotations
@@ -127,10 +143,35 @@ def release_process_groups() -> int:
 
 @dataclass(frozen=True)
 class ParallelState:
-    """This rank's place in the tensor-parallel x data-parallel grid."""
+    """This rank's place in the tensor-parallel x data-parallel x pipeline-parallel grid.
+
+    ``pp`` and ``embedding`` are None without pipeline parallelism (a state built by hand with
+    ``ParallelState(tp, dp)``): one stage, ``pp_size`` 1. ``embedding`` is also None on a rank of
+    a middle stage (it holds neither the embedding nor the head).
+    """
 
     tp: Group
     dp: Group
+    pp: Group | None = None
+    embedding: Group | None = None
+
+    @property
+    def pp_size(self) -> int:
+        return self.pp.size if self.pp is not None else 1
+
+    @property
+    def pp_rank(self) -> int:
+        return self.pp.rank if self.pp is not None else 0
+
+    @property
+    def is_first_stage(self) -> bool:
+        """This rank holds the first pipeline stage (the embedding)."""
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        """This rank holds the last pipeline stage (the head and the loss)."""
+        return self.pp_rank == self.pp_size - 1
 
     @property
     def tp_size(self) -> int:
@@ -160,48 +201,87 @@ class ModelParallelNotInitializedError(ValueError, RuntimeError):
     """
 
 
-def _new_groups(all_groups: list[list[int]], rank: int) -> Group:
+def _new_groups(all_groups: list[list[int]], rank: int) -> Group | None:
+    """Create every group (a collective: every rank creates every group, in the same order) and
+    return this rank's, or None when no group holds it (a middle stage's embedding group)."""
     mine = None
     for ranks in all_groups:
-        # new_group is collective: every rank creates every group, in the same order.
         # The same timeout as the default group (dist.new_group would use torch's own default).
         seconds = runtime.collective_timeout_s()
         timeout = datetime.timedelta(seconds=seconds) if seconds is not None else None
-        pg = dist.new_group(ranks, timeout=timeout) if len(all_groups) > 1 else dist.group.WORLD
+        whole = len(all_groups) == 1 and len(ranks) == dist.get_world_size()
+        pg = dist.group.WORLD if whole else dist.new_group(ranks, timeout=timeout)
         if rank in ranks:
             mine = Group(pg, tuple(ranks), tuple(tuple(g) for g in all_groups), ranks.index(rank))
-    assert mine is not None
     return mine
 
 
-def initialize_model_parallel(tensor_parallel_size: int = 1) -> ParallelState:
-    """Split the world into tensor-parallel groups of ``tensor_parallel_size`` contiguous ranks.
+@dataclass(frozen=True)
+class ParallelLayout:
+    """Every group of each kind as rank lists (see the module docstring for the layout)."""
 
-    The remaining factor of the world size is data parallel. Initialises torch.distributed
-    with :func:`neuron_ckpt.init_distributed` if that has not happened yet.
+    tp: tuple[tuple[int, ...], ...]
+    dp: tuple[tuple[int, ...], ...]
+    pp: tuple[tuple[int, ...], ...]
+    embedding: tuple[tuple[int, ...], ...]
+
+
+def _positive(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def parallel_layout(world_size: int, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1) -> ParallelLayout:
+    """The groups of a world of ``world_size`` ranks: TP contiguous, then DP, then PP.
+
+    Pure (creates no process group); raises a one-line ValueError when the sizes do not fit.
+    """
+    _positive("world_size", world_size)
+    _positive("tensor_parallel_size", tensor_parallel_size)
+    _positive("pipeline_parallel_size", pipeline_parallel_size)
+    t, p = tensor_parallel_size, pipeline_parallel_size
+    if world_size % (t * p):
+        allowed = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        sizes = f"tensor_parallel_size={t}" + (f" x pipeline_parallel_size={p} = {t * p}" if p > 1 else "")
+        raise ValueError(f"{sizes} does not divide the world size {world_size}; allowed: {allowed}")
+    d = world_size // (t * p)
+    rank = lambda pp, dp, tp: pp * d * t + dp * t + tp  # noqa: E731
+    tp = tuple(tuple(rank(i, j, k) for k in range(t)) for i in range(p) for j in range(d))
+    dp = tuple(tuple(rank(i, j, k) for j in range(d)) for i in range(p) for k in range(t))
+    pp = tuple(tuple(rank(i, j, k) for i in range(p)) for j in range(d) for k in range(t))
+    embedding = tuple(tuple(sorted({g[0], g[-1]})) for g in pp)
+    return ParallelLayout(tp, dp, pp, embedding)
+
+
+def initialize_model_parallel(tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1) -> ParallelState:
+    """Lay the world out as tensor-parallel groups of ``tensor_parallel_size`` contiguous ranks,
+    ``pipeline_parallel_size`` pipeline stages outermost, and data parallel in between.
+
+    ``pipeline_parallel_size=1`` (the default) is the layout without pipeline parallelism, group
+    for group. Initialises torch.distributed with :func:`neuron_ckpt.init_distributed` if that has
+    not happened yet.
     """
     global _STATE
-    if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
-        raise ValueError(f"tensor_parallel_size must be a positive int, got {tensor_parallel_size!r}")
+    _positive("tensor_parallel_size", tensor_parallel_size)
+    _positive("pipeline_parallel_size", pipeline_parallel_size)
     rt = runtime.init_distributed() if not dist.is_initialized() else runtime.get_runtime()
-    world = rt.world_size
-    if world % tensor_parallel_size:
-        raise ValueError(
-            f"tensor_parallel_size={tensor_parallel_size} does not divide the world size {world}; "
-            f"allowed: {[d for d in range(1, world + 1) if world % d == 0]}"
-        )
+    layout = parallel_layout(rt.world_size, tensor_parallel_size, pipeline_parallel_size)
     if _STATE is not None:
-        if _STATE.tp_size != tensor_parallel_size:
+        if (_STATE.tp_size, _STATE.pp_size) != (tensor_parallel_size, pipeline_parallel_size):
             raise ValueError(
-                f"model parallel already initialised with tensor_parallel_size={_STATE.tp_size}; "
-                "call destroy_model_parallel() before changing it"
+                f"model parallel already initialised with tensor_parallel_size={_STATE.tp_size}, "
+                f"pipeline_parallel_size={_STATE.pp_size}; call destroy_model_parallel() before changing it"
             )
         return _STATE
-    t = tensor_parallel_size
-    dp_size = world // t
-    tp_groups = [list(range(i * t, (i + 1) * t)) for i in range(dp_size)]
-    dp_groups = [list(range(j, world, t)) for j in range(t)]
-    _STATE = ParallelState(tp=_new_groups(tp_groups, rt.rank), dp=_new_groups(dp_groups, rt.rank))
+    groups = {name: _new_groups([list(g) for g in getattr(layout, name)], rt.rank) for name in ("tp", "dp")}
+    if pipeline_parallel_size > 1:  # without PP no new communicator (and no new process group)
+        groups["pp"] = _new_groups([list(g) for g in layout.pp], rt.rank)
+        # At p = 2 the embedding groups are the PP groups: the same communicators serve both.
+        groups["embedding"] = groups["pp"] if layout.embedding == layout.pp else \
+            _new_groups([list(g) for g in layout.embedding], rt.rank)
+    else:
+        groups.update(pp=None, embedding=None)
+    _STATE = ParallelState(**groups)
     return _STATE
 
 

@@ -18,7 +18,8 @@ peak of a stack; :mod:`.measure` counts what autograd really keeps (:mod:`.live`
 forward and backward); :mod:`.budget` adds up a device's memory and :mod:`.planner` picks the
 recompute. ``neuron-ckpt memory`` / ``plan`` are :mod:`.report` and
 :mod:`.plan_cli`; ``neuron-ckpt compare`` (:mod:`.compare_cli`) puts the model next to what a device
-or a compiler reports (:mod:`.readers`, by difference: :mod:`.compare`). See docs/memory.md and
+or a compiler reports (:mod:`.readers`, by difference: :mod:`.compare`). :mod:`.pipeline` does the
+budget and the plan per pipeline stage, over a schedule's order. See docs/memory.md and
 docs/planner.md.
 """
 

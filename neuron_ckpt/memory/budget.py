@@ -117,18 +117,20 @@ class MemoryBudget:
         }
 
 
-def largest_collective_bytes(model: ModelShape, setup: TrainingSetup) -> int:
+def largest_collective_bytes(model: ModelShape, setup: TrainingSetup, parameters: int | None = None) -> int:
     """The optimizer step's largest collective operand on one rank: ZeRO-1 reduce-scatters the
     gradients (in ``grad_width``) and all-gathers the parameters bucket by bucket, so at most the
-    bucket cap; without a cap (or without ZeRO-1: a DP all-reduce of every gradient) all of them."""
-    n = model.local_parameters(setup.tp)
+    bucket cap; without a cap (or without ZeRO-1: a DP all-reduce of every gradient) all of them.
+    ``parameters``: the rank's local parameters when it holds part of the model (a pipeline stage);
+    None: ``model.local_parameters(tp)``."""
+    n = model.local_parameters(setup.tp) if parameters is None else parameters
     whole = n * setup.grad_width
     if not setup.zero1 or setup.bucket_cap_mb is None:
         return whole
     return min(whole, int(setup.bucket_cap_mb * 2**20))
 
 
-def optimizer_step_bytes(model: ModelShape, setup: TrainingSetup) -> int:
+def optimizer_step_bytes(model: ModelShape, setup: TrainingSetup, parameters: int | None = None) -> int:
     """Device bytes the optimizer step allocates on top of the static ones (activations freed).
 
     ZeRO-1 keeps every bucket's reduce-scattered fp32 slice (``n/dp`` values) until the update,
@@ -137,18 +139,23 @@ def optimizer_step_bytes(model: ModelShape, setup: TrainingSetup) -> int:
     gradient buffer itself). Eager backends keep up to 4 buckets in flight: add 3 caps when
     planning for those. Unbucketed: the whole flattened gradient and its slice in the gradient
     dtype. Plain AdamW: about one fp32 temporary per parameter (foreach kernels).
+    ``parameters``: as for :func:`largest_collective_bytes`.
     """
-    n = model.local_parameters(setup.tp)
+    n = model.local_parameters(setup.tp) if parameters is None else parameters
     if not setup.zero1:
         return n * _FP32
     per_shard = -(-n // setup.optimizer_shards)
     if setup.bucket_cap_mb is None:
         return n * setup.grad_width + per_shard * (setup.grad_width + _FP32)
-    return per_shard * _FP32 + largest_collective_bytes(model, setup)
+    return per_shard * _FP32 + largest_collective_bytes(model, setup, n)
 
 
-def _static_items(model: ModelShape, setup: TrainingSetup) -> tuple[list[LineItem], int]:
-    n = model.local_parameters(setup.tp)
+def _static_items(
+    model: ModelShape, setup: TrainingSetup, parameters: int | None = None
+) -> tuple[list[LineItem], int]:
+    """The parameters, gradients, optimizer state and mask of a rank holding ``parameters`` local
+    parameters (None: the whole model's), and the optimizer step's bytes."""
+    n = model.local_parameters(setup.tp) if parameters is None else parameters
     shards = setup.optimizer_shards
     per_shard = -(-n // shards)  # ZeRO-1 pads the flat buffer to a multiple of dp
     where = f"/dp={shards} (ZeRO-1)" if setup.zero1 else "(not sharded)"
@@ -167,7 +174,16 @@ def _static_items(model: ModelShape, setup: TrainingSetup) -> tuple[list[LineIte
     if setup.attention == "explicit":
         items.append(LineItem("attention mask", s * s * _BOOL, "static",
                               "explicit CoreAttention: one [s, s] bool mask shared by every layer"))
-    return items, optimizer_step_bytes(model, setup)
+    return items, optimizer_step_bytes(model, setup, n)
+
+
+def embedding_bytes(model: ModelShape, setup: TrainingSetup) -> int:
+    """What the embedding keeps for backward, per micro-batch: Llama's ``F.embedding`` keeps the
+    (local) int64 ids, and at t > 1 the out-of-shard bool mask; GPT's embedding dropout its mask."""
+    s, b, t = setup.seq_len, setup.micro_batch, setup.tp
+    if model.kind == "gpt":
+        return (s * b // t if setup.sequence_parallel else s * b) * model.hidden
+    return s * b * _INT64 + (s * b * _BOOL if t > 1 else 0)
 
 
 def _outside_items(model: ModelShape, setup: TrainingSetup) -> tuple[list[LineItem], list[LineItem], int]:
@@ -179,14 +195,13 @@ def _outside_items(model: ModelShape, setup: TrainingSetup) -> tuple[list[LineIt
     logits = sb * v // t  # elements of [s, b, v/t]
     if model.kind == "llama":
         rope = sum(term.nbytes for term in rotary_terms(model, setup))
-        # F.embedding keeps the (local) ids; at t > 1 the out-of-shard mask too.
-        embed = sb * _INT64 + (sb * _BOOL if t > 1 else 0)
+        embed = embedding_bytes(model, setup)
         # Final RMSNorm (its input and the fp32 1/rms) and the LM head's input.
         final = sb_local * h * w + sb_local * _FP32 + sb_local * h * w
         before = [LineItem("act: embedding + rotary", embed + rope, "activations", "ids, shard mask, cos/sin tables")]
     else:
         # Paper section 4.3: embedding dropout mask; final LayerNorm input and stats; head input.
-        before = [LineItem("act: embedding", sb_local * h, "activations", "dropout mask")]
+        before = [LineItem("act: embedding", embedding_bytes(model, setup), "activations", "dropout mask")]
         final = sb_local * h * w + 2 * sb_local * w + sb_local * h * w
     after = [LineItem("act: final norm + LM head", final, "activations", "norm input/stats, LM head input")]
     # Vocab-parallel cross entropy: the softmax [s, b, v/t] (bf16 with bf16 logits, plus each
@@ -203,18 +218,22 @@ def _outside_items(model: ModelShape, setup: TrainingSetup) -> tuple[list[LineIt
     return before, after, transient
 
 
-def _layer_items(order: Sequence[LayerOption], m: int) -> list[LineItem]:
-    """One line per option name: the presets in their order, then the others as they come."""
+def _layer_items(order: Sequence[LayerOption], m: int | Sequence[int]) -> list[LineItem]:
+    """One line per option name: the presets in their order, then the others as they come.
+    ``m``: micro-batches in flight, for every layer or one count per layer (a pipeline rank's
+    virtual stages hold different numbers)."""
+    counts = [m] * len(order) if isinstance(m, int) else list(m)
     names = [n for n in PRESETS if any(o.name == n for o in order)]
     names += list(dict.fromkeys(o.name for o in order if o.name not in names))
     items = []
     for name in names:
-        same = [o for o in order if o.name == name]
-        total = sum(o.saved_bytes for o in same)
-        per = {o.saved_bytes for o in same}
+        same = [(o, c) for o, c in zip(order, counts) if o.name == name]
+        total = sum(o.saved_bytes for o, _ in same)
+        per = {o.saved_bytes for o, _ in same}
         note = (f"{per.pop() / 2**20:,.1f} MiB per layer" if len(per) == 1
                 else f"{total / 2**20:,.1f} MiB in all (the group inputs)")
-        items.append(LineItem(f"act: {len(same)} layers x {name}", total * m, "activations", note))
+        kept = sum(o.saved_bytes * c for o, c in same)
+        items.append(LineItem(f"act: {len(same)} layers x {name}", kept, "activations", note))
     return items
 
 
@@ -304,4 +323,5 @@ def memory_budget(
     return MemoryBudget(model, setup, names, tuple(items), tuple(notes), peak)
 
 
-__all__ = ["GIB", "LineItem", "MemoryBudget", "largest_collective_bytes", "memory_budget", "optimizer_step_bytes"]
+__all__ = ["GIB", "LineItem", "MemoryBudget", "embedding_bytes", "largest_collective_bytes", "memory_budget",
+           "optimizer_step_bytes"]

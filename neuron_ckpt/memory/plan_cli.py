@@ -4,12 +4,14 @@
 
     neuron-ckpt plan --model llama --config llama2-7b --tp 8 --dp 4 --seq 4096 --micro-batch 1 \\
         --device-memory trn1 [--attention flash|explicit] [--reserve 1] [--dtype bf16] [--zero1 | --no-zero1] [--json]
+        [--pp 8 --micro-batches 256 [--schedule gpipe|1f1b|interleaved] [--virtual-stages 2]]
 
 Prints the per-device budget of the chosen plan (GiB per line item), the plan (layers per
 option, the ``RecomputeConfig`` or per-layer list to pass to the model) and its recompute
 FLOPs as a share of a step, with the uniform choices beside it; then the optimizer step's
 largest collective and transient bytes, host memory per rank at its peaks against the instance
-(:mod:`.host`) and the checkpoint size on disk. Bad input: one line on stderr, exit status 2
+(:mod:`.host`) and the checkpoint size on disk. ``--pp`` above 1 plans each pipeline stage
+instead (:mod:`.pipeline.plan_cli`). Bad input: one line on stderr, exit status 2
 (from the dispatcher, :mod:`neuron_ckpt.cli`). Nothing fits: the reason and what would fit on
 stderr, exit status 1.
 
@@ -36,6 +38,7 @@ from ..recompute import PRESETS
 from .budget import GIB, largest_collective_bytes, optimizer_step_bytes
 from .host import INSTANCES, host_budget
 from .options import offered_presets, selective_saving_with_flash
+from .pipeline import plan_cli as pipeline_cli
 from .planner import DEVICE_PRESETS, NothingFits, Plan, device_memory_bytes, evaluate, plan_recompute
 from .shape import DEFAULT_VOCAB, DTYPE_BYTES, KINDS, ModelShape, TrainingSetup
 
@@ -96,6 +99,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint-writers", type=int, default=8,
                         help="ranks per host writing a checkpoint at once (train.py's default 8; 0: all)")
     parser.add_argument("--json", action="store_true", help="one JSON object instead of tables")
+    pipeline_cli.add_arguments(parser)
 
 
 def model_from_args(args: argparse.Namespace) -> ModelShape:
@@ -230,7 +234,10 @@ def run(args: argparse.Namespace) -> int:
     """Run ``neuron-ckpt plan``: exit status 0 when it fits, 1 when nothing fits. Bad input raises
     (``ValueError`` naming the field; the dispatcher prints one line and exits 2)."""
     model, setup = build(args)
+    pipeline = pipeline_cli.pipeline_from_args(args)
     notes = attention_notes(model, setup, args.device_memory)
+    if pipeline is not None:
+        return pipeline_cli.run(args, model, setup, pipeline, device_gib(args), notes)
     try:
         plan = plan_recompute(model, setup, device_gib(args), reserve_gib=args.reserve)
     except NothingFits as exc:

@@ -246,6 +246,17 @@ def valid_tp_degrees(model: ModelShape, setup: TrainingSetup) -> list[int]:
     return [t for t in range(1, model.heads + 1) if model.valid_tp(t, seq) is None]
 
 
+def limit_bytes(device_memory: float | int | str | None, reserve_gib: float | None = None) -> int:
+    """What a plan may use of ``device_memory`` (:func:`device_memory_bytes`): all of it less
+    ``reserve_gib``, by default :data:`DEFAULT_RESERVE_FRACTION` of it (:func:`plan_recompute`)."""
+    total = device_memory_bytes(device_memory)
+    if reserve_gib is None:
+        reserve_gib = DEFAULT_RESERVE_FRACTION * total / GIB
+    if not reserve_gib >= 0:
+        raise ValueError(f"reserve_gib must be >= 0, got {reserve_gib!r}")
+    return total - int(reserve_gib * GIB)
+
+
 def plan_recompute(
     model: ModelShape,
     setup: TrainingSetup,
@@ -264,12 +275,7 @@ def plan_recompute(
     ``allowed``: restrict the options (names from :data:`~neuron_ckpt.recompute.PRESETS`).
     Raises :class:`NothingFits` (a ValueError) naming what would fit.
     """
-    total = device_memory_bytes(device_memory)
-    if reserve_gib is None:
-        reserve_gib = DEFAULT_RESERVE_FRACTION * total / GIB
-    if not reserve_gib >= 0:
-        raise ValueError(f"reserve_gib must be >= 0, got {reserve_gib!r}")
-    limit = total - int(reserve_gib * GIB)
+    limit = limit_bytes(device_memory, reserve_gib)
     plan, least = _best(model, setup, limit, allowed)
     if plan is not None:
         return plan
@@ -344,5 +350,5 @@ def _nothing_fits(model: ModelShape, setup: TrainingSetup, limit: int, least: Pl
     return NothingFits("; ".join(parts), least, smallest_tp, largest_b)
 
 
-__all__ = ["DEVICE_PRESETS", "LIMITS_ON", "NothingFits", "Plan", "device_memory_bytes", "evaluate",
+__all__ = ["DEVICE_PRESETS", "LIMITS_ON", "NothingFits", "Plan", "device_memory_bytes", "evaluate", "limit_bytes",
            "plan_activations", "plan_recompute", "valid_tp_degrees"]

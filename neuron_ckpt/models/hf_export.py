@@ -20,7 +20,9 @@ Who takes part (it is a collective, every rank calls it):
 * XLA: every rank runs the gathers, because an XLA collective is one op of the graph every
   rank executes (``replica_groups`` names all TP groups). A layer's gathers are one graph (one
   ``mark_step``; the same graph for every layer, so it compiles once), then rank 0 copies the
-  already computed tensors to the host: no graph per parameter.
+  already computed tensors to the host: no graph per parameter;
+* a pipeline (``LlamaPipeline``, ``pipeline_parallel_size > 1``): each group is gathered by the
+  stage that holds it and sent to rank 0 (:mod:`.hf_export_groups`); rank 0 writes the whole model.
 
 Atomic: everything is written into a temporary directory next to ``directory`` (each file
 fsynced), which is then renamed into place (an existing export is replaced). The output location
@@ -48,6 +50,7 @@ from ..files import fsync_dir, write_atomic
 from ..paths import dir_problem
 from . import hf_conversion
 from .hf_checkpoint import CONFIG_NAME, SAFE_INDEX_NAME, SAFE_WEIGHTS_NAME, check_hf_config
+from .hf_export_groups import export_groups, to_rank0
 from .llama_args import LlamaArgs
 
 # Rank 0 holds one shard on the host before writing it: 2 GB keeps that small beside 32 ranks'
@@ -136,16 +139,6 @@ def _shard_names(n: int) -> list[str]:
     return [SAFE_WEIGHTS_NAME] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
 
 
-def _groups(model: torch.nn.Module) -> list[list[tuple[str, torch.nn.Parameter]]]:
-    """The parameters by gather step: each decoder layer together, every other module alone."""
-    groups: dict[str, list] = {}
-    for name, p in model.named_parameters():
-        parts = name.split(".")
-        key = ".".join(parts[:2]) if parts[0] == "layers" else parts[0]
-        groups.setdefault(key, []).append((hf_conversion.to_hf_name(name), p))
-    return list(groups.values())
-
-
 def _config_dict(config: Any, dtype: torch.dtype) -> dict:
     """A ``transformers`` config as it is; ``LlamaArgs`` (or any object with its fields) through
     ``LlamaArgs.to_hf``."""
@@ -193,11 +186,8 @@ def save_hf_checkpoint(
     check_hf_config(model.args, config, "the config given")
     state = model.parallel_state
     tp = state.tp
-    groups = _groups(model)
-    entries = []
-    for group in groups:
-        for key, p in group:
-            entries.append((key, dtype or p.dtype, hf_conversion.full_shape(p, tp.size)))
+    groups = export_groups(model, dtype)  # every stage's, in order, under pipeline parallelism
+    entries = [e for group in groups for e in group.entries]
     total = sum(_nbytes(d, s) for _, d, s in entries)
     directory = check_writable(directory, required_bytes=total + (1 << 20))
 
@@ -217,11 +207,15 @@ def save_hf_checkpoint(
                 tmp.mkdir()
             except OSError as e:  # (raised on every rank below, after the gathers)
                 error = f"{type(e).__name__}: {e}"
-        for group in groups if gathers else ():
-            with torch.no_grad():
-                full = [(key, hf_conversion.gather(p.detach(), p, tp)) for key, p in group]
-                full = [(key, t if dtype is None else t.to(dtype)) for key, t in full]
-            runtime.step_boundary()  # XLA: the layer's gathers as one graph, on every rank
+        for group in groups:
+            full = None
+            if gathers and group.params is not None:
+                with torch.no_grad():
+                    full = [(key, hf_conversion.gather(p.detach(), p, tp)) for key, p in group.params]
+                    full = [(key, t if dtype is None else t.to(dtype)) for key, t in full]
+                runtime.step_boundary()  # XLA: the layer's gathers as one graph, on every rank
+            if state.pp_size > 1:
+                full = to_rank0(group, full, runtime.get_runtime().device)
             if writer and error is None:
                 try:
                     for key, tensor in full:

@@ -27,7 +27,7 @@ _MB = 2**20
 
 class NormSegment(NamedTuple):
     """Elements ``[start, end)`` of this rank's slice of a bucket, whose squares count ``weight``
-    (1 / the TP ranks holding the same values) in the global gradient norm."""
+    (1 / the TP ranks and pipeline stages holding the same values) in the global gradient norm."""
 
     start: int
     end: int
@@ -81,12 +81,20 @@ def cut_buckets(flat: FlatLayout, ps: ParallelState, cap_mb: float | None, reduc
     return buckets
 
 
+def stage_replicas(param: torch.Tensor) -> int:
+    """How many pipeline stages hold this parameter's values: 2 for a tied embedding table and LM
+    head split over the first and last stage (``LlamaStage`` sets ``param.pipeline_replicas``),
+    whose gradients are summed over both ends before the optimizer step; else 1."""
+    return int(getattr(param, "pipeline_replicas", 1))
+
+
 def _norm_segments(flat: FlatLayout, lo: int, hi: int, tp_size: int) -> list[NormSegment]:
     """Where each parameter falls inside this rank's slice ``[lo, hi)`` of the flat (neighbours of
     the same weight merged)."""
     segments: list[NormSegment] = []
     for piece in flat.pieces(lo, hi):
-        weight = 1.0 / tensor_parallel_duplicates(flat.params[piece.index], tp_size)
+        p = flat.params[piece.index]
+        weight = 1.0 / (tensor_parallel_duplicates(p, tp_size) * stage_replicas(p))
         end = piece.offset + piece.last - piece.first
         if segments and segments[-1].end == piece.offset and segments[-1].weight == weight:
             segments[-1] = segments[-1]._replace(end=end)

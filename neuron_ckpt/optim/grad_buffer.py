@@ -61,6 +61,24 @@ def refuse_claimed(params: list[torch.Tensor]) -> None:
             )
 
 
+def gradient_holder(p: torch.Tensor) -> torch.Tensor | None:
+    """The tensor ``p``'s gradient for the next step is in: a view (in ``p``'s shape) of the fp32
+    buffer of the :class:`GradBuffer` that claims ``p`` (a ``p.grad`` not yet folded is folded in
+    first), else ``p.grad`` (None when there is none).
+
+    For code that must change a gradient between backward and the optimizer step whichever way
+    it is held, e.g. the tied embedding's sum over pipeline stages (:mod:`neuron_ckpt.pipeline.tied`):
+    with fp32 accumulation ``p.grad`` is None there, and writing a new ``p.grad`` would add to the
+    buffer rather than replace it.
+    """
+    hooks = getattr(p, "_post_accumulate_grad_hooks", None) or {}  # where refuse_claimed reads the claim
+    fold = next((h for h in hooks.values() if isinstance(h, _Fold)), None)
+    if fold is None:
+        return p.grad
+    fold(p)
+    return fold.data[fold.offset : fold.offset + p.numel()].view_as(p)
+
+
 class GradBuffer:
     """The fp32 (at least; fp64 parameters keep fp64) gradient of ``layout``'s parameters,
     accumulated over backward passes until :meth:`zero_`. ``data`` is the flat buffer

@@ -8,7 +8,9 @@ slice alone. A step (:meth:`Zero1Optimizer.step`, in this order) is
    slice of every bucket),
 2. global gradient norm: squares of the slices, each parameter weighted 1/(TP ranks holding the
    same values), summed over DP then TP, so TP-sharded parameters count once per shard and
-   replicated ones once,
+   replicated ones once; under pipeline parallelism also summed over the stages (PP group), a
+   tied embedding held by the first and last stage weighted 1/2 on each (counted once), so the
+   norm, the clipping and the finite check see the whole model on every rank,
 3. clip (same formula as ``torch.nn.utils.clip_grad_norm_``),
 4. the inner optimizer (AdamW, ...) updates the fp32 slices,
 5. all-gather the updated slices over DP, bucket by bucket, into the model parameters.
@@ -22,7 +24,11 @@ flattened from it at ``step()`` and reduced in the parameter dtype.
 
 Gradients of TP-replicated parameters that saw only a sequence-parallel slice must already be
 complete (the parallel layers all-reduce them in backward, see :mod:`neuron_ckpt.parallel.params`);
-this optimizer never reduces over TP. All collectives go through
+this optimizer never reduces over TP. Under pipeline parallelism each stage's ranks build their
+own optimizer over their stage's parameters; gradients shared across stages (a tied embedding)
+must already be summed over the stages that hold them (``LlamaPipeline.finish_gradients``, which
+``LlamaPipeline.step`` runs: it writes into the fp32 buffer when there is one), which is then
+always before this step's DP reduce-scatter (Megatron#844 reduce-scattered first). All collectives go through
 :mod:`neuron_ckpt.distributed.collectives`, and the step has no host synchronisation (the norm
 stays a tensor), so it traces into one graph on XLA.
 """
@@ -264,8 +270,11 @@ class Zero1Optimizer(torch.optim.Optimizer):
         for b, g in zip(buckets, grads):
             for start, end, weight in b.norm_segments:
                 sq = sq + g[start:end].pow(2).sum() * weight
-        sq = collectives.all_reduce(sq, self.parallel_state.dp)
-        sq = collectives.all_reduce(sq, self.parallel_state.tp)
+        ps = self.parallel_state
+        sq = collectives.all_reduce(sq, ps.dp)
+        sq = collectives.all_reduce(sq, ps.tp)
+        if ps.pp_size > 1:  # each stage holds its own parameters: the norm is over all of them
+            sq = collectives.all_reduce(sq, ps.pp)
         return sq.sqrt()
 
     def _all_gather_params(self) -> None:
@@ -328,6 +337,8 @@ class Zero1Optimizer(torch.optim.Optimizer):
             "dp_rank": ps.dp_rank,
             "tp_size": ps.tp_size,
             "tp_rank": ps.tp_rank,
+            "pp_size": ps.pp_size,
+            "pp_rank": ps.pp_rank,
             "bucket_cap_mb": self.bucket_cap_mb,
             "flats": [f.meta() for f in self._flats],
         }

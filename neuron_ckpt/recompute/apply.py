@@ -256,6 +256,8 @@ def _as_layer_list(model: Layers) -> Modules:
             layers = model.layers
         except AttributeError:
             layers = None
+        if isinstance(layers, torch.nn.ModuleDict):  # a pipeline stage's layers, keyed by global index
+            layers = list(layers.values())
         if not isinstance(layers, (torch.nn.ModuleList, list, tuple)):
             raise TypeError(
                 f"layers must be an nn.ModuleList, a sequence of modules or a module with a .layers "

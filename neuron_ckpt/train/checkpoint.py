@@ -14,7 +14,8 @@ Layout (format 2) under ``directory`` (a filesystem every rank sees, e.g. FSx on
     latest                                        text: the name of the newest complete checkpoint
 
 Which entries of the saved state are the same on every DP rank is ``shared_keys`` (default:
-``"model"``): their tensors are written once per TP rank, by its DP rank 0, under their state
+``"model"``): their tensors are written once per TP rank (per pipeline stage and TP rank under
+pipeline parallelism: ``model_pp00001_tp00000-...``, :mod:`~.placement`), by its DP rank 0, under their state
 dict names (a standard safetensors state dict); every rank reads those of its own TP rank back,
 whatever its DP rank. Everything else is the rank's own. :mod:`~neuron_ckpt.train.tensor_files`
 says how tensors are grouped (one group of at most ``chunk_mb`` on the host at a time while
@@ -58,7 +59,6 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any, Callable
 
 import torch
@@ -66,6 +66,7 @@ import torch
 from ..distributed.host import agree, all_max
 from .rounds import DEFAULT_WRITERS, WriterRounds
 from ..files import fsync_dir, write_atomic
+from .placement import Placement, saved
 from .tensor_files import group_files, join, read_structure, read_tensors, split, write_structure, write_tensors
 
 LATEST = "latest"
@@ -83,10 +84,6 @@ def _step_of(path: Path) -> int:
 
 def rank_prefix(rank: int) -> str:
     return f"rank_{rank:05d}"
-
-
-def shared_prefix(key: str, tp_rank: int) -> str:
-    return f"{key}_tp{tp_rank:05d}"
 
 
 def _human(n: float) -> str:
@@ -120,9 +117,10 @@ class SaveReport:
 class CheckpointManager:
     """Save / find / load the sharded checkpoints of one run. Every rank constructs one.
 
-    ``parallel_state`` (anything with ``tp_rank``, ``tp_size``, ``dp_rank``, ``dp_size``; default:
-    the initialised model parallel state, or a single rank) says which rank writes the model
-    files of which TP rank. ``local_rank`` (default: the runtime's) picks the writer round;
+    ``parallel_state`` (anything with ``tp_rank``, ``tp_size``, ``dp_rank``, ``dp_size``, and
+    ``pp_rank``, ``pp_size`` under pipeline parallelism; default: the initialised model parallel
+    state, or a single rank) says which rank writes the model files of which (stage,) TP rank
+    (:mod:`~.placement`). ``local_rank`` (default: the runtime's) picks the writer round;
     ``writers`` ranks per host write at a time (0: all). ``chunk_mb``: the most tensor data a
     rank holds on the host at once while writing. ``log(message)`` (rank 0) gets one line per
     save: its size on disk and time.
@@ -158,10 +156,11 @@ class CheckpointManager:
                     f"CheckpointManager at world size {world_size} needs parallel_state= (or an initialised "
                     "model parallel state): it decides which rank writes the model files of each TP rank"
                 ) from None
-        ps = parallel_state if parallel_state is not None else SimpleNamespace(tp_rank=0, tp_size=1, dp_rank=0, dp_size=1)
-        self.tp_rank, self.tp_size, self.dp_rank, self.dp_size = ps.tp_rank, ps.tp_size, ps.dp_rank, ps.dp_size
-        if self.tp_size * self.dp_size != world_size:
-            raise ValueError(f"TP {self.tp_size} x DP {self.dp_size} != world size {world_size}")
+        self.place = place = Placement.of(parallel_state) if parallel_state is not None else Placement()
+        self.tp_rank, self.tp_size, self.dp_rank, self.dp_size = place.tp_rank, place.tp_size, place.dp_rank, place.dp_size
+        if place.world_size != world_size:
+            pp = f" x PP {place.pp_size}" if place.pp_size > 1 else ""
+            raise ValueError(f"TP {self.tp_size} x DP {self.dp_size}{pp} != world size {world_size}")
         self._rounds = WriterRounds(local_rank, writers)
         self.chunk_bytes = max(1, int(chunk_mb * 2**20))
         self.shared_keys = tuple(shared_keys)
@@ -229,14 +228,14 @@ class CheckpointManager:
         agree(error, f"creating {tmp}")
 
         def write() -> None:
-            info = {"rank": str(self.rank), "tp_rank": str(self.tp_rank), "dp_rank": str(self.dp_rank)}
+            info = self.place.info(self.rank)
             structure, own = {}, {}
             for key, value in rank_state.items():
                 if key in shared:
                     tensors: dict[str, torch.Tensor] = {}
                     structure[key] = split(value, "", tensors)  # the state dict's own names
-                    if self.dp_rank == 0:
-                        write_tensors(tmp, shared_prefix(key, self.tp_rank), tensors, {"key": key, **info}, self.chunk_bytes)
+                    if self.place.writes_shared:
+                        write_tensors(tmp, self.place.shared_prefix(key), tensors, {"key": key, **info}, self.chunk_bytes)
                 else:
                     structure[key] = split(value, str(key), own)
             write_tensors(tmp, rank_prefix(self.rank), own, info, self.chunk_bytes)
@@ -262,7 +261,7 @@ class CheckpointManager:
     def _commit(self, tmp: Path, final: Path, step: int, meta: dict[str, Any], shared: list[str], report: SaveReport) -> None:
         names = {p.name for p in tmp.iterdir()}
         prefixes = [rank_prefix(r) for r in range(self.world_size)]
-        shared_prefixes = {key: [shared_prefix(key, t) for t in range(self.tp_size)] for key in shared}
+        shared_prefixes = {key: self.place.shared_prefixes(key) for key in shared}
         groups = {p: group_files(names, p) for p in prefixes + [p for ps in shared_prefixes.values() for p in ps]}
         missing = [f"{p}-*.safetensors" for p, files in groups.items() if files is None]
         expected = [f for files in groups.values() for f in files or ()] + [f"{p}.pt" for p in prefixes]
@@ -271,8 +270,8 @@ class CheckpointManager:
             raise RuntimeError(f"checkpoint {tmp}: {len(missing)} files not written: {', '.join(missing[:8])}")
         files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}
         full_meta = {
-            "format": FORMAT, "step": step, "world_size": self.world_size, "tp_size": self.tp_size,
-            "dp_size": self.dp_size, **meta, "shared": shared_prefixes, "groups": groups, "files": files,
+            "format": FORMAT, "step": step, "world_size": self.world_size, **self.place.meta(), **meta,
+            "shared": shared_prefixes, "groups": groups, "files": files,
         }  # fmt: skip
         write_atomic(tmp / "meta.json", json.dumps(full_meta, indent=1).encode())
         fsync_dir(tmp)
@@ -406,13 +405,13 @@ class CheckpointManager:
         """
         meta = self.read_meta(path)
         expect = {"world_size": self.world_size, **expect}
-        diffs = {k: (meta.get(k), v) for k, v in expect.items() if meta.get(k) != v}
+        diffs = {k: (saved(meta, k), v) for k, v in expect.items() if saved(meta, k) != v}
         if diffs:
             said = ", ".join(f"{k}: checkpoint {a!r}, this run {b!r}" for k, (a, b) in diffs.items())
             raise ValueError(
                 f"cannot resume from {path}: {said}. A sharded checkpoint holds per-rank tensor-parallel "
-                "weight slices and ZeRO-1 optimizer slices, so it loads only at the layout it was saved "
-                "with. To change the layout, export the weights at the old layout (train.py --export-hf "
+                "weight slices (of its pipeline stage) and ZeRO-1 optimizer slices, so it loads only at the layout "
+                "it was saved with. To change the layout, export the weights at the old layout (train.py --export-hf "
                 "hf_weights/ --max-steps <the checkpoint's step> --resume latest) and start the new run "
                 "from them with --init-hf hf_weights/ (optimizer state starts fresh)."
             )
@@ -429,7 +428,7 @@ class CheckpointManager:
         rank_state = {}
         for key, value in structure.items():
             if key in meta["shared"]:
-                prefix = shared_prefix(key, self.tp_rank)
+                prefix = self.place.shared_prefix(key)
                 rank_state[key] = join(value, tensors_of(prefix), path / f"{prefix}-*.safetensors")
             else:
                 rank_state[key] = join(value, own, structure_file)

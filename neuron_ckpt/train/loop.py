@@ -9,7 +9,9 @@ to :func:`fit` with the schedule, the :class:`~.checkpoint.CheckpointManager` an
 One optimizer step = ``grad_accum`` micro-batches on each DP rank, each loss scaled by
 ``1/grad_accum`` before backward, so the accumulated gradient is the mean over the rank's
 micro-batches; the optimizer then averages over DP. Every block has the same number of targets
-(``seq_len - 1``), so this equals the token mean over the global batch.
+(``seq_len - 1``), so this equals the token mean over the global batch. A pipeline-parallel model
+(``LlamaPipeline``) runs the same micro-batches as its schedule's micro-batches, with the same
+loss, and reports the last stage's loss on every rank (:mod:`.pipeline_step`).
 
 On XLA a step is ``grad_accum + 1`` graphs: one per micro-batch (forward + backward), then one
 for the optimizer step, which also holds the DP mean of the loss. Nothing in a step reads a
@@ -44,6 +46,7 @@ from . import faults
 from .checkpoint import CheckpointManager
 from .state import TrainState
 from .metrics import MetricsWriter, StepRecord, device_peak_bytes, make_record
+from .pipeline_step import is_pipeline, pipeline_train_step
 from .schedule import LRSchedule
 
 
@@ -201,7 +204,7 @@ def fit(
     # Run what building the model and optimizer (ZeRO-1's flattening of every parameter) or
     # loading a checkpoint left pending, so that step 1's graph is the steady-state step.
     runtime.step_boundary()
-    logger = _Logger(options, metrics, ps.tp_size * ps.dp_size, state.step * options.global_batch * options.seq_len, device)
+    logger = _Logger(options, metrics, ps.tp_size * ps.dp_size * ps.pp_size, state.step * options.global_batch * options.seq_len, device)
     if options.graphs_only:
         checkpoints = None  # placeholder values: nothing worth saving
     coordinator = faults.Coordinator()
@@ -213,7 +216,8 @@ def fit(
             while state.step < options.max_steps:
                 current = state.step + 1  # the step being run, for error messages (its save included)
                 lr = schedule.apply(optimizer, state.step)
-                loss, grad_norm = train_step(model, optimizer, next(batches), device)
+                run_step = pipeline_train_step if is_pipeline(model) else train_step
+                loss, grad_norm = run_step(model, optimizer, next(batches), device)
                 state.step += 1
                 done = state.step
                 logger.step_done()

@@ -3,11 +3,13 @@
 :class:`TrainState` gathers the model, the optimizer (``Zero1Optimizer``: this rank's slices),
 the batch order (``DataParallelBatches``) and every RNG stream: the default stream (the CPU
 generator and the device's, CUDA or XLA, through :func:`neuron_ckpt.distributed.random.get_rng_state`)
-and the tensor-parallel tracker's named streams. Restoring all of them is what makes a resumed
-run continue bit-identically (``tests/test_train.py::test_resume_continues_exactly``).
+and the tensor-parallel tracker's named streams, and under pipeline parallelism each stage's own
+streams (:class:`~neuron_ckpt.pipeline.StageRNG`, saved by every rank for its stages). Restoring
+all of them is what makes a resumed run continue bit-identically
+(``tests/test_train.py::test_resume_continues_exactly``, ``tests/test_pipeline_train.py``).
 
 With a :class:`~neuron_ckpt.train.CheckpointManager` the ``"model"`` entry is written once per
-TP rank (by DP rank 0) and the rest per rank; :meth:`TrainState.resume` reads it back in the
+(pipeline stage and) TP rank (by DP rank 0) and the rest per rank; :meth:`TrainState.resume` reads it back in the
 manager's writer rounds.
 """
 
@@ -43,12 +45,17 @@ class TrainState:
 
     def state_dict(self) -> dict[str, Any]:
         """``{"model", "optimizer", "data", "rng": {"default", "tracker"}}``; tensors are
-        references (device tensors included): save them before the next step."""
+        references (device tensors included): save them before the next step. A model with
+        streams of its own (``rng_state_dict()``: a ``LlamaPipeline``'s per-stage dropout
+        streams) adds them as ``rng["model"]``."""
+        rng = {"default": get_rng_state(), "tracker": self.rng_tracker.get_states()}
+        if hasattr(self.model, "rng_state_dict"):
+            rng["model"] = self.model.rng_state_dict()
         return {
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "data": self.batches.state_dict() if self.batches is not None else None,
-            "rng": {"default": get_rng_state(), "tracker": self.rng_tracker.get_states()},
+            "rng": rng,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -68,6 +75,8 @@ class TrainState:
             self.batches.load_state_dict(state["data"])
         set_rng_state(state["rng"]["default"])
         self.rng_tracker.set_states(state["rng"]["tracker"])
+        if hasattr(self.model, "load_rng_state_dict"):
+            self.model.load_rng_state_dict(state["rng"]["model"])
         runtime.step_boundary(wait=True)
 
     def save(self, manager: CheckpointManager, meta: dict[str, Any]) -> Path:

@@ -7,29 +7,49 @@
 #   llama2-7b (default)        tp_zero1_llama2_7B_hf_pretrain.sh: seq 4096, LR 3e-4, logging every 10 steps
 #   llama3-8b, llama3.1-8b     tp_zero1_llama3_8B_hf_pretrain.sh (llama31_8B runs it with the 3.1 config):
 #                              seq 8192, LR 1.5e-4, logging every step
+# and, from examples/training/llama/tp_pp_llama_hf_pretrain/, TP 32 x PP 8 (ZeRO-1 over DP = nodes / 8),
+# micro-batch 1, global batch 1024 (train.py runs GBS / DP micro-batches per step through the stages:
+# 256 on NxD's 32 nodes), 2000 warmup of 30000 steps, cosine to min_lr = LR / 15, weight decay 0.1,
+# beta2 0.95, logging every step:
+#   llama2-70b                 run_llama2_70B_tp_pp.sh: seq 4096, LR 1.5e-4 (min_lr 1e-5), explicit attention
+#                              (NxD's script runs without its flash kernel; --attention flash after the script)
+#   llama3.1-70b               run_llama3_70B_tp_pp.sh (run_llama31_70B_tp_pp.sh runs it with the 3.1 config):
+#                              seq 8192, LR 1.5e-5 (min_lr 1e-6), flash attention
+# trn1 cannot run pipeline parallelism today (docs/pipeline.md): with PP_DEGREE > 1 this script stops with
+# the reason before it launches anything, and DRY_RUN=1 prints what it would run.
 #
 #   COMPILE=1 ./run_trn1.sh       # ahead-of-time graph compilation only (neuron_parallel_compile)
 #   ./run_trn1.sh                 # train; re-running resumes from the latest checkpoint in $OUT
 #   MODEL=llama3.1-8b ./run_trn1.sh
+#   MODEL=llama2-70b DRY_RUN=1 ./run_trn1.sh   # TP 32 x PP 8: printed only, trn1 refuses PP_DEGREE > 1 today
 #   RECIPE=nxd ./run_trn1.sh      # NxD's schedule, AdamW, decay exclusions, seed and data order (train.py --recipe nxd)
 #   DRY_RUN=1 ./run_trn1.sh       # print the environment and the launch command; run nothing
 #   ./run_trn1.sh --lr 2e-4       # extra arguments go to train.py, last (they override)
 #
 # Settings, all optional:
-#   MODEL        llama2-7b | llama3-8b | llama3.1-8b (the --model-config preset)
-#   RECIPE       empty: this project's schedule and AdamW (cosine to 10%, beta2 0.95, weight decay 0.1);
-#                nxd: train.py --recipe nxd (linear decay to 0, AdamW as NxD's), to lay loss curves over NxD's
+#   MODEL        llama2-7b | llama3-8b | llama3.1-8b | llama2-70b | llama3.1-70b (the --model-config preset)
+#   RECIPE       empty: this project's schedule and AdamW (cosine to 10%, beta2 0.95, weight decay 0.1; for the
+#                70B models cosine to LR / 15, as NxD's 70B scripts);
+#                nxd: train.py --recipe nxd (linear decay to 0, AdamW as NxD's TP + ZeRO-1 tutorial), to lay loss
+#                curves over NxD's; not for the 70B models, whose NxD recipe is the default's
 #   PRECISION    fp32-master (default): NEURON_RT_STOCHASTIC_ROUNDING_EN=0, as NxD's default
 #                --use_gpu_compatible_precision 1 (ZeRO-1 keeps fp32 master weights; AWS's bf16 migration note
 #                calls this the mode "without setting NEURON_RT_STOCHASTIC_ROUNDING_EN=1");
 #                sr: NEURON_RT_STOCHASTIC_ROUNDING_EN=1, for pure-bf16 experiments (every fp32 -> bf16 rounding
 #                on the device becomes stochastic: runs are not bit-reproducible)
 #   TP_DEGREE    8 (default; AWS's tutorial page: TP 8, ZeRO-1 over 16 on 4 nodes) or 32 (the default of NxD's
-#                8B script; TP 32 x DP 1 per node). Any other degree: pass --tp N after the script.
-#   RECOMPUTE    none for llama2-7b; auto for the 8B models (planned per layer for the attention that runs:
-#                nothing with the NKI kernel, recompute where train.py falls back to explicit attention, which
-#                at seq 8192 needs 31 GiB per core without it; neuron-ckpt plan --config llama3-8b --seq 8192)
-#   DATA, OUT, MAX_STEPS (10000), COMPILE_STEPS (2), PROCESSES_PER_NODE (32), NEURON_CC_FLAGS
+#                8B script; TP 32 x DP 1 per node); the 70B models: 32 only. Any other degree: pass --tp N
+#                after the script.
+#   PP_DEGREE    pipeline stages (train.py --pp): 1 (default), 8 for the 70B models; TP x PP ranks hold one
+#                replica (TP 32 x PP 8: 8 nodes). Above 1 a run is refused on trn1 today (DRY_RUN=1 prints it).
+#                --pp-schedule and --virtual-stages go after the script (default 1F1B, as NxD's).
+#   RECOMPUTE    none for llama2-7b and the 70B models; auto for the 8B models (planned per layer for the
+#                attention that runs: nothing with the NKI kernel, recompute where train.py falls back to
+#                explicit attention, which at seq 8192 needs 31 GiB per core without it; neuron-ckpt plan
+#                --config llama3-8b --seq 8192). auto plans one model, not a stage: with PP_DEGREE > 1 set a
+#                preset (none, selective, full), planned per stage with neuron-ckpt plan --pp.
+#   DATA, OUT, MAX_STEPS (10000; 30000 for the 70B models), COMPILE_STEPS (2), PROCESSES_PER_NODE (32),
+#                NEURON_CC_FLAGS
 #   NUM_NODES, NODE_RANK, MASTER_ADDR, MASTER_PORT (44000): set by hand when neither Slurm nor Open MPI
 #                launches the nodes (MASTER_ADDR = node 0's address, required with NUM_NODES > 1)
 #
@@ -39,6 +59,16 @@
 # --device-memory trn1` puts no recompute at 7.5 of 16 GiB per NeuronCore. train.py prints the attention it
 # runs; where the NKI kernel is not importable it runs the explicit attention (12.0 GiB with no recompute,
 # still within the 14.4 GiB the plan allows).
+#
+# 70B models: no recompute by default either. NxD's scripts run selective checkpointing
+# (--use_selective_checkpoint 1: core attention, and the MLP too at seq 8192; RECOMPUTE=selective is that
+# choice, plus --recompute-modules core_attn,mlp after the script at 8192), but the per-stage plan finds
+# every stage fits without it on NxD's 32 nodes (TP 32 x PP 8 x DP 4, 1F1B over 256 micro-batches; 14.4 GiB
+# per core to plan for):
+#   neuron-ckpt plan --config llama2-70b --seq 4096 --tp 32 --dp 4 --pp 8 --micro-batches 256 \
+#       --device-memory trn1 --attention explicit        # the most loaded stage (1): 10.5 GiB, no recompute
+#   neuron-ckpt plan --config llama3.1-70b --seq 8192 --tp 32 --dp 4 --pp 8 --micro-batches 256 \
+#       --device-memory trn1 --attention flash           # the most loaded stage (1): 9.2 GiB, no recompute
 #
 # Launchers: under Slurm (run_slurm.sbatch) every node runs this script and reads its rank from Slurm.
 # Under Open MPI (NxD's EKS / MPI-operator path: one process per node, e.g. mpirun -N 1) it reads
@@ -52,7 +82,8 @@
 #   python prepare_data.py --tokenizer /path/to/Llama-2-7b-hf --input /path/to/corpus \
 #       --seq-len 4096 --output ~/data/llama2_train.safetensors
 #   python prepare_data.py --tokenizer /path/to/Meta-Llama-3.1-8B --input /path/to/corpus \
-#       --seq-len 8192 --output ~/data/llama3_train_8k.safetensors     # llama3-8b and llama3.1-8b
+#       --seq-len 8192 --output ~/data/llama3_train_8k.safetensors     # llama3-8b, llama3.1-8b, llama3.1-70b
+# (llama2-70b shares Llama-2's tokenizer and seq 4096, so the llama2_train file.)
 set -euo pipefail
 cd "$(dirname "$0")"
 DRY_RUN=${DRY_RUN:-0}
@@ -63,8 +94,10 @@ die() {
 }
 
 # --- model, recipe, precision --------------------------------------------------------------------
-# Values of NxD's scripts; GBS 1024, MBS 1, 100 warmup and 10000 steps are the same in both.
+# Values of NxD's scripts; GBS 1024 and MBS 1 are the same in all of them, 100 warmup of 10000 steps in the
+# TP + ZeRO-1 ones (7B, 8B).
 MODEL=${MODEL:-llama2-7b}
+WARMUP_STEPS=100 DEFAULT_MAX_STEPS=10000 MIN_LR_RATIO=0.1 ATTENTION=flash DEFAULT_TP=8 DEFAULT_PP=1
 case $MODEL in
   llama2-7b)
     SEQ_LEN=4096 LR=3e-4 LOG_EVERY=10 RUN_NAME=llama2_7b
@@ -72,21 +105,51 @@ case $MODEL in
   llama3-8b | llama3.1-8b)   # one tokenizer (128256 ids), so one data file
     SEQ_LEN=8192 LR=1.5e-4 LOG_EVERY=1 RUN_NAME=${MODEL//-/_}
     DEFAULT_DATA=$HOME/data/llama3_train_8k.safetensors DEFAULT_RECOMPUTE=auto ;;
-  *) die "MODEL must be llama2-7b, llama3-8b or llama3.1-8b, got '$MODEL'" ;;
+  llama2-70b | llama3.1-70b)
+    # NxD's TP + PP scripts; their min_lr is LR / 15 for both (1e-5 of 1.5e-4, 1e-6 of 1.5e-5). No recompute:
+    # the per-stage plan fits every stage without it (see the header; NxD's choice is RECOMPUTE=selective).
+    LOG_EVERY=1 RUN_NAME=${MODEL//-/_} WARMUP_STEPS=2000 DEFAULT_MAX_STEPS=30000 MIN_LR_RATIO=0.06666666666666667
+    DEFAULT_TP=32 DEFAULT_PP=8 DEFAULT_RECOMPUTE=none
+    if [ "$MODEL" = llama2-70b ]; then
+      SEQ_LEN=4096 LR=1.5e-4 ATTENTION=explicit DEFAULT_DATA=$HOME/data/llama2_train.safetensors
+    else
+      SEQ_LEN=8192 LR=1.5e-5 DEFAULT_DATA=$HOME/data/llama3_train_8k.safetensors
+    fi ;;
+  *) die "MODEL must be llama2-7b, llama3-8b, llama3.1-8b, llama2-70b or llama3.1-70b, got '$MODEL'" ;;
 esac
-TP_DEGREE=${TP_DEGREE:-8}
-case $TP_DEGREE in
-  8 | 32) ;;
+TP_DEGREE=${TP_DEGREE:-$DEFAULT_TP}
+case $MODEL:$TP_DEGREE in
+  *-70b:32 | *-7b:8 | *-7b:32 | *-8b:8 | *-8b:32) ;;
+  *-70b:*) die "TP_DEGREE must be 32 for MODEL=$MODEL (NxD's 70B scripts: TP 32 x PP 8), got '$TP_DEGREE'; for another degree pass --tp N after the script" ;;
   *) die "TP_DEGREE must be 8 (AWS's tutorial page) or 32 (NxD's 8B script), got '$TP_DEGREE'; for another degree pass --tp N after the script" ;;
 esac
+PP_DEGREE=${PP_DEGREE:-$DEFAULT_PP}
+case $PP_DEGREE in
+  "" | *[!0-9]* | 0*) die "PP_DEGREE must be a positive integer (pipeline stages), got '$PP_DEGREE'" ;;
+esac
+PP_ARGS=() PP_TAG=
+if [ "$PP_DEGREE" -gt 1 ]; then
+  PP_ARGS=(--pp "$PP_DEGREE") PP_TAG=_pp$PP_DEGREE
+  # Why a real run stops here (train.py would refuse it too, but only after torchrun started every process).
+  PP_REFUSAL="PP_DEGREE=$PP_DEGREE: trn1 cannot run pipeline parallelism today (torch.distributed.pipelining's send/recv fail on Neuron, aws-neuron-sdk#1189; torch-xla has no stage hook, pytorch#161017 unmerged); see docs/pipeline.md"
+fi
+RECOMPUTE=${RECOMPUTE:-$DEFAULT_RECOMPUTE}
+if [ "$PP_DEGREE" -gt 1 ] && [ "$RECOMPUTE" = auto ]; then
+  die "RECOMPUTE=auto plans one model, not a pipeline stage (PP_DEGREE=$PP_DEGREE): plan per stage with neuron-ckpt plan --pp $PP_DEGREE and set RECOMPUTE to a preset (none, selective, full)"
+fi
 RECIPE=${RECIPE:-}
 case $RECIPE in
-  "") RECIPE_ARGS=(--min-lr-ratio 0.1 --decay cosine --weight-decay 0.1 --beta1 0.9 --beta2 0.95)
+  "") RECIPE_ARGS=(--min-lr-ratio "$MIN_LR_RATIO" --decay cosine --weight-decay 0.1 --beta1 0.9 --beta2 0.95)
       RUN_SUFFIX= ;;
   nxd) RECIPE_ARGS=(--recipe nxd)   # train.py sets NxD's schedule shape, AdamW, decay exclusions, seed, data order
        RUN_SUFFIX=_nxd ;;
   *) die "RECIPE must be empty (this project's) or nxd, got '$RECIPE'" ;;
 esac
+if [ "$RECIPE" = nxd ] && [ "$DEFAULT_PP" -gt 1 ]; then
+  # train.py's nxd recipe is NxD's TP + ZeRO-1 tutorial's (linear to 0, beta2 0.999, weight decay 0.01); the
+  # 70B scripts train with cosine to min_lr, beta2 0.95 and weight decay 0.1, which the default passes.
+  die "RECIPE=nxd is NxD's 7B/8B recipe; for MODEL=$MODEL leave RECIPE empty: it passes NxD's 70B schedule and AdamW (cosine to LR / 15, beta2 0.95, weight decay 0.1)"
+fi
 PRECISION=${PRECISION:-fp32-master}
 case $PRECISION in
   fp32-master) STOCHASTIC_ROUNDING=0 ;;
@@ -205,8 +268,8 @@ reserve_ports() {
 
 # --- run ----------------------------------------------------------------------------------------
 DATA=${DATA:-$DEFAULT_DATA}
-OUT=${OUT:-$HOME/runs/${RUN_NAME}_tp${TP_DEGREE}_zero1${RUN_SUFFIX}}   # per recipe: a resume never mixes two
-MAX_STEPS=${MAX_STEPS:-10000}
+OUT=${OUT:-$HOME/runs/${RUN_NAME}_tp${TP_DEGREE}${PP_TAG}_zero1${RUN_SUFFIX}}   # per recipe and layout: a resume never mixes two
+MAX_STEPS=${MAX_STEPS:-$DEFAULT_MAX_STEPS}
 
 # The sequence length is the data file's (train.py reads it from there): refuse a file packed for another
 # model. A packed file is safetensors: an 8-byte little-endian header length, then a JSON header whose
@@ -242,15 +305,34 @@ fi
 
 CMD=("${LAUNCH[@]}" "${DISTRIBUTED_ARGS[@]}" train.py
   --model-config "$MODEL" --data "$DATA"
-  --tp "$TP_DEGREE" --sequence-parallel --attention flash --recompute "${RECOMPUTE:-$DEFAULT_RECOMPUTE}" --dtype bf16
-  --micro-batch-size 1 --global-batch-size 1024
-  --lr "$LR" --warmup-steps 100 --max-steps "$MAX_STEPS" "${RECIPE_ARGS[@]}" --grad-clip 1.0
+  --tp "$TP_DEGREE" ${PP_ARGS[@]+"${PP_ARGS[@]}"} --sequence-parallel --attention "$ATTENTION"
+  --recompute "$RECOMPUTE" --dtype bf16 --micro-batch-size 1 --global-batch-size 1024
+  --lr "$LR" --warmup-steps "$WARMUP_STEPS" --max-steps "$MAX_STEPS" "${RECIPE_ARGS[@]}" --grad-clip 1.0
   --log-every "$LOG_EVERY" --device-kind trn1 ${EXTRA[@]+"${EXTRA[@]}"} "$@")
+
+# A dry run's note on the pipeline's layout: the replicas (DP) and micro-batches per step of this topology.
+pp_layout() {
+  local ranks=$((NUM_NODES * PROCESSES_PER_NODE)) replica=$((TP_DEGREE * PP_DEGREE))
+  if [ $((ranks % replica)) -ne 0 ]; then
+    echo "# TP $TP_DEGREE x PP $PP_DEGREE = $replica ranks hold one replica, and the $ranks ranks here (NUM_NODES=$NUM_NODES x $PROCESSES_PER_NODE) are not a multiple of it (NxD runs TP 32 x PP 8 on 32 nodes)"
+    return 0
+  fi
+  local dp=$((ranks / replica))
+  if [ $((1024 % dp)) -ne 0 ]; then
+    echo "# TP $TP_DEGREE x PP $PP_DEGREE x DP $dp on $NUM_NODES node(s): the global batch 1024 is not a multiple of DP $dp"
+    return 0
+  fi
+  echo "# TP $TP_DEGREE x PP $PP_DEGREE x DP $dp on $NUM_NODES node(s): $((1024 / dp)) micro-batches of 1 per step through the stages"
+}
 
 if [ "$DRY_RUN" = "1" ]; then
   # Shell-quoted, so the lines can be pasted into a shell. Nothing is run, created or changed.
   printf 'cd %q\n' "$PWD"
-  echo "# MODEL=$MODEL (seq $SEQ_LEN) RECIPE=${RECIPE:-default} PRECISION=$PRECISION TP_DEGREE=$TP_DEGREE; not done in a dry run: reserve ports $RESERVED_PORTS (sysctl net.ipv4.ip_local_reserved_ports)"
+  echo "# MODEL=$MODEL (seq $SEQ_LEN) RECIPE=${RECIPE:-default} PRECISION=$PRECISION TP_DEGREE=$TP_DEGREE PP_DEGREE=$PP_DEGREE; not done in a dry run: reserve ports $RESERVED_PORTS (sysctl net.ipv4.ip_local_reserved_ports)"
+  if [ "$PP_DEGREE" -gt 1 ]; then
+    echo "# $PP_REFUSAL; a real run stops here, before anything is launched"
+    pp_layout
+  fi
   echo "unset XLA_USE_BF16 XLA_DOWNCAST_BF16"
   for var in "${ENV_VARS[@]}"; do
     printf 'export %s=%q\n' "$var" "${!var}"
@@ -260,6 +342,7 @@ if [ "$DRY_RUN" = "1" ]; then
   echo "${line% }"
   exit 0
 fi
+[ "$PP_DEGREE" -eq 1 ] || die "$PP_REFUSAL; DRY_RUN=1 prints the command it would run"
 
 if [ -n "$FD_LIMIT" ]; then
   ulimit -n "$FD_LIMIT" 2>/dev/null || echo "run_trn1.sh: warning: could not raise the open-file limit to $FD_LIMIT (now $(ulimit -n))" >&2

@@ -6,9 +6,14 @@ Launch one process per device with torchrun (see run_trn1.sh, run_slurm.sbatch, 
         --data data/train.safetensors --tp 8 --sequence-parallel --recompute selective ...
 
 Every option is a field of :class:`TrainConfig` (``train_config.py``; ``--help`` lists them). The pieces live in the
-library (model: ``neuron_ckpt.models``, optimizer: ``neuron_ckpt.optim``, data:
-``neuron_ckpt.data``, loop / schedule / metrics / checkpoints: ``neuron_ckpt.train``); this file
-only assembles them. ``main(argv)`` also runs inside a ``LocalWorld`` worker (tests).
+library (model: ``neuron_ckpt.models``, pipeline stages: ``neuron_ckpt.pipeline``, optimizer: ``neuron_ckpt.optim``,
+data: ``neuron_ckpt.data``, loop / schedule / metrics / checkpoints: ``neuron_ckpt.train``); this file and
+``model_setup.py`` (attention, recompute, the model or its pipeline stages) only assemble them.
+
+``--pp N`` (eager backends only; refused on XLA before the process group starts) cuts the model
+into N stages (``--pp-schedule gpipe|1f1b|interleaved``, ``--virtual-stages V``): the
+``global batch / (micro-batch x DP)`` micro-batches of a step are the schedule's micro-batches, and
+the loss is the mean of their means, as at ``--pp 1``. ``main(argv)`` also runs inside a ``LocalWorld`` worker (tests).
 """
 
 from __future__ import annotations
@@ -28,20 +33,12 @@ from neuron_ckpt.data import DataParallelBatches, PackedDataset
 from neuron_ckpt.distributed import host
 from neuron_ckpt.distributed.runtime import collective_timeout_s, detect_backend, get_runtime
 from neuron_ckpt.memory import ModelShape
-from neuron_ckpt.models import (
-    LlamaForCausalLM,
-    check_writable,
-    hf_config_for,
-    load_hf_checkpoint,
-    load_llama_config,
-    save_hf_checkpoint,
-)
+from neuron_ckpt.models import check_writable, hf_config_for, load_llama_config, save_hf_checkpoint
 from neuron_ckpt.models.config_file import fit_positions
 from neuron_ckpt.models.llama_args import PARAMETER_SHAPE_FIELDS
 from neuron_ckpt.optim import Zero1Optimizer
-from neuron_ckpt.parallel.flash import kernel_name as flash_kernel_name
-from neuron_ckpt.parallel.flash import unavailable as flash_unavailable
-from neuron_ckpt.recompute import apply_recompute
+from neuron_ckpt.pipeline import PipelineConfig
+from neuron_ckpt.pipeline.xla import refuse_on_xla
 from neuron_ckpt.train import (
     CheckpointManager,
     Interrupted,
@@ -57,64 +54,8 @@ from neuron_ckpt.train import (
     param_groups,
     peak_tflops,
 )
+from model_setup import attention_and_recompute, build_model, pipeline_config, predicted_peak  # noqa: E402
 from train_config import DTYPES, TrainConfig, parse_args  # noqa: E402  (this directory: the script's own)
-
-
-def _attention(cfg: TrainConfig, config, seq_len: int, device_type: str) -> tuple[str, str]:
-    """The core attention this run uses and how to say it: flash where a kernel runs for this
-    device and shape (asked for, or by default), explicit otherwise, with the reason."""
-    why = flash_unavailable(device_type, seq_len, config.head_dim)
-    if cfg.attention == "explicit":
-        return "explicit", "explicit (asked for)"
-    if why is None:
-        return "flash", f"flash: {flash_kernel_name(device_type)}"
-    asked = "--attention flash asked for, but" if cfg.attention == "flash" else "flash unavailable:"
-    return "explicit", f"explicit ({asked} {why})"
-
-
-def _auto_recompute(cfg: TrainConfig, config, parallel, seq_len: int, dtype: torch.dtype, device_type: str,
-                    attention: str):
-    """``--recompute auto``: the per-layer recompute with the least recompute FLOPs that fits
-    (neuron_ckpt.memory.planner, the same plan ``neuron-ckpt plan`` prints)."""
-    from neuron_ckpt.memory import plan_recompute
-
-    memory = cfg.device_memory or {"xla": "trn1"}.get(device_type)
-    if memory is None and device_type == "cpu":
-        raise ValueError("--recompute auto on CPU needs --device-memory (GiB one rank may use)")
-    return plan_recompute(ModelShape.from_llama(config), _setup(cfg, parallel, seq_len, dtype, attention), memory)
-
-
-def _setup(cfg: TrainConfig, parallel, seq_len: int, dtype: torch.dtype, attention: str):
-    """The job as the memory planner sees it."""
-    from neuron_ckpt.memory import TrainingSetup
-
-    return TrainingSetup(
-        seq_len=seq_len,
-        micro_batch=cfg.micro_batch_size,
-        tp=parallel.tp_size,
-        dp=parallel.dp_size,
-        dtype={torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype],
-        sequence_parallel=cfg.sequence_parallel,
-        zero1=True,
-        attention=attention,
-    )
-
-
-def _predicted_peak(cfg: TrainConfig, config, parallel, seq_len: int, dtype: torch.dtype, attention: str,
-                    recompute, plan) -> Optional[int]:
-    """The planner's peak bytes per rank for this job (logged next to the device's measured peak),
-    or None where the recompute is not one the planner models (e.g. full recompute in groups)."""
-    from neuron_ckpt.memory import memory_budget
-
-    if plan is not None:
-        return plan.budget.total_bytes
-    layers = "none" if recompute is None else recompute.preset_name
-    if layers is None:
-        return None
-    try:
-        return memory_budget(ModelShape.from_llama(config), _setup(cfg, parallel, seq_len, dtype, attention), layers).total_bytes
-    except ValueError:
-        return None
 
 
 def open_dataset(path: str, rt) -> PackedDataset:
@@ -188,10 +129,13 @@ def check_seq_len(seq_len: int, config, cfg: TrainConfig, notices: list[str]):
 
 
 def _start(cfg: TrainConfig):
-    """torch.distributed (with the collective timeout) and the TP x DP groups."""
-    timeout = cfg.collective_timeout or (7200.0 if (cfg.backend or detect_backend()) == "xla" else 1800.0)
+    """torch.distributed (with the collective timeout) and the TP x DP (x PP) groups."""
+    backend = cfg.backend or detect_backend()
+    if cfg.pp > 1:
+        refuse_on_xla(backend == "xla")  # before the process group: no rank starts work
+    timeout = cfg.collective_timeout or (7200.0 if backend == "xla" else 1800.0)
     rt = nc.init_distributed(backend=cfg.backend, timeout_s=timeout)
-    parallel = nc.initialize_model_parallel(cfg.tp)
+    parallel = nc.initialize_model_parallel(cfg.tp, cfg.pp)
     if cfg.collective_timeout and collective_timeout_s() != cfg.collective_timeout and rt.rank == 0:
         print(f"--collective-timeout {cfg.collective_timeout:g} not applied: torch.distributed was initialised "
               "before main() (e.g. by LocalWorld)", flush=True)  # fmt: skip
@@ -229,40 +173,12 @@ def _model_config_and_data(cfg: TrainConfig, rt):
     return config, dataset
 
 
-def _attention_and_recompute(cfg: TrainConfig, config, parallel, seq_len: int, dtype: torch.dtype, rt):
-    """The core attention (flash where it runs) and the recompute (``--recompute``, or the planner's
-    choice for ``auto``, returned as the plan too), each said once."""
-    is_main = rt.rank == 0
-    attention, attention_text = _attention(cfg, config, seq_len, rt.device.type)
-    recompute, plan = cfg.recompute_config(), None
-    if is_main:
-        print(f"attention: {attention_text}", flush=True)
-        if attention == "flash" and recompute is not None and "core_attn" in (recompute.modules or ()) \
-                and recompute.granularity == "selective":
-            print("note: selective recompute of flash attention reruns the kernel to drop only its fp32 log-sum-exp "
-                  "(no s x s tensor to save); --recompute none keeps nearly the same memory", flush=True)
-    if cfg.recompute == "auto":
-        plan = _auto_recompute(cfg, config, parallel, seq_len, dtype, rt.device.type, attention)
-        recompute = plan.recompute
-        if is_main:
-            print(
-                f"recompute auto: {plan.describe()} | planned peak {plan.budget.total_gib:.2f} of "
-                f"{plan.limit_bytes / 2**30:.2f} GiB | recompute {plan.overhead:.2%} of a step's FLOPs",
-                flush=True,
-            )
-    return attention, recompute, plan
-
-
 def _build(cfg: TrainConfig, config, dataset, parallel, device, dtype: torch.dtype, attention: str, recompute,
-           grad_accum: int):
+           grad_accum: int, pipeline: Optional[PipelineConfig]):
     """The model (recompute applied, ``--init-hf`` weights loaded), the ZeRO-1 optimizer and the
     batch order, as one TrainState; and the LR schedule."""
     nc.model_parallel_manual_seed(cfg.seed)
-    model = LlamaForCausalLM(config, cfg.sequence_parallel, attention, dtype, parallel_state=parallel)
-    apply_recompute(model, recompute)  # checked against the model first (e.g. --recompute-num-layers)
-    model.to(device)
-    if cfg.init_hf:
-        load_hf_checkpoint(model, cfg.init_hf)  # each rank reads only its slices
+    model = build_model(cfg, config, parallel, device, dtype, attention, recompute, pipeline, dataset.block_len)
     optimizer = Zero1Optimizer(
         param_groups(model, cfg.weight_decay, RECIPES[cfg.recipe].no_decay),
         torch.optim.AdamW,
@@ -303,10 +219,15 @@ def main(argv: list[str] | None = None) -> dict:
     config, dataset = _model_config_and_data(cfg, rt)
     seq_len = dataset.block_len
     grad_accum = _grad_accum(cfg, parallel.dp_size)
-    attention, recompute, plan = _attention_and_recompute(cfg, config, parallel, seq_len, dtype, rt)
-    train_state, schedule = _build(cfg, config, dataset, parallel, rt.device, dtype, attention, recompute, grad_accum)
+    pipeline = pipeline_config(cfg, config, grad_accum)
+    attention, recompute, plan = attention_and_recompute(cfg, config, parallel, seq_len, dtype, rt)
+    train_state, schedule = _build(cfg, config, dataset, parallel, rt.device, dtype, attention, recompute, grad_accum,
+                                   pipeline)  # fmt: skip
     model = train_state.model
-    layout = {"tp_size": parallel.tp_size, "dp_size": parallel.dp_size, "model": {k: getattr(config, k) for k in PARAMETER_SHAPE_FIELDS}, "dtype": str(dtype)}
+    layout = {"tp_size": parallel.tp_size, "dp_size": parallel.dp_size, "pp_size": parallel.pp_size,
+              "model": {k: getattr(config, k) for k in PARAMETER_SHAPE_FIELDS}, "dtype": str(dtype)}  # fmt: skip
+    if pipeline is not None:  # which layers each stage's files hold
+        layout["stage_layers"] = list(model.cut.layers_per_stage)
     resumed = train_state.resume(checkpoints, cfg.resume, layout) if cfg.resume else None
     start_step = train_state.step
     if is_main and cfg.resume:
@@ -316,11 +237,14 @@ def main(argv: list[str] | None = None) -> dict:
     device_kind = cfg.device_kind or detect_device_kind(rt.backend)
     peak = cfg.peak_tflops or peak_tflops(device_kind, dtype)
     fpt = ModelShape.from_llama(config).flops_per_token(seq_len)
-    predicted = _predicted_peak(cfg, config, parallel, seq_len, dtype, attention, recompute, plan)
+    # The whole-model planner; per stage: neuron-ckpt plan --pp.
+    predicted = None if pipeline else predicted_peak(cfg, config, parallel, seq_len, dtype, attention, recompute, plan)
     if is_main:
         n_params = sum(p.numel() for p in model.parameters())
         print(
-            f"world {rt.world_size} ({rt.backend}) = TP {parallel.tp_size} x DP {parallel.dp_size} | "
+            f"world {rt.world_size} ({rt.backend}) = TP {parallel.tp_size} x DP {parallel.dp_size}"
+            + (f" x PP {parallel.pp_size} ({cfg.pp_schedule}, stages of {list(model.cut.layers_per_stage)} layers)"
+               if pipeline else "") + " | "
             f"sequence parallel {cfg.sequence_parallel} | recompute {cfg.recompute} | dtype {dtype} | "
             f"seq {seq_len} | micro-batch {cfg.micro_batch_size} x accum {grad_accum} x DP {parallel.dp_size} = "
             f"global batch {cfg.global_batch_size} | params/rank {n_params / 1e6:.2f} M | "
@@ -341,7 +265,7 @@ def main(argv: list[str] | None = None) -> dict:
     env = {k: v for k, v in sorted(os.environ.items()) if k.startswith(("NEURON", "XLA"))}
     metrics.write_header(
         env, dataclasses.asdict(cfg), start_step=start_step, world_size=rt.world_size, backend=rt.backend,
-        tp=parallel.tp_size, dp=parallel.dp_size, seq_len=seq_len, grad_accum=grad_accum, dtype=str(dtype),
+        tp=parallel.tp_size, dp=parallel.dp_size, pp=parallel.pp_size, seq_len=seq_len, grad_accum=grad_accum, dtype=str(dtype),
         attention=attention, predicted_peak_bytes=predicted,
     )  # fmt: skip
     options = FitOptions(

@@ -11,11 +11,13 @@ import torch
 
 from neuron_ckpt.distributed.runtime import backends
 from neuron_ckpt.parallel.attention import ATTENTION
+from neuron_ckpt.pipeline.xla import XLA_REFUSAL
 from neuron_ckpt.recompute import PRESETS, RecomputeConfig
 from neuron_ckpt.train import RECIPES
 
 DESCRIPTION = "Llama pretraining with tensor parallel, sequence parallel, activation recompute and ZeRO-1."
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+PP_SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved1F1B"}  # --pp-schedule: torch's
 
 
 def opt(default, help: str, choices=None):
@@ -31,7 +33,17 @@ class TrainConfig:
     )
     data: str = opt("data/train.safetensors", "packed token file from prepare_data.py")
     # parallelism
-    tp: int = opt(1, "tensor-parallel size (ranks per TP group, contiguous); DP = world / tp")
+    tp: int = opt(1, "tensor-parallel size (ranks per TP group, contiguous); DP = world / (tp x pp)")
+    pp: int = opt(
+        1, "pipeline-parallel size (stages, outermost: rank = pp_rank x DP x TP + dp_rank x TP + tp_rank); each step's "
+        "micro-batches (--global-batch-size / (--micro-batch-size x DP)) run through the stages; not on XLA (trn1)"
+    )
+    pp_schedule: str = opt(
+        "1f1b", "--pp > 1: gpipe (all forwards, then all backwards), 1f1b (at most pp - stage micro-batches in "
+        "flight; needs micro-batches >= pp) or interleaved (--virtual-stages stages per rank: a smaller bubble)",
+        list(PP_SCHEDULES),
+    )
+    virtual_stages: Optional[int] = opt(None, "--pp-schedule interleaved: stages per rank (default 2)")
     sequence_parallel: bool = opt(False, "split norms/residuals along the sequence over the TP group")
     recompute: str = opt(
         "none", "activation recompute: a preset (selective: --recompute-modules, default core attention; full: one "
@@ -43,7 +55,9 @@ class TrainConfig:
         None, "--recompute auto: memory per rank, GiB or 'trn1' (default: trn1 on XLA, detected on CUDA; required on CPU)"
     )
     recompute_method: Optional[str] = opt(None, "full recompute: uniform (groups) or block (first N)", ["uniform", "block"])
-    recompute_num_layers: Optional[int] = opt(None, "full recompute: group size (uniform) / layers recomputed (block)")
+    recompute_num_layers: Optional[int] = opt(
+        None, "full recompute: group size (uniform) / layers recomputed (block); with --pp > 1 per stage (Megatron's)"
+    )
     recompute_modules: str = opt("core_attn", "selective recompute: comma-separated modules (core_attn,mlp,mlp_act,norm)")
     attention: Optional[str] = opt(
         None, "core attention: flash (a fused kernel, no s x s tensor: torch SDPA's flash on CPU/CUDA, NxD's NKI kernel "
@@ -120,7 +134,7 @@ class TrainConfig:
             value = getattr(self, f.name)
             if choices and value is not None and value not in choices:
                 raise ValueError(f"--{f.name.replace('_', '-')} must be one of {choices}, got {value!r}")
-        positive = ("tp", "micro_batch_size", "global_batch_size", "max_steps", "keep_last")
+        positive = ("tp", "pp", "micro_batch_size", "global_batch_size", "max_steps", "keep_last")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -161,15 +175,41 @@ class TrainConfig:
             ("keep_last", self.checkpoint_dir is not None, "--checkpoint-dir"),
             ("checkpoint_writers", self.checkpoint_dir is not None or self.resume is not None, "--checkpoint-dir or --resume"),
             ("min_lr_ratio", self.decay != "constant", "--decay cosine or linear (constant has no floor)"),
+            ("pp_schedule", self.pp > 1, "--pp 2 or more"),
+            ("virtual_stages", self.pp_schedule == "interleaved", "--pp-schedule interleaved"),
         ]  # fmt: skip
         for name, applies, needed in needs:
             if not applies and given[name] != default[name]:
                 raise ValueError(f"{flag(name)} {getattr(self, name)} applies only with {needed}; this run would "
                                  f"ignore it: drop it or add {needed}")
+        self._check_pipeline()
         try:  # the recompute options' own checks (method and layer count, module names), now
             self._recompute = self._build_recompute()
         except (ValueError, TypeError) as e:
             raise ValueError(f"--recompute {self.recompute}: {e}") from None
+
+    def _check_pipeline(self) -> None:
+        """What --pp > 1 does not combine with, refused before any process starts work."""
+        if self.pp_schedule == "interleaved" and self.virtual_stages is None:
+            self.virtual_stages = 2
+        if self.virtual_stages is not None and self.virtual_stages < 2:
+            raise ValueError(f"--virtual-stages must be >= 2 (stages per rank), got {self.virtual_stages}")
+        if self.pp == 1:
+            return
+        if self.backend == "xla":
+            raise ValueError(f"--pp {self.pp}: {XLA_REFUSAL}")
+        refused = [("compile", self.compile, "--compile"), ("recompute", self.recompute == "auto", "--recompute auto")]
+        for name, given, flag in refused:
+            if given:
+                why = {"compile": "torch.distributed.pipelining runs the stages eagerly",
+                       "recompute": "the planner here plans one model; plan per stage with neuron-ckpt plan --pp and "
+                                    "pass a preset (each stage applies it)"}[name]
+                raise ValueError(f"{flag} does not combine with --pp {self.pp}: {why}")
+
+    @property
+    def pp_schedule_name(self) -> str:
+        """The ``PipelineConfig.schedule`` of ``--pp-schedule``."""
+        return PP_SCHEDULES[self.pp_schedule]
 
     def _build_recompute(self) -> RecomputeConfig | None:
         if self.recompute == "auto":
