@@ -94,7 +94,9 @@ class LocalWorld:
                 rank, ok, value = self._results.get(timeout=self.timeout_s)
             except queue.Empty:
                 self.close(kill=True)
-                raise WorkerError(f"{getattr(fn, '__name__', fn)} did not finish within {self.timeout_s} s; world closed")
+                raise WorkerError(
+                    f"{getattr(fn, '__name__', fn)} did not finish within {self.timeout_s} s; world closed"
+                )
             if ok:
                 outs[rank] = value
             else:

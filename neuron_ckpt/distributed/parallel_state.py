@@ -111,10 +111,7 @@ class Group:
 
     def __repr__(self) -> str:
         pg = "<released>" if self.released else repr(self._process_group)
-        return (
-            f"Group(process_group={pg}, ranks={self.ranks}, replica_groups={self.replica_groups}, "
-            f"rank={self.rank})"
-        )
+        return f"Group(process_group={pg}, ranks={self.ranks}, replica_groups={self.replica_groups}, rank={self.rank})"
 
 
 class _Released:
@@ -277,8 +274,9 @@ def initialize_model_parallel(tensor_parallel_size: int = 1, pipeline_parallel_s
     if pipeline_parallel_size > 1:  # without PP no new communicator (and no new process group)
         groups["pp"] = _new_groups([list(g) for g in layout.pp], rt.rank)
         # At p = 2 the embedding groups are the PP groups: the same communicators serve both.
-        groups["embedding"] = groups["pp"] if layout.embedding == layout.pp else \
-            _new_groups([list(g) for g in layout.embedding], rt.rank)
+        groups["embedding"] = (
+            groups["pp"] if layout.embedding == layout.pp else _new_groups([list(g) for g in layout.embedding], rt.rank)
+        )
     else:
         groups.update(pp=None, embedding=None)
     _STATE = ParallelState(**groups)

@@ -65,7 +65,7 @@ NEURON_WITHOUT_XLA = (
     "(torch.accelerator.is_available() is False). A Neuron SDK of 2.30 or later (TorchNeuron) trains "
     "on trn2/trn3 through the native 'neuron' device, which torch does not see on this machine. "
     "Training on trn1 needs Neuron SDK 2.28 (torch-neuronx 2.9 with torch-xla 2.9; AWS tells XLA training users "
-    "to stay on it): activate that SDK's venv and pip install -e \".[trn1,tutorial]\" -c constraints-trn1.txt "
+    'to stay on it): activate that SDK\'s venv and pip install -e ".[trn1,tutorial]" -c constraints-trn1.txt '
     "(docs/trainium.md). Pass "
     "backend='gloo' to train on the host CPU instead."
 )

@@ -101,9 +101,15 @@ def read_capture(root: str | Path) -> Capture:
 def write_capture(root: str | Path, job: dict, runs: list[Run], notes: list[str] = ()) -> Path:
     """Write ``root/manifest.json`` atomically (checked as :func:`read_capture` checks it)."""
     root = Path(root)
-    data = {"format": FORMAT, "version": VERSION, "job": job,
-            "runs": [{"layers": r.layers, "recompute": r.recompute, "attention": r.attention, "files": r.files}
-                     for r in runs], "notes": list(notes)}
+    data = {
+        "format": FORMAT,
+        "version": VERSION,
+        "job": job,
+        "runs": [
+            {"layers": r.layers, "recompute": r.recompute, "attention": r.attention, "files": r.files} for r in runs
+        ],
+        "notes": list(notes),
+    }
     for i, entry in enumerate(data["runs"]):
         _check_run(f"runs[{i}]", entry)
     path = root / MANIFEST

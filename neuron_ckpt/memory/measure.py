@@ -72,8 +72,9 @@ class _Entry:
         return self.ref is None or not self.ref.expired()
 
     def frozen(self) -> SavedStorage:
-        return SavedStorage(self.scope, self.device, self.nbytes, self.dtype, self.shape,
-                            self.times_saved, unshared=self.ref is None)
+        return SavedStorage(
+            self.scope, self.device, self.nbytes, self.dtype, self.shape, self.times_saved, unshared=self.ref is None
+        )
 
 
 def storage_key(tensor: torch.Tensor) -> StorageKey | None:
@@ -170,6 +171,7 @@ class SavedTensorRecorder(SavedTensorHooks):
     def _push_hook(self, name: str):
         def hook(module: torch.nn.Module, args: object) -> None:
             self._scopes.append(name)
+
         return hook
 
     def _pop_hook(self, module: torch.nn.Module, args: object, output: object) -> None:
@@ -193,8 +195,7 @@ class SavedTensorRecorder(SavedTensorHooks):
         if entry is not None:  # the old storage died and its address was reused
             self._retired.append(entry)
         storage = tensor.untyped_storage()
-        self._live[key] = _Entry(scope, key[0], storage.nbytes(), dtype, shape,
-                                 StorageWeakRef(storage))
+        self._live[key] = _Entry(scope, key[0], storage.nbytes(), dtype, shape, StorageWeakRef(storage))
         return tensor.detach()
 
     # --- results -----------------------------------------------------------------------
@@ -228,7 +229,6 @@ class SavedTensorRecorder(SavedTensorHooks):
         for s in self.storages:
             out[s.scope] = out.get(s.scope, 0) + s.nbytes
         return out
-
 
     def _unpack(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor

@@ -146,8 +146,12 @@ class Plan:
 
 
 def _config_dict(config: RecomputeConfig) -> dict[str, Any]:
-    return {"granularity": config.granularity, "method": config.method, "num_layers": config.num_layers,
-            "modules": list(config.modules) if config.granularity == "selective" else None}
+    return {
+        "granularity": config.granularity,
+        "method": config.method,
+        "num_layers": config.num_layers,
+        "modules": list(config.modules) if config.granularity == "selective" else None,
+    }
 
 
 class NothingFits(ValueError):
@@ -171,8 +175,12 @@ def _used(budget: MemoryBudget, limit_on: str) -> int:
 
 
 def evaluate(
-    model: ModelShape, setup: TrainingSetup, layers: str | tuple[str, ...] | RecomputeConfig, limit_bytes: int,
-    options: dict[str, LayerOption] | None = None, limit_on: str = "total",
+    model: ModelShape,
+    setup: TrainingSetup,
+    layers: str | tuple[str, ...] | RecomputeConfig,
+    limit_bytes: int,
+    options: dict[str, LayerOption] | None = None,
+    limit_on: str = "total",
 ) -> Plan:
     """The :class:`Plan` of a given assignment (one option name, or one per layer; or a grouped
     full-recompute config for the whole stack), fitting or not."""
@@ -197,7 +205,10 @@ def _splits(total: int, parts: int):
 
 
 def _best(
-    model: ModelShape, setup: TrainingSetup, limit_bytes: int, allowed: tuple[str, ...] | None,
+    model: ModelShape,
+    setup: TrainingSetup,
+    limit_bytes: int,
+    allowed: tuple[str, ...] | None,
     limit_on: str = "total",
 ) -> tuple[Plan | None, Plan]:
     """(cheapest fitting plan or None, least-memory plan); memory is what ``limit_on`` names."""
@@ -233,8 +244,9 @@ def _best(
     assert least is not None
 
     def layers(choice: Any) -> Any:  # a split in the layer order, or a grouped config
-        return choice if isinstance(choice, RecomputeConfig) else tuple(
-            n for n, k in zip(names, choice) for _ in range(k))
+        return (
+            choice if isinstance(choice, RecomputeConfig) else tuple(n for n, k in zip(names, choice) for _ in range(k))
+        )
 
     plan = evaluate(model, setup, layers(best[2]), limit_bytes, options, limit_on) if best else None
     return plan, evaluate(model, setup, layers(least[2]), limit_bytes, options, limit_on)
@@ -308,7 +320,9 @@ def plan_activations(
     raise NothingFits(
         f"no recompute choice keeps at most {activation_bytes / 2**20:,.1f} MiB of activations: the least "
         f"({least.describe()}) keeps {least.used_bytes / 2**20:,.1f} MiB",
-        least, None, None,
+        least,
+        None,
+        None,
     )
 
 
@@ -337,8 +351,10 @@ def _nothing_fits(model: ModelShape, setup: TrainingSetup, limit: int, least: Pl
         f"optimizer state and mask cache"
     ]
     if smallest_tp is not None:
-        parts.append(f"would fit: tp={smallest_tp} (the smallest tensor-parallel degree that fits, dp={setup.dp}, "
-                     f"micro-batch {setup.micro_batch})")
+        parts.append(
+            f"would fit: tp={smallest_tp} (the smallest tensor-parallel degree that fits, dp={setup.dp}, "
+            f"micro-batch {setup.micro_batch})"
+        )
     else:
         parts.append(f"no tensor-parallel degree above {setup.tp} fits at this micro-batch")
     if largest_b is not None:
@@ -350,5 +366,15 @@ def _nothing_fits(model: ModelShape, setup: TrainingSetup, limit: int, least: Pl
     return NothingFits("; ".join(parts), least, smallest_tp, largest_b)
 
 
-__all__ = ["DEVICE_PRESETS", "LIMITS_ON", "NothingFits", "Plan", "device_memory_bytes", "evaluate", "limit_bytes",
-           "plan_activations", "plan_recompute", "valid_tp_degrees"]
+__all__ = [
+    "DEVICE_PRESETS",
+    "LIMITS_ON",
+    "NothingFits",
+    "Plan",
+    "device_memory_bytes",
+    "evaluate",
+    "limit_bytes",
+    "plan_activations",
+    "plan_recompute",
+    "valid_tp_degrees",
+]

@@ -77,10 +77,12 @@ class ModelShape:
                 raise ValueError(f"kv_heads applies to llama only; gpt has kv_heads = heads, got {self.kv_heads!r}")
             if self.ffn != 4 * self.hidden:
                 raise ValueError(
-                    f"ffn for gpt must be 4 * hidden = {4 * self.hidden} (the paper's layer), got {self.ffn!r}")
+                    f"ffn for gpt must be 4 * hidden = {4 * self.hidden} (the paper's layer), got {self.ffn!r}"
+                )
             if self.head_dim * self.heads != self.hidden:
-                raise ValueError(f"head_dim for gpt must be hidden / heads = {self.hidden // self.heads}, "
-                                 f"got {self.head_dim!r}")
+                raise ValueError(
+                    f"head_dim for gpt must be hidden / heads = {self.hidden // self.heads}, got {self.head_dim!r}"
+                )
 
     @classmethod
     def gpt(cls, hidden: int, heads: int, layers: int, vocab: int = DEFAULT_VOCAB, name: str = "") -> ModelShape:

@@ -129,7 +129,9 @@ class GPTLayer(torch.nn.Module):
         super().__init__()
         state = parallel_state if parallel_state is not None else get_parallel_state()
         norm = dict(
-            eps=config.layernorm_eps, sequence_parallel=config.sequence_parallel, dtype=config.dtype,
+            eps=config.layernorm_eps,
+            sequence_parallel=config.sequence_parallel,
+            dtype=config.dtype,
             parallel_state=state,
         )
         self.config = config

@@ -134,8 +134,10 @@ def check_hf_shapes(
     if _tied(model) and TIED_HEAD_KEY in given:  # the same tensor as the table: checked, not loaded
         given.discard(TIED_HEAD_KEY)
         if TIED_TABLE_KEY in shapes and tuple(shapes[TIED_HEAD_KEY]) != tuple(shapes[TIED_TABLE_KEY]):
-            raise ValueError(f"{what}: tie_word_embeddings is true but {TIED_HEAD_KEY} {tuple(shapes[TIED_HEAD_KEY])} "
-                             f"has not the shape of {TIED_TABLE_KEY} {tuple(shapes[TIED_TABLE_KEY])}")
+            raise ValueError(
+                f"{what}: tie_word_embeddings is true but {TIED_HEAD_KEY} {tuple(shapes[TIED_HEAD_KEY])} "
+                f"has not the shape of {TIED_TABLE_KEY} {tuple(shapes[TIED_TABLE_KEY])}"
+            )
     missing, unexpected = sorted(set(expected) - given), sorted(given - set(expected))
     if missing or unexpected:
         raise KeyError(
@@ -162,8 +164,10 @@ def load_hf_state_dict(model: torch.nn.Module, state_dict: dict[str, torch.Tenso
     expected = check_hf_shapes(model, {k: tuple(v.shape) for k, v in state_dict.items()}, "state dict")
     head = state_dict.get(TIED_HEAD_KEY) if _tied(model) else None
     if head is not None and not torch.equal(head, state_dict[TIED_TABLE_KEY]):
-        raise ValueError(f"state dict: tie_word_embeddings is true but {TIED_HEAD_KEY} differs from "
-                         f"{TIED_TABLE_KEY} (an untied checkpoint? set tie_word_embeddings false)")
+        raise ValueError(
+            f"state dict: tie_word_embeddings is true but {TIED_HEAD_KEY} differs from "
+            f"{TIED_TABLE_KEY} (an untied checkpoint? set tie_word_embeddings false)"
+        )
     with torch.no_grad():
         for key, (_, p) in expected.items():
             p.copy_(shard(state_dict[key], p, tp.rank, tp.size).to(device=p.device, dtype=p.dtype))

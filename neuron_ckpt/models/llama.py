@@ -78,8 +78,7 @@ class LlamaOptions:
             raise ValueError(f"sequence_parallel must be a bool, got {self.sequence_parallel!r}")
         if self.attention_implementation not in ATTENTION:
             raise ValueError(
-                f"attention_implementation must be one of {list(ATTENTION)}, "
-                f"got {self.attention_implementation!r}"
+                f"attention_implementation must be one of {list(ATTENTION)}, got {self.attention_implementation!r}"
             )
         if not isinstance(self.dtype, torch.dtype):
             raise ValueError(f"dtype must be a torch.dtype, got {self.dtype!r}")
@@ -299,7 +298,6 @@ class LlamaForCausalLM(torch.nn.Module):
     def hf_grad_dict(self) -> dict[str, torch.Tensor]:
         """The full gradients, named and shaped like ``hf_state_dict`` (parameters without a grad: zeros)."""
         return hf_conversion.hf_state_dict(self, grads=True)
-
 
 
 TIED_HEAD = "lm_head.weight"

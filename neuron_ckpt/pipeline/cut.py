@@ -73,8 +73,11 @@ def cut_layers(
     ``num_layers``); None: balanced by cost (module docstring). Raises a one-line ValueError for a
     cut that cannot be made.
     """
-    for name, value in (("num_layers", num_layers), ("pipeline_parallel_size", pipeline_parallel_size),
-                        ("virtual_stages", virtual_stages)):
+    for name, value in (
+        ("num_layers", num_layers),
+        ("pipeline_parallel_size", pipeline_parallel_size),
+        ("virtual_stages", virtual_stages),
+    ):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     for name, value in (("embedding_cost", embedding_cost), ("head_cost", head_cost)):

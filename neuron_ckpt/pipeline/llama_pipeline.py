@@ -67,8 +67,10 @@ class LlamaPipeline:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if sequence_parallel and seq_len % state.tp_size:
-            raise ValueError(f"seq_len={seq_len} must be divisible by the tensor-parallel size {state.tp_size} "
-                             "under sequence parallel")
+            raise ValueError(
+                f"seq_len={seq_len} must be divisible by the tensor-parallel size {state.tp_size} "
+                "under sequence parallel"
+            )
         self.args, self.config, self.parallel_state = args, pipeline, state
         self.micro_batch_size, self.seq_len = micro_batch_size, seq_len
         self.cut: PipelineCut = cut_layers(
@@ -183,8 +185,10 @@ class LlamaPipeline:
         mine = set(self.state_dict())
         if set(state_dict) != mine:
             missing, unexpected = sorted(mine - set(state_dict)), sorted(set(state_dict) - mine)
-            raise ValueError(f"LlamaPipeline.load_state_dict: stages {list(self.stage_indices)} miss {missing[:4]} "
-                             f"and do not hold {unexpected[:4]} (saved with another cut?)")
+            raise ValueError(
+                f"LlamaPipeline.load_state_dict: stages {list(self.stage_indices)} miss {missing[:4]} "
+                f"and do not hold {unexpected[:4]} (saved with another cut?)"
+            )
         for module in self.modules:
             module.load_state_dict({k: state_dict[k] for k in module.state_dict()})
 
@@ -195,8 +199,10 @@ class LlamaPipeline:
 
     def load_rng_state_dict(self, states: list[dict[str, Any]]) -> None:
         if len(states) != len(self.modules):
-            raise ValueError(f"LlamaPipeline.load_rng_state_dict: {len(states)} stages' streams, this rank holds "
-                             f"{len(self.modules)} stages")
+            raise ValueError(
+                f"LlamaPipeline.load_rng_state_dict: {len(states)} stages' streams, this rank holds "
+                f"{len(self.modules)} stages"
+            )
         for module, state in zip(self.modules, states):
             module.rng.default, module.rng.tp = state["default"], state["tp"]
 

@@ -73,8 +73,12 @@ class LlamaStage(torch.nn.Module):
         L = args.num_hidden_layers
         if not isinstance(layers, range) or layers.step != 1 or not 0 <= layers.start <= layers.stop <= L:
             raise ValueError(f"layers must be a range of consecutive layers within 0..{L}, got {layers!r}")
-        if not isinstance(num_stages, int) or num_stages < 1 or not isinstance(stage_index, int) \
-                or not 0 <= stage_index < num_stages:
+        if (
+            not isinstance(num_stages, int)
+            or num_stages < 1
+            or not isinstance(stage_index, int)
+            or not 0 <= stage_index < num_stages
+        ):
             raise ValueError(f"stage_index must be in 0..num_stages-1, got {stage_index!r} of {num_stages!r}")
         self.options = options = LlamaOptions(sequence_parallel, attention_implementation, dtype, parallel_state)
         self.layer_ids, self.stage_index, self.num_stages = layers, stage_index, num_stages

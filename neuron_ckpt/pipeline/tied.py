@@ -55,8 +55,10 @@ def all_reduce_tied_gradients(stages: Sequence[LlamaStage], parallel_state: Para
         return 0
     group = parallel_state.embedding
     if group is None:
-        raise ValueError("tied embeddings across stages need the embedding group: initialize_model_parallel("
-                         "pipeline_parallel_size=...) creates it")
+        raise ValueError(
+            "tied embeddings across stages need the embedding group: initialize_model_parallel("
+            "pipeline_parallel_size=...) creates it"
+        )
     for p in params:
         # A ZeRO-1 optimizer's fp32 buffer when it accumulates p's gradient (p.grad is None then).
         grad = gradient_holder(p)

@@ -193,8 +193,9 @@ class _Unit:
 _INSTALLERS = {"moe_act": moe.install_expert_act, "mla_up_proj": mla.install}
 
 
-def _units(layers: Modules, config: RecomputeConfig, patterns: Patterns, matched: set[str], first: int = 0
-           ) -> list[_Unit]:
+def _units(
+    layers: Modules, config: RecomputeConfig, patterns: Patterns, matched: set[str], first: int = 0
+) -> list[_Unit]:
     """The units of ``config`` applied to ``layers`` (numbered from ``first``); the selective
     names that matched are added to ``matched``."""
     if config.granularity == "selective":
@@ -204,12 +205,20 @@ def _units(layers: Modules, config: RecomputeConfig, patterns: Patterns, matched
     return []
 
 
-def _selective(layers: Modules, config: RecomputeConfig, patterns: Patterns, matched: set[str], first: int
-               ) -> list[_Unit]:
+def _selective(
+    layers: Modules, config: RecomputeConfig, patterns: Patterns, matched: set[str], first: int
+) -> list[_Unit]:
     """Each layer's submodules named in ``config.modules``, one unit each."""
     return [
-        _Unit(f"{i}.{qualname}", (module,), config, replicated and config.distribute_saved_activations,
-              name in DISCARDING, layer, name)
+        _Unit(
+            f"{i}.{qualname}",
+            (module,),
+            config,
+            replicated and config.distribute_saved_activations,
+            name in DISCARDING,
+            layer,
+            name,
+        )
         for i, layer in enumerate(layers, start=first)
         for qualname, module, replicated, name in selected_modules(layer, i, config.modules, patterns, matched)
     ]
@@ -234,8 +243,9 @@ def _full_uniform(layers: Modules, config: RecomputeConfig, first: int) -> list[
     return units
 
 
-def _per_layer(layers: Modules, configs: Sequence[RecomputeConfig | None], patterns: Patterns, matched: set[str]
-               ) -> list[_Unit]:
+def _per_layer(
+    layers: Modules, configs: Sequence[RecomputeConfig | None], patterns: Patterns, matched: set[str]
+) -> list[_Unit]:
     """A per-layer list: each entry applied to its own layer by the strategies above."""
     return [
         unit

@@ -100,9 +100,7 @@ class RecomputeConfig:
         ):
             raise ValueError(f"num_layers must be a positive int, got {self.num_layers!r}")
         if not isinstance(self.distribute_saved_activations, bool):
-            raise ValueError(
-                f"distribute_saved_activations must be a bool, got {self.distribute_saved_activations!r}"
-            )
+            raise ValueError(f"distribute_saved_activations must be a bool, got {self.distribute_saved_activations!r}")
         if self.use_reentrant is not None and not isinstance(self.use_reentrant, bool):
             raise ValueError(f"use_reentrant must be None, True or False, got {self.use_reentrant!r}")
 

@@ -114,8 +114,7 @@ class discard_outputs:
 
     def __enter__(self) -> discard_outputs:
         hooks = None
-        if (not torch.is_grad_enabled() or inside_checkpoint() or torch.compiler.is_compiling()
-                or _SCOPE.get() is _OFF):
+        if not torch.is_grad_enabled() or inside_checkpoint() or torch.compiler.is_compiling() or _SCOPE.get() is _OFF:
             scope: Any = _OFF
         else:
             # The hooks active outside the block, to pass everything else on to. torch has no
@@ -191,8 +190,9 @@ class _Scope:
                 # (Tensor._view_func, private: torch's only replay of a view chain onto another
                 # base). Keeping ``t`` costs nothing there: the graph reads the rerun, not t.
                 return _Note(call, index, None, t._view_func)
-            same = t is root or (t.size() == root.size() and t.stride() == root.stride()
-                                 and t.storage_offset() == root.storage_offset())
+            same = t is root or (
+                t.size() == root.size() and t.stride() == root.stride() and t.storage_offset() == root.storage_offset()
+            )
             return _Note(call, index, None if same else (t.size(), t.stride(), t.storage_offset()))
         return self.outer[0](t) if self.outer is not None else t
 
@@ -331,15 +331,19 @@ class _DiscardFunction(torch.autograd.Function):
         if torch.is_grad_enabled():  # the engine enables grad in backward only for create_graph=True
             raise RuntimeError(_NO_DOUBLE_BACKWARD)
         call = ctx.call
-        inputs, outputs = call.recomputed if call.recomputed is not None else call.rerun(
-            [g for g in grads if g is not None])
+        inputs, outputs = (
+            call.recomputed if call.recomputed is not None else call.rerun([g for g in grads if g is not None])
+        )
         call.recomputed = None  # a retain_graph backward recomputes again
         params = [p for m in call.modules for p in m.parameters() if p.requires_grad]
         wanted = [t for t in inputs if t.requires_grad] + params
         pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None and o.requires_grad]
         with _hooks_held(params):
-            got = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True)
-                       if pairs and wanted else [None] * len(wanted))
+            got = iter(
+                torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True)
+                if pairs and wanted
+                else [None] * len(wanted)
+            )
         input_grads = [next(got) if t.requires_grad else None for t in inputs]
         param_grads = [next(got) for _ in params]
         return (None, None, *input_grads, *param_grads)

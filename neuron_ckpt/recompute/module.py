@@ -63,7 +63,11 @@ class Recompute(torch.nn.Module):
     ops after it, inside the :class:`~.discard.discard_outputs` block of its layer)."""
 
     def __init__(
-        self, module: torch.nn.Module, config: RecomputeConfig, distribute: bool = False, span: int = 1,
+        self,
+        module: torch.nn.Module,
+        config: RecomputeConfig,
+        distribute: bool = False,
+        span: int = 1,
         discard: bool = False,
     ):
         super().__init__()

@@ -62,8 +62,9 @@ class RoutingReplay(TorchFunctionMode):
             return result
         return self._replay(*args, **kwargs)
 
-    def _replay(self, input: torch.Tensor, k: int, dim: int = -1, largest: bool = True, sorted: bool = True,
-                *, out: Any = None) -> Any:
+    def _replay(
+        self, input: torch.Tensor, k: int, dim: int = -1, largest: bool = True, sorted: bool = True, *, out: Any = None
+    ) -> Any:
         if self._next >= len(self.recorded):
             raise RuntimeError(
                 f"routing replay: the rerun calls topk {self._next + 1} times, the forward called it "

@@ -157,7 +157,12 @@ class CheckpointManager:
                     "model parallel state): it decides which rank writes the model files of each TP rank"
                 ) from None
         self.place = place = Placement.of(parallel_state) if parallel_state is not None else Placement()
-        self.tp_rank, self.tp_size, self.dp_rank, self.dp_size = place.tp_rank, place.tp_size, place.dp_rank, place.dp_size
+        self.tp_rank, self.tp_size, self.dp_rank, self.dp_size = (
+            place.tp_rank,
+            place.tp_size,
+            place.dp_rank,
+            place.dp_size,
+        )
         if place.world_size != world_size:
             pp = f" x PP {place.pp_size}" if place.pp_size > 1 else ""
             raise ValueError(f"TP {self.tp_size} x DP {self.dp_size}{pp} != world size {world_size}")
@@ -235,7 +240,9 @@ class CheckpointManager:
                     tensors: dict[str, torch.Tensor] = {}
                     structure[key] = split(value, "", tensors)  # the state dict's own names
                     if self.place.writes_shared:
-                        write_tensors(tmp, self.place.shared_prefix(key), tensors, {"key": key, **info}, self.chunk_bytes)
+                        write_tensors(
+                            tmp, self.place.shared_prefix(key), tensors, {"key": key, **info}, self.chunk_bytes
+                        )
                 else:
                     structure[key] = split(value, str(key), own)
             write_tensors(tmp, rank_prefix(self.rank), own, info, self.chunk_bytes)
@@ -258,7 +265,9 @@ class CheckpointManager:
             self.log(report.describe())
         return final
 
-    def _commit(self, tmp: Path, final: Path, step: int, meta: dict[str, Any], shared: list[str], report: SaveReport) -> None:
+    def _commit(
+        self, tmp: Path, final: Path, step: int, meta: dict[str, Any], shared: list[str], report: SaveReport
+    ) -> None:
         names = {p.name for p in tmp.iterdir()}
         prefixes = [rank_prefix(r) for r in range(self.world_size)]
         shared_prefixes = {key: self.place.shared_prefixes(key) for key in shared}
@@ -445,4 +454,3 @@ class CheckpointManager:
 
         self._rounds.run(read, f"restoring checkpoint {path}")
         return out["meta"]
-

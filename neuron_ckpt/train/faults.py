@@ -134,8 +134,14 @@ def is_collective_failure(error: BaseException) -> bool:
     if isinstance(error, getattr(dist, "DistError", ())):
         return True
     text = str(error)
-    needles = ("Timed out", "timed out", "Application timeout", "Connection closed by peer",
-               "Connection reset by peer", "Broken pipe")  # the last ones: a peer that gave up first
+    needles = (
+        "Timed out",
+        "timed out",
+        "Application timeout",
+        "Connection closed by peer",
+        "Connection reset by peer",
+        "Broken pipe",
+    )  # the last ones: a peer that gave up first
     return isinstance(error, RuntimeError) and any(n in text for n in needles)
 
 
@@ -226,7 +232,9 @@ class Coordinator:
     def diagnose(self, step: int, error: BaseException) -> CollectiveTimeoutError:
         """After a collective failed in ``step`` on this rank: which ranks stopped answering."""
         text = str(error).strip()
-        first = re.sub(r"^\[[^\]]*\]\s*", "", text.splitlines()[0]) if text else type(error).__name__  # gloo's [file:line]
+        first = (
+            re.sub(r"^\[[^\]]*\]\s*", "", text.splitlines()[0]) if text else type(error).__name__
+        )  # gloo's [file:line]
         head = (
             f"rank {self.rank}: a collective in step {step} failed ({first}; collective timeout "
             f"{self.timeout_s:g} s)" if self.timeout_s else f"rank {self.rank}: a collective in step {step} failed ({first})"
@@ -267,10 +275,17 @@ class Coordinator:
                 "rank's error (network, or one rank's own error).",
                 step, [], {},
             )  # fmt: skip
-        def describe(r: int) -> str:
-            return f"rank {r} (last finished step {last[r]})" if last.get(r) is not None else f"rank {r} (no step finished)"
 
-        named = ", ".join(describe(r) for r in silent[:16]) + (f" and {len(silent) - 16} more" if len(silent) > 16 else "")
+        def describe(r: int) -> str:
+            return (
+                f"rank {r} (last finished step {last[r]})"
+                if last.get(r) is not None
+                else f"rank {r} (no step finished)"
+            )
+
+        named = ", ".join(describe(r) for r in silent[:16]) + (
+            f" and {len(silent) - 16} more" if len(silent) > 16 else ""
+        )
         return CollectiveTimeoutError(
             f"{head}. Not answering: {named}; {len(silent)} of {self.world_size} ranks did not report the "
             f"failure within {self.grace_s:g} s: frozen, dead or stuck outside a collective (its log, "

@@ -136,8 +136,14 @@ class SavePolicy:
 class _Logger:
     """Turns (loss, grad norm) tensors into :class:`StepRecord` s, timing the logged intervals."""
 
-    def __init__(self, options: FitOptions, metrics: MetricsWriter, world: int, tokens_seen: int,
-                 device: torch.device | None = None):
+    def __init__(
+        self,
+        options: FitOptions,
+        metrics: MetricsWriter,
+        world: int,
+        tokens_seen: int,
+        device: torch.device | None = None,
+    ):
         self.options, self.metrics, self.world, self.device = options, metrics, world, device
         self.tokens_seen = tokens_seen
         self.records: list[StepRecord] = []
@@ -204,7 +210,13 @@ def fit(
     # Run what building the model and optimizer (ZeRO-1's flattening of every parameter) or
     # loading a checkpoint left pending, so that step 1's graph is the steady-state step.
     runtime.step_boundary()
-    logger = _Logger(options, metrics, ps.tp_size * ps.dp_size * ps.pp_size, state.step * options.global_batch * options.seq_len, device)
+    logger = _Logger(
+        options,
+        metrics,
+        ps.tp_size * ps.dp_size * ps.pp_size,
+        state.step * options.global_batch * options.seq_len,
+        device,
+    )
     if options.graphs_only:
         checkpoints = None  # placeholder values: nothing worth saving
     coordinator = faults.Coordinator()
@@ -238,8 +250,10 @@ def fit(
                         logger.log(values, done, lr)  # raises NonFiniteError before writing anything
                 runtime.step_boundary()  # XLA: runs the closure, so a NaN raises here, before the save below
                 if interrupt and ps.dp.rank == 0 and ps.tp.rank == 0:
-                    faults.say(f"{signal.Signals(stop).name} received: stopping after step {done}"
-                               + (", saving a checkpoint first" if save else " (no checkpoint directory: nothing saved)"))
+                    faults.say(
+                        f"{signal.Signals(stop).name} received: stopping after step {done}"
+                        + (", saving a checkpoint first" if save else " (no checkpoint directory: nothing saved)")
+                    )
                 saved = state.save(checkpoints, meta or {}) if save else None
                 if save:
                     logger.restart()

@@ -167,8 +167,11 @@ def drop_after_step(path: str | os.PathLike, step: int) -> int:
             continue
         if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] > step:
             continue
-        if isinstance(record, dict) and record.get("kind") == "summary" and \
-                record.get("start_step", 0) + record.get("steps", 0) > step:
+        if (
+            isinstance(record, dict)
+            and record.get("kind") == "summary"
+            and record.get("start_step", 0) + record.get("steps", 0) > step
+        ):
             continue  # the summary of a run whose last steps are dropped
         kept.append(line)
     dropped = len(lines) - len(kept)
@@ -216,9 +219,7 @@ class MetricsWriter:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
-                raise ValueError(
-                    "--tensorboard-dir needs the tensorboard package: pip install tensorboard"
-                ) from None
+                raise ValueError("--tensorboard-dir needs the tensorboard package: pip install tensorboard") from None
             purge = resume_step + 1 if append and resume_step is not None else None
             self._tb = SummaryWriter(log_dir=str(tensorboard_dir), purge_step=purge)
 

@@ -68,7 +68,9 @@ class TrainState:
         if missing:
             raise ValueError(f"TrainState.load_state_dict: no {missing} in the state (keys: {sorted(state)})")
         if (state["data"] is None) != (self.batches is None):
-            raise ValueError("TrainState.load_state_dict: the state and this TrainState disagree on having a batch order")
+            raise ValueError(
+                "TrainState.load_state_dict: the state and this TrainState disagree on having a batch order"
+            )
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         if self.batches is not None:
@@ -83,7 +85,9 @@ class TrainState:
         """A collective: checkpoint this state as step ``self.step`` (``meta`` goes to meta.json)."""
         return manager.save(self.step, self.state_dict(), meta)
 
-    def resume(self, manager: CheckpointManager, which: str, expect: dict[str, Any]) -> tuple[Path, dict[str, Any]] | None:
+    def resume(
+        self, manager: CheckpointManager, which: str, expect: dict[str, Any]
+    ) -> tuple[Path, dict[str, Any]] | None:
         """A collective: load checkpoint ``which`` (``"latest"`` or a path) into this state.
 
         Returns ``(path, meta)`` and sets ``step`` to ``meta["step"]`` (the steps done), or None

@@ -69,8 +69,10 @@ def gqa(layer: LayerTensors, shape: MoEShape, setup: MoESetup, x: str) -> None:
     v = layer.save("v", w * T * g * d, split)  # v_proj's output, read through a strided view
     if setup.attention != "eager":
         if d > SDPA_GQA_MAX_HEAD_DIM:
-            raise ValueError(f"head_dim ({d}) > {SDPA_GQA_MAX_HEAD_DIM}: transformers' sdpa repeats k and v, "
-                             "which this model does not price; use attention='eager'")
+            raise ValueError(
+                f"head_dim ({d}) > {SDPA_GQA_MAX_HEAD_DIM}: transformers' sdpa repeats k and v, "
+                "which this model does not price; use attention='eager'"
+            )
         layer.keep(q, "attn.core")
         layer.keep(k, "attn.core")
         layer.keep(v, "attn.core")

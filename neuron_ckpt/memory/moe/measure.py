@@ -39,8 +39,9 @@ def hf_config(shape: MoEShape, setup: MoESetup, layers: int | None = None, vocab
                   max_position_embeddings=max(setup.seq_len, 128), use_cache=False, attention_dropout=0.0)  # fmt: skip
     dense = [i for i in shape.dense_layers if i < L]
     if shape.family == "mixtral":
-        config = transformers.MixtralConfig(**common, head_dim=shape.head_dim, intermediate_size=shape.moe_ffn,
-                                            num_local_experts=shape.experts)
+        config = transformers.MixtralConfig(
+            **common, head_dim=shape.head_dim, intermediate_size=shape.moe_ffn, num_local_experts=shape.experts
+        )
     elif shape.family == "deepseek_v3":
         m = shape.mla
         config = transformers.DeepseekV3Config(
@@ -53,13 +54,22 @@ def hf_config(shape: MoEShape, setup: MoESetup, layers: int | None = None, vocab
     else:
         cls = transformers.Qwen3MoeConfig if shape.family == "qwen3_moe" else transformers.Qwen2MoeConfig
         extra = {"shared_expert_intermediate_size": shape.shared_ffn} if shape.family == "qwen2_moe" else {}
-        config = cls(**common, **extra, intermediate_size=shape.dense_ffn or 1, moe_intermediate_size=shape.moe_ffn,
-                     num_experts=shape.experts, norm_topk_prob=shape.norm_topk_prob, mlp_only_layers=dense)
+        config = cls(
+            **common,
+            **extra,
+            intermediate_size=shape.dense_ffn or 1,
+            moe_intermediate_size=shape.moe_ffn,
+            num_experts=shape.experts,
+            norm_topk_prob=shape.norm_topk_prob,
+            mlp_only_layers=dense,
+        )
         config.head_dim = shape.head_dim
     fused_only = setup.attention == "sdpa-fused" and shape.mla and shape.mla.qk_head_dim != shape.mla.v_head_dim
     if fused_only:
-        raise ValueError("attention 'sdpa-fused' with MLA head sizes that differ is not what torch runs on CPU "
-                         "(the math path); build it with 'sdpa'")
+        raise ValueError(
+            "attention 'sdpa-fused' with MLA head sizes that differ is not what torch runs on CPU "
+            "(the math path); build it with 'sdpa'"
+        )
     config._attn_implementation = "eager" if setup.attention == "eager" else "sdpa"
     return config
 
@@ -76,8 +86,14 @@ def recompute_config(recompute: Recompute) -> RecomputeConfig | None:
     return RecomputeConfig(granularity="selective", modules=list(modules))
 
 
-def build_model(shape: MoEShape, setup: MoESetup, recompute: Recompute = "none", layers: int | None = None,
-                vocab: int | None = None, seed: int = 0):
+def build_model(
+    shape: MoEShape,
+    setup: MoESetup,
+    recompute: Recompute = "none",
+    layers: int | None = None,
+    vocab: int | None = None,
+    seed: int = 0,
+):
     """The ``*ForCausalLM`` of ``shape`` (``layers`` of them), split over TP and recomputing as told."""
     import transformers
 
@@ -152,8 +168,10 @@ def measure_layers(model, setup: MoESetup, seed: int = 0, backward: bool = True)
     by_scope = rec.bytes_by_scope()
     per_layer = [by_scope.pop(LAYER_SCOPE.format(i), 0) for i in range(len(layers))]
     by_scope.pop(FINAL_NORM_SCOPE, None)
-    storages = sorted(((s.scope, str(s.dtype).removeprefix("torch."), s.shape, s.nbytes) for s in rec.storages),
-                      key=lambda row: -row[3])
+    storages = sorted(
+        ((s.scope, str(s.dtype).removeprefix("torch."), s.shape, s.nbytes) for s in rec.storages),
+        key=lambda row: -row[3],
+    )
     if backward:
         hidden.float().square().mean().backward()
     return Measured(per_layer, sum(by_scope.values()), storages)

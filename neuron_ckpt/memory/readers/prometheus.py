@@ -54,8 +54,9 @@ class _Scrapes:
             where = f"{self.path}: the scrape from line {self.start}"
             lost = self.previous - self.memory
             if lost:
-                raise ReadError(f"{where} lacks {len(lost)} memory series the scrape before it had (cut short?), "
-                                f"e.g. {min(lost)}")
+                raise ReadError(
+                    f"{where} lacks {len(lost)} memory series the scrape before it had (cut short?), e.g. {min(lost)}"
+                )
             for core in sorted({c for c, _ in self.sums}):
                 missing = [c for c in NEURON_CATEGORIES if (core, c) not in self.sums]
                 if missing:
@@ -84,7 +85,7 @@ def read(path: str | Path, tag: str | None = None) -> MemoryReading:
         if series in scrapes.seen:
             scrapes.close(number)
         scrapes.seen.add(series)
-        category = name[len(PREFIX):] if name.startswith(PREFIX) else None
+        category = name[len(PREFIX) :] if name.startswith(PREFIX) else None
         if category not in NEURON_CATEGORIES:
             continue  # other metrics, and CloudWatch's neuroncore_memory_usage_total
         labels = _labels(match.group("labels") or "", where)
@@ -112,8 +113,14 @@ def read(path: str | Path, tag: str | None = None) -> MemoryReading:
             peak = cores.setdefault(core, dict.fromkeys(NEURON_CATEGORIES, 0))
             peak[category] = max(peak[category], value)
     count = len(scrapes.closed)
-    return MemoryReading("prometheus", str(path), "peak" if count > 1 else "current", dict(sorted(cores.items())),
-                         count, SCRATCHPAD_PAGE_BYTES)
+    return MemoryReading(
+        "prometheus",
+        str(path),
+        "peak" if count > 1 else "current",
+        dict(sorted(cores.items())),
+        count,
+        SCRATCHPAD_PAGE_BYTES,
+    )
 
 
 __all__ = ["PREFIX", "read"]

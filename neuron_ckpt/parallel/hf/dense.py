@@ -56,7 +56,9 @@ def _apply_linear(target: Target, split: Split) -> None:
     kwargs = dict(bias=module.bias is not None, dtype=w.dtype, device="meta", parallel_state=state, init_method=no_init)
     if column:
         keeps_split = split.loss_head == target.name
-        new = ColumnParallelLinear(module.in_features, module.out_features, gather_output=flag and not keeps_split, **kwargs)
+        new = ColumnParallelLinear(
+            module.in_features, module.out_features, gather_output=flag and not keeps_split, **kwargs
+        )
         take(new, "weight", w, 0, t, r)
         if module.bias is not None:
             take(new, "bias", module.bias, 0, t, r)
@@ -75,7 +77,9 @@ def _check_embedding(model: torch.nn.Module, target: Target, t: int) -> None:
             f"{where}: needs a torch.nn.Embedding (or one that only scales by embed_scale), got {type(module).__name__}"
         )
     if module.num_embeddings % t:
-        raise ValueError(f"{where}: num_embeddings={module.num_embeddings} is not divisible by the tensor-parallel size {t}")
+        raise ValueError(
+            f"{where}: num_embeddings={module.num_embeddings} is not divisible by the tensor-parallel size {t}"
+        )
     if module.max_norm is not None or module.scale_grad_by_freq or module.sparse:
         raise ValueError(f"{where}: max_norm, scale_grad_by_freq and sparse are not supported")
 
@@ -83,7 +87,8 @@ def _check_embedding(model: torch.nn.Module, target: Target, t: int) -> None:
 def _plain_embedding(module: torch.nn.Embedding) -> bool:
     """``nn.Embedding`` itself, or transformers' ``*ScaledWordEmbedding`` (lookup times ``embed_scale``)."""
     return type(module) is torch.nn.Embedding or (
-        type(module).__name__.endswith("ScaledWordEmbedding") and isinstance(getattr(module, "embed_scale", None), torch.Tensor)
+        type(module).__name__.endswith("ScaledWordEmbedding")
+        and isinstance(getattr(module, "embed_scale", None), torch.Tensor)
     )
 
 

@@ -55,7 +55,10 @@ def _layout(experts: torch.nn.Module, name: str) -> tuple[int, int]:
     """(dim, stride) of the intermediate size in the experts' weight ``name``."""
     transposed = getattr(experts, "is_transposed", None)
     if transposed is None:  # an undecorated class (Llama 4): the whole shapes tell, gate_up's h meets down's h
-        up, down = _whole_shape(experts, "gate_up_proj") or _whole_shape(experts, "up_proj"), _whole_shape(experts, "down_proj")
+        up, down = (
+            _whole_shape(experts, "gate_up_proj") or _whole_shape(experts, "up_proj"),
+            _whole_shape(experts, "down_proj"),
+        )
         transposed = up is not None and down is not None and up[1] == down[2] and up[2] != down[1]
     if name == "down_proj":
         return (1 if transposed else 2), 1
@@ -107,7 +110,9 @@ def _check_experts(model: torch.nn.Module, target: Target, t: int) -> None:
     experts, where = target.module, target.where
     weights = [n for n in WEIGHTS if isinstance(getattr(experts, n, None), torch.nn.Parameter)]
     if not weights:
-        raise ValueError(f"{where}: needs an experts module holding 3-D {' / '.join(WEIGHTS)}, got {type(experts).__name__}")
+        raise ValueError(
+            f"{where}: needs an experts module holding 3-D {' / '.join(WEIGHTS)}, got {type(experts).__name__}"
+        )
     others = [n for n, _ in experts.named_parameters(recurse=False) if n not in weights]
     if others or getattr(experts, "has_bias", False):
         raise ValueError(

@@ -106,7 +106,9 @@ def _resolve(model: torch.nn.Module, plan: dict[str, str]) -> list[Target]:
 
 def _style(target: Target) -> Style:
     if target.param is None and target.style not in STYLES:
-        raise ValueError(f"{target.where}: neuron_ckpt maps this style on parameters (3-D expert weights), not on a module")
+        raise ValueError(
+            f"{target.where}: neuron_ckpt maps this style on parameters (3-D expert weights), not on a module"
+        )
     if target.param is not None and target.style not in PARAMETER_STYLES:
         raise ValueError(f"{target.where}: neuron_ckpt maps this style on modules, not on a parameter")
     return (STYLES if target.param is None else PARAMETER_STYLES)[target.style]
