@@ -39,7 +39,7 @@ Autograd-aware versions (conjugate pairs) are in :mod:`neuron_ckpt.distributed.m
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist

@@ -25,7 +25,6 @@ without creating any.
 from __future__ import annotations
 
 import datetime
-
 import weakref
 from dataclasses import FrozenInstanceError, dataclass
 
@@ -103,10 +102,10 @@ class Group:
     def __reduce__(self):  # pickling needs process_group None (a ProcessGroup does not pickle)
         return (Group, (self.process_group, self.ranks, self.replica_groups, self.rank))
 
-    def __copy__(self) -> "Group":
+    def __copy__(self) -> Group:
         return self
 
-    def __deepcopy__(self, memo) -> "Group":
+    def __deepcopy__(self, memo) -> Group:
         return self  # immutable, and a copied model talks over the same communicator
 
     def __repr__(self) -> str:
@@ -122,7 +121,7 @@ class _Released:
 _RELEASED = _Released()
 
 # Every live Group that holds a process group, by id (weak: a Group dies with its last user).
-_HOLDING: "weakref.WeakValueDictionary[int, Group]" = weakref.WeakValueDictionary()
+_HOLDING: weakref.WeakValueDictionary[int, Group] = weakref.WeakValueDictionary()
 
 
 def release_process_groups() -> int:
@@ -242,7 +241,10 @@ def parallel_layout(world_size: int, tensor_parallel_size: int = 1, pipeline_par
         sizes = f"tensor_parallel_size={t}" + (f" x pipeline_parallel_size={p} = {t * p}" if p > 1 else "")
         raise ValueError(f"{sizes} does not divide the world size {world_size}; allowed: {allowed}")
     d = world_size // (t * p)
-    rank = lambda pp, dp, tp: pp * d * t + dp * t + tp  # noqa: E731
+
+    def rank(pp: int, dp: int, tp: int) -> int:
+        return pp * d * t + dp * t + tp
+
     tp = tuple(tuple(rank(i, j, k) for k in range(t)) for i in range(p) for j in range(d))
     dp = tuple(tuple(rank(i, j, k) for j in range(d)) for i in range(p) for k in range(t))
     pp = tuple(tuple(rank(i, j, k) for i in range(p)) for j in range(d) for k in range(t))

@@ -7,7 +7,8 @@ or asks torch which accelerator it has. Layers never do.
 Device and backend, unless ``backend=`` overrides them:
 
 * ``xla`` when torch-xla drives the device: torch-neuronx is importable together with torch-xla
-  (trn1, Neuron SDK 2.28: AWS tells XLA training users to stay there), or ``PJRT_DEVICE`` is set and torch-xla is importable;
+  (trn1, Neuron SDK 2.28: AWS tells XLA training users to stay there), or ``PJRT_DEVICE`` is set
+  and torch-xla is importable;
 * otherwise the accelerator ``torch.accelerator`` reports (``neuron`` under TorchNeuron on
   trn2/trn3, ``cuda``, ``xpu``, ... any device torch registers), one per local rank, with the
   backend torch registers as that device's default

@@ -32,14 +32,14 @@ adds the recompute buffers of the backward.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence, Union
 
 from ..recompute import MODULES, PRESETS, RecomputeConfig
 from .shape import ModelShape, TrainingSetup
 from .terms import ActivationTerm, LayerSpec, RecomputeEvent, layer_terms
 
-Recompute = Union[str, RecomputeConfig]
+Recompute = str | RecomputeConfig
 
 
 def supported_presets(model: ModelShape) -> tuple[str, ...]:

@@ -34,9 +34,10 @@ measured ``LlamaForCausalLM``. The GPT terms outside the layers are analytic onl
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Sequence
+from typing import Any
 
 from ..recompute import PRESETS
 from .analytic import rotary_terms, stack_peak

@@ -206,7 +206,7 @@ def run(args: argparse.Namespace) -> int:
     model = model_from_args(job)
     base = args.recompute or "none"
     results = []
-    for source, attention, preset, runs, extra in _groups(args, capture, base, job.attention):
+    for _source, attention, preset, runs, extra in _groups(args, capture, base, job.attention):
         setup = TrainingSetup(
             seq_len=job.seq,
             micro_batch=job.micro_batch,

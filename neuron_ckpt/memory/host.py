@@ -88,8 +88,10 @@ class HostBudget:
     def table(self) -> str:
         i = self.instance
         lines = [
-            f"host memory ({i.name}: {i.memory_bytes / GIB:.0f} GiB for {i.ranks} ranks, "
-            f"{i.per_rank_bytes / GIB:.2f} GiB per rank):",
+            (
+                f"host memory ({i.name}: {i.memory_bytes / GIB:.0f} GiB for {i.ranks} ranks, "
+                f"{i.per_rank_bytes / GIB:.2f} GiB per rank):"
+            ),
             f"{'moment':<22}{'GiB/rank':>9}{'GiB/host':>10}  note",
         ]
         for m in self.moments:

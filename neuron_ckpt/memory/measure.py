@@ -12,8 +12,9 @@ Choices, and why:
 - The pack hook returns the tensor detached (the same storage; autograd rebuilds its history on
   unpack), so the graph holds exactly what it would without the recorder: an op's output that
   the op itself saves, returned with its ``grad_fn``, would hold its own graph alive in a cycle
-  through C++ that no garbage collection frees, and a branch dropped in the forward would stay. The recorder keeps only a *weak* reference to each storage, its pointer and its
-  size: it never extends a tensor's life.
+  through C++ that no garbage collection frees, and a branch dropped in the forward would stay.
+  The recorder keeps only a *weak* reference to each storage, its pointer and its size: it never
+  extends a tensor's life.
 - A storage is identified by (device, data pointer). A pointer alone is ambiguous: if a saved
   tensor dies during the forward (its graph branch was discarded) the allocator may hand the
   same address to a new tensor. When a save arrives at a known address whose storage weak
@@ -32,9 +33,10 @@ Choices, and why:
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Mapping, Self
+from typing import Self
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -273,7 +275,7 @@ def _xla_peak_bytes(device: torch.device) -> int | None:
         return None
     try:
         info = xm.get_memory_info(device)
-    except Exception:  # runtimes without memory info (XLA:CPU) raise various errors
+    except Exception:  # noqa: BLE001  runtimes without memory info (XLA:CPU) raise various errors
         return None
     # Only a peak: ``bytes_used`` is what is held now, which a caller would misread as one.
     peak = info.get("peak_bytes_used") if isinstance(info, Mapping) else None

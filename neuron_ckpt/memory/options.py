@@ -13,8 +13,8 @@ presets (:data:`~neuron_ckpt.recompute.PRESETS`) the attention makes worth runni
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Sequence, Union
 
 from ..recompute import PRESETS, RecomputeConfig
 from .analytic import Recompute, layer_activation_bytes, layer_backward_peak, resolve, supported_presets
@@ -96,7 +96,7 @@ def stack_options(model: ModelShape, setup: TrainingSetup, recompute: Recompute)
     return [layer_option(model, setup, recompute, i) for i in range(model.layers)]
 
 
-Layers = Union[str, RecomputeConfig, Sequence[Union[str, RecomputeConfig, None]]]
+Layers = str | RecomputeConfig | Sequence[str | RecomputeConfig | None]
 
 
 def per_layer_options(

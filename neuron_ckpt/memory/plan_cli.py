@@ -234,9 +234,11 @@ def attention_notes(model: ModelShape, setup: TrainingSetup, device_memory: str 
         and name in offered_presets(model, replace(setup, attention="explicit"))
     ]
     notes = [
-        f"flash attention: {', '.join(left_out)} offered without core attention (as selective[...]): rerunning "
-        f"the attention forward would drop {selective_saving_with_flash(model, setup) / 2**10:,.1f} KiB per "
-        "layer (the kernel's fp32 logsumexp); their output-discarding modules still save what they save"
+        (
+            f"flash attention: {', '.join(left_out)} offered without core attention (as selective[...]): rerunning "
+            f"the attention forward would drop {selective_saving_with_flash(model, setup) / 2**10:,.1f} KiB per "
+            "layer (the kernel's fp32 logsumexp); their output-discarding modules still save what they save"
+        )
     ]
     if setup.dtype == "fp32" and str(device_memory).lower() != "trn1":
         notes.append(

@@ -346,9 +346,11 @@ def _nothing_fits(model: ModelShape, setup: TrainingSetup, limit: int, least: Pl
     static = least.budget.bytes_of("static")
     what = least.describe()
     parts = [
-        f"nothing fits in {limit / GIB:.2f} GiB per device: the least memory ({what}) needs "
-        f"{least.budget.total_gib:.2f} GiB, of which {static / GIB:.2f} GiB is parameters, gradients, "
-        f"optimizer state and mask cache"
+        (
+            f"nothing fits in {limit / GIB:.2f} GiB per device: the least memory ({what}) needs "
+            f"{least.budget.total_gib:.2f} GiB, of which {static / GIB:.2f} GiB is parameters, gradients, "
+            f"optimizer state and mask cache"
+        )
     ]
     if smallest_tp is not None:
         parts.append(

@@ -20,7 +20,12 @@ from pathlib import Path
 from ..parallel.attention import ATTENTION
 from ..recompute import PRESETS, RecomputeConfig
 from .analytic import (
-    Recompute, layer_activation_bytes, layer_activation_terms, model_activation_bytes, outside_layer_terms, resolve,
+    Recompute,
+    layer_activation_bytes,
+    layer_activation_terms,
+    model_activation_bytes,
+    outside_layer_terms,
+    resolve,
     supported_presets,
 )  # fmt: skip
 from .layers import MEASURED_LAYERS, Case, measure_on_ranks
@@ -201,8 +206,10 @@ def format_report(report: dict) -> str:
     )
     kv = f" kv={s['kv_heads']}" if s["kv_heads"] else ""
     lines = [
-        f"{s['model']} layer: s={s['seq_len']} b={s['micro_batch']} h={s['hidden']} a={s['heads']}{kv} "
-        f"{s['dtype']}, {', '.join(flags)}, {s['attention']} attention, recompute={s['recompute']}",
+        (
+            f"{s['model']} layer: s={s['seq_len']} b={s['micro_batch']} h={s['hidden']} a={s['heads']}{kv} "
+            f"{s['dtype']}, {', '.join(flags)}, {s['attention']} attention, recompute={s['recompute']}"
+        ),
         f"activations per layer per rank (analytic): {report['analytic_bytes_per_layer'] / MIB:.3f} MiB"
         + (f"   [paper: {report['paper_formula']}]" if "paper_formula" in report else ""),
         f"x {s['layers']} layers (+ shared terms): {report['analytic_bytes_total'] / MIB:.3f} MiB",
@@ -223,9 +230,11 @@ def format_report(report: dict) -> str:
     if "measured_bytes_per_layer" in report:
         lines += [
             "",
-            f"measured ({report['measured_layers']} layers, {s['tp']} gloo ranks): "
-            f"{report['measured_bytes_per_layer'] / MIB:.3f} MiB per layer, "
-            f"measured/analytic {report['measured_over_analytic']:.4f}",
+            (
+                f"measured ({report['measured_layers']} layers, {s['tp']} gloo ranks): "
+                f"{report['measured_bytes_per_layer'] / MIB:.3f} MiB per layer, "
+                f"measured/analytic {report['measured_over_analytic']:.4f}"
+            ),
         ]
     if "plot" in report:
         lines.append(f"plot: {report['plot']}")

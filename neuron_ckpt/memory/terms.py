@@ -28,8 +28,8 @@ its output) and, for output-discarding, the recomputed output handed to its cons
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from .shape import ModelShape, TrainingSetup
 

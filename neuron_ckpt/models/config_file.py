@@ -173,7 +173,7 @@ def _llama_args(data: dict, source: str = "the model config") -> LlamaArgs:
         raise ValueError(f"{source}: " + "; ".join(problems))
     try:  # its own checks too (strict field types, the keys each rope_type needs): the file loads there
         transformers.LlamaConfig.from_dict(copy.deepcopy(data))
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001  its checks raise many kinds; re-raised as one ValueError
         raise ValueError(f"{source}: transformers.LlamaConfig refuses it: {' '.join(str(exc).split())}") from None
     return args
 

@@ -29,8 +29,8 @@ import torch
 
 from ..distributed.parallel_state import ParallelState, get_parallel_state
 from ..distributed.random import get_rng_tracker
-from ..parallel.dropout import dropout
 from ..parallel import ColumnParallelLinear, CoreAttention, LayerNorm, QKVParallelLinear, RowParallelLinear
+from ..parallel.dropout import dropout
 from ..parallel.init import normal_init
 from ..recompute import run_layers
 

@@ -23,7 +23,7 @@ one gathering a layer at a time on rank 0.
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 

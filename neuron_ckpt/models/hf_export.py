@@ -224,7 +224,7 @@ def save_hf_checkpoint(
                         if len(pending) == len(shards[index]):  # shards fill in gather order
                             _save_shard(tmp / names[index], pending)
                             pending = {}
-                except Exception as e:  # keep taking part in the gathers; raised on every rank below
+                except Exception as e:  # noqa: BLE001  keep taking part in the gathers; raised on every rank below
                     error = f"{type(e).__name__}: {e}"
             del full
         if writer and error is None:
@@ -234,7 +234,7 @@ def save_hf_checkpoint(
                     _write_json(tmp / SAFE_INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": weight_map})
                 _write_json(tmp / CONFIG_NAME, _config_dict(config, dtype or entries[0][1]))
                 _replace_dir(tmp, directory)
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001  raised on every rank below
                 error = f"{type(e).__name__}: {e}"
     finally:
         if writer and tmp.exists():

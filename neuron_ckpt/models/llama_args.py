@@ -13,8 +13,9 @@ either knows them, and a ``config.json`` means the same model here and there.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any, Mapping
+from typing import Any
 
 from ..checks import is_int, positive_int_problem
 
@@ -111,8 +112,10 @@ class LlamaArgs:
         if self.head_dim is None:
             if self.hidden_size % heads:
                 return [
-                    f"hidden_size ({self.hidden_size}) must be a multiple of num_attention_heads ({heads}) "
-                    "when head_dim is not given"
+                    (
+                        f"hidden_size ({self.hidden_size}) must be a multiple of num_attention_heads ({heads}) "
+                        "when head_dim is not given"
+                    )
                 ]
             object.__setattr__(self, "head_dim", self.hidden_size // heads)
         if self.head_dim % 2:

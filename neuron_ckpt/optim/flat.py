@@ -11,8 +11,9 @@ builds a range of it from tensors laid out like the parameters when one is neede
 from __future__ import annotations
 
 import bisect
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 

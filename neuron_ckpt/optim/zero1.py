@@ -35,8 +35,9 @@ stays a tensor), so it traces into one graph on XLA.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import torch
 

@@ -45,7 +45,7 @@ class VocabParallelEmbedding(torch.nn.Module):
         num_embeddings: int,
         embedding_dim: int,
         sequence_parallel: bool = False,
-        init_method: InitMethod = normal_init(1.0),
+        init_method: InitMethod = normal_init(1.0),  # noqa: B008  stateless: one shared default is harmless
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
         parallel_state: ParallelState | None = None,

@@ -90,7 +90,10 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p
     if a != g:  # query head i reads kv head i // (a/g), as repeat_kv and the explicit path
         k, v = k.repeat_interleave(a // g, dim=1), v.repeat_interleave(a // g, dim=1)
     nki = nki_flash_attn_func()
-    t = lambda x: x.transpose(-1, -2)  # [b, h, s, d] -> [b, h, d, s], a view
+
+    def t(x: torch.Tensor) -> torch.Tensor:  # [b, h, s, d] -> [b, h, d, s], a view
+        return x.transpose(-1, -2)
+
     return nki(
         t(q),
         t(k),

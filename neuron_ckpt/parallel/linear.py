@@ -20,8 +20,8 @@ would cost ``2sbh(1 - 1/t)`` more bytes per layer in 16-bit.
 from __future__ import annotations
 
 import torch
-from torch.autograd.function import once_differentiable
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 from ..distributed import collectives as C
 from ..distributed.mappings import (

@@ -19,8 +19,8 @@ stages ``r, r + p, ..., r + (v - 1) p``.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 
 @dataclass(frozen=True)

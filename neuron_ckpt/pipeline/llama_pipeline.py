@@ -19,7 +19,8 @@ after the step.
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -167,7 +168,7 @@ class LlamaPipeline:
         for _, p in self.named_parameters():
             yield p
 
-    def train(self, mode: bool = True) -> "LlamaPipeline":
+    def train(self, mode: bool = True) -> LlamaPipeline:
         for module in self.modules:
             module.train(mode)
         return self

@@ -23,7 +23,7 @@ peer stage then waits for a gradient that never comes, until the collective time
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch.distributed import pipelining

@@ -21,7 +21,7 @@ DP reduce-scatter.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

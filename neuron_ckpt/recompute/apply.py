@@ -43,8 +43,8 @@ group) replaced by a :class:`~.module.Recompute` in every place the model holds 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence, Union
 
 import torch
 
@@ -56,7 +56,7 @@ from .module import SEQUENCE_PARALLEL, DiscardScope, Recompute, unwrapped
 from .module_map import DISCARDING, Patterns, check_every_name_matched, resolve_module_map, selected_modules
 from .patch import unpatch
 
-Layers = Union[torch.nn.Module, Sequence[torch.nn.Module]]  # a model with .layers, or the layers
+Layers = torch.nn.Module | Sequence[torch.nn.Module]  # a model with .layers, or the layers
 _SCOPE = "_neuron_ckpt_discard_scope"  # on a layer with output-discarding units: its DiscardScope
 Modules = list[torch.nn.Module]
 
@@ -72,7 +72,7 @@ _SEQUENCE_PARALLEL_LAYERS = (
 
 def apply_recompute(
     model: Layers,
-    config: Union[RecomputeConfig, Sequence[RecomputeConfig | None], None],
+    config: RecomputeConfig | Sequence[RecomputeConfig | None] | None,
     module_map: Patterns | None = None,
     sequence_parallel: bool | None = None,
 ) -> list[str]:

@@ -21,8 +21,8 @@ A model may also take one entry per layer (``list[RecomputeConfig | None]``, che
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 GRANULARITIES = (None, "selective", "full")
 METHODS = ("uniform", "block")
@@ -139,7 +139,7 @@ class RecomputeConfig:
             )
 
     @classmethod
-    def preset(cls, name: str, distribute_saved_activations: bool = False) -> "RecomputeConfig":
+    def preset(cls, name: str, distribute_saved_activations: bool = False) -> RecomputeConfig:
         """The config of a layer that recomputes as ``name`` (one of :data:`PRESETS`).
 
         ``"none"``: nothing (``RecomputeConfig()``). ``"selective"``: core attention.

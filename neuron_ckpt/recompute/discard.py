@@ -26,8 +26,8 @@ as if the block had none of its own; ``function``'s inputs are kept through thos
 Correct whatever else reads the output: an op that reads it in the forward (a residual add) reads
 the real tensor; one that keeps it outside the block keeps the real tensor (then nothing is
 saved, and nothing is wrong); one that keeps it after it was written in place keeps the real
-tensor too (the rerun would give the value before the write). Gradients are bit-identical to running ``function`` plainly:
-the rerun computes the same values (same ops, same RNG draws).
+tensor too (the rerun would give the value before the write). Gradients are bit-identical to
+running ``function`` plainly: the rerun computes the same values (same ops, same RNG draws).
 
 Where it turns itself off and ``function`` runs plainly: without grad; inside an activation
 checkpoint's forward or rerun (the enclosing checkpoint keeps nothing of the block already);
@@ -45,8 +45,9 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
@@ -54,8 +55,8 @@ from torch.utils import _pytree as pytree
 from ..distributed import runtime
 from ..distributed.parallel_state import Group
 from .activation_checkpoint import (
-    DISCARD_SCOPE,
     _NO_DOUBLE_BACKWARD,
+    DISCARD_SCOPE,
     _autocast,
     _autocast_state,
     _distributed_group,

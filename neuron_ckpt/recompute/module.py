@@ -26,7 +26,8 @@ from __future__ import annotations
 import contextvars
 import functools
 import sys
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -111,7 +112,7 @@ class Recompute(torch.nn.Module):
                 raise
             return getattr(module, name)
 
-    def train(self, mode: bool = True) -> "Recompute":
+    def train(self, mode: bool = True) -> Recompute:
         self.module.training = mode
         return super().train(mode)
 

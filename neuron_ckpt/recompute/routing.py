@@ -42,7 +42,7 @@ class RoutingReplay(TorchFunctionMode):
         self._recording: list[torch.Tensor] = []
         self._next = 0
 
-    def __enter__(self) -> "RoutingReplay":
+    def __enter__(self) -> RoutingReplay:
         self._recording, self._next = [], 0
         return super().__enter__()
 

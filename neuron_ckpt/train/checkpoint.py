@@ -57,16 +57,17 @@ import re
 import shutil
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from ..distributed.host import agree, all_max
-from .rounds import DEFAULT_WRITERS, WriterRounds
 from ..files import fsync_dir, write_atomic
 from .placement import Placement, saved
+from .rounds import DEFAULT_WRITERS, WriterRounds
 from .tensor_files import group_files, join, read_structure, read_tensors, split, write_structure, write_tensors
 
 LATEST = "latest"

@@ -157,7 +157,7 @@ class StopSignals:
         self._first_at = 0.0
         self._previous: dict[int, Any] = {}
 
-    def __enter__(self) -> "StopSignals":
+    def __enter__(self) -> StopSignals:
         if threading.current_thread() is not threading.main_thread():
             return self  # signal.signal works in the main thread only; this fit cannot be signalled
         for s in self.signals:
@@ -235,10 +235,8 @@ class Coordinator:
         first = (
             re.sub(r"^\[[^\]]*\]\s*", "", text.splitlines()[0]) if text else type(error).__name__
         )  # gloo's [file:line]
-        head = (
-            f"rank {self.rank}: a collective in step {step} failed ({first}; collective timeout "
-            f"{self.timeout_s:g} s)" if self.timeout_s else f"rank {self.rank}: a collective in step {step} failed ({first})"
-        )  # fmt: skip
+        timeout = f"; collective timeout {self.timeout_s:g} s" if self.timeout_s else ""
+        head = f"rank {self.rank}: a collective in step {step} failed ({first}{timeout})"
         if self.store is None or self.world_size == 1:
             return CollectiveTimeoutError(head, step)
         store, key = self.store, f"{self.prefix}/failed"
@@ -267,7 +265,7 @@ class Coordinator:
         finally:
             try:
                 store.set_timeout(previous_timeout)
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001  best effort: the store may be the part that stopped
                 pass
         if not silent:
             return CollectiveTimeoutError(

@@ -44,10 +44,10 @@ from ..distributed import collectives, host, runtime
 from ..distributed.parallel_state import ParallelState, get_parallel_state
 from . import faults
 from .checkpoint import CheckpointManager
-from .state import TrainState
 from .metrics import MetricsWriter, StepRecord, device_peak_bytes, make_record
 from .pipeline_step import is_pipeline, pipeline_train_step
 from .schedule import LRSchedule
+from .state import TrainState
 
 
 def _xm():

@@ -124,7 +124,7 @@ def device_peak_bytes(device: torch.device) -> int | None:
 
     try:
         return runtime_peak(device)
-    except Exception:
+    except Exception:  # noqa: BLE001  a backend whose query fails must not fail the run
         return None
 
 
@@ -146,9 +146,9 @@ def drop_after_step(path: str | os.PathLike, step: int) -> int:
 
     For a resume from a checkpoint at ``step``: the interrupted run went on logging past its last
     checkpoint, and the resumed run logs those steps again. A torn last line (a kill mid-write)
-    and the summary of a run that ended after ``step`` are dropped too; other lines without a step are kept. The file is replaced atomically (a temporary
-    file, fsynced, renamed over it), so a kill here leaves the old file or the new one. No file:
-    nothing to do.
+    and the summary of a run that ended after ``step`` are dropped too; other lines without a step
+    are kept. The file is replaced atomically (a temporary file, fsynced, renamed over it), so a
+    kill here leaves the old file or the new one. No file: nothing to do.
     """
     path = Path(path)
     try:

@@ -25,10 +25,11 @@ import hashlib
 import os
 import re
 from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Iterable, Iterator
+from typing import Any, BinaryIO
 
 import torch
 from safetensors.torch import load_file, save_file

@@ -26,11 +26,12 @@ the shared cos/sin tables (outside the layer); Qwen3's per-head q/k norms are RM
 latent), ``kv_a_proj_with_mqa -> [latent | k_rot] -> kv_a_layernorm -> kv_b_proj``, RoPE on the
 rope parts, q and k concatenated into new tensors (``expand_kv`` writes k into ``new_empty``), v
 a slice of ``kv_b_proj``'s output. The up part (``q_b_proj``, ``kv_b_proj``) keeps the two
-latents; ``mla_up_proj`` keeps them and a copy of k_rot. torch's CPU flash kernel needs q, k and v of one head size; DeepSeek's differ
-(``qk_nope + qk_rope`` against ``v_head_dim``), so sdpa runs the math path: fp32 copies of q and
-k scaled, the fp32 probabilities and an fp32 copy of v, whatever the model's dtype. CUDA runs
-its memory-efficient kernel there, which keeps what the flash kernel keeps: ``sdpa-fused``
-prices that (the flash path's storages; on CPU measured where the head sizes are equal).
+latents; ``mla_up_proj`` keeps them and a copy of k_rot. torch's CPU flash kernel needs q, k and
+v of one head size; DeepSeek's differ (``qk_nope + qk_rope`` against ``v_head_dim``), so sdpa
+runs the math path: fp32 copies of q and k scaled, the fp32 probabilities and an fp32 copy of v,
+whatever the model's dtype. CUDA runs its memory-efficient kernel there, which keeps what the
+flash kernel keeps: ``sdpa-fused`` prices that (the flash path's storages; on CPU measured where
+the head sizes are equal).
 """
 
 from __future__ import annotations

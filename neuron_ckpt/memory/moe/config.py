@@ -164,7 +164,7 @@ def moe_shape_from_dict(
     known = {k: v for k, v in data.items() if k not in DEEPSEEK_REMOTE_KEYS or family != "deepseek_v3"}
     try:  # the class's own strict field checks (a string size, a float count)
         config = _config_class(family).from_dict(copy.deepcopy(known))
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001  its checks raise many kinds; re-raised as one ValueError
         raise ValueError(
             f"{source}: transformers.{CONFIG_CLASSES[family]} refuses it: {' '.join(str(exc).split())}"
         ) from None

@@ -34,8 +34,8 @@ module a layer does not have changes nothing there, as ``apply_recompute`` skips
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable, Union
 
 from ...recompute import RecomputeConfig
 from ..terms import ActivationTerm
@@ -48,7 +48,7 @@ from .shape import MoESetup, MoEShape
 MODULES = ("core_attn", "norm", "mlp", "mlp_act", "moe", "moe_act", "shared_experts", "mla_up_proj")
 CHOICES = ("none", *MODULES, "full")
 KINDS = ("dense", "moe")
-Recompute = Union[str, Iterable[str], RecomputeConfig]
+Recompute = str | Iterable[str] | RecomputeConfig
 
 
 def layer_tensors(shape: MoEShape, setup: MoESetup, kind: str) -> LayerTensors:

@@ -152,9 +152,12 @@ def measure_layers(model, setup: MoESetup, seed: int = 0, backward: bool = True)
     inner = model.model
     layers = list(inner.layers)
     scopes = {LAYER_SCOPE.format(i): layer for i, layer in enumerate(layers)} | {FINAL_NORM_SCOPE: inner.norm}
+
     # Each layer gets these shared tensors (the values the forward made itself), which the recorder
     # knows to leave out: a checkpoint keeping the mask would count it in the first layer only.
-    share = lambda module, args, kwargs: (args, {**kwargs, **shared})  # noqa: E731
+    def share(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return args, {**kwargs, **shared}
+
     handles = [layer.register_forward_pre_hook(share, with_kwargs=True) for layer in layers]
     mask = shared["attention_mask"]
     excluded = [position_ids, *shared["position_embeddings"], *([mask] if torch.is_tensor(mask) else [])]

@@ -110,9 +110,11 @@ def format_report(report: dict) -> str:
     lines = [
         *report["notices"],
         title,
-        f"s={s['seq_len']} b={s['micro_batch']} {s['dtype']}, t={s['tp']} (the model's TP plan, "
-        f"{'' if s['sequence_parallel'] else 'no '}sequence parallel), {s['attention']} attention, "
-        f"{s['experts']} experts",
+        (
+            f"s={s['seq_len']} b={s['micro_batch']} {s['dtype']}, t={s['tp']} (the model's TP plan, "
+            f"{'' if s['sequence_parallel'] else 'no '}sequence parallel), {s['attention']} attention, "
+            f"{s['experts']} experts"
+        ),
         "activations per layer per rank (analytic), MiB; '-': the module is not in that layer",
         "",
         f"{'recompute':<16}" + "".join(f"{k + ' layer':>14}" for k in kinds) + f"{'all layers GiB':>16}",

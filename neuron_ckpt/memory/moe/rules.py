@@ -24,8 +24,8 @@ autograd (the routing replay's recorded expert indices): :attr:`Unit.outside`.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable
 
 from ..terms import ActivationTerm
 

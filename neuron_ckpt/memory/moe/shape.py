@@ -180,8 +180,10 @@ class MoEShape:
                 (self.heads % tp == 0, f"tp ({tp}) must divide heads ({self.heads})"),
                 (
                     self.kv_heads % tp == 0,
-                    f"tp ({tp}) must divide kv_heads ({self.kv_heads}): transformers' "
-                    "colwise k/v projections split whole heads",
+                    (
+                        f"tp ({tp}) must divide kv_heads ({self.kv_heads}): transformers' "
+                        "colwise k/v projections split whole heads"
+                    ),
                 ),
             ]
         if self.split("shared", tp) > 1:

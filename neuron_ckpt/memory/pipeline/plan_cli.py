@@ -33,7 +33,9 @@ def _stage_layers(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(part) for part in text.split(","))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated layer counts such as 9,10,10,11, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated layer counts such as 9,10,10,11, got {text!r}"
+        ) from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

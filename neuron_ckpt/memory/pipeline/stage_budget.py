@@ -33,8 +33,9 @@ Not counted: the last stage's outputs kept for ``step(return_outputs=True)`` (``
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Sequence
+from typing import Any
 
 from ...recompute import RecomputeConfig
 from ..analytic import rotary_terms, stack_peak
@@ -283,8 +284,10 @@ class RankModel:
         items.append(LineItem("peak workspace", extra, "workspace", why if extra else "nothing on top of what is kept"))
         ins = ", ".join(f"stage {c.stage}: {n[c.stage]}" for c in self.chunks)
         notes = (
-            f"micro-batches in flight at the rank's most ({self.pipeline.schedule}, m={self.pipeline.microbatches}):"
-            f" {ins}",
+            (
+                "micro-batches in flight at the rank's most "
+                f"({self.pipeline.schedule}, m={self.pipeline.microbatches}): {ins}"
+            ),
         )
         budget = MemoryBudget(self.model, self.setup, tuple(o.name for o in flat), tuple(items), notes, held.saved_peak)
         return StageBudget(self.rank, tuple(self.chunks), held.counts, budget, tuple(flat))

@@ -53,7 +53,7 @@ def _load(path: Path) -> dict:
         raise ReadError(f"{path}: cannot read it ({exc})") from None
     except _NeedsClass as exc:
         raise ReadError(f"{path}: refused: the pickle needs {exc} (a snapshot needs no class; none is run)") from None
-    except Exception as exc:  # bytes that are not a pickle raise many kinds of error
+    except Exception as exc:  # noqa: BLE001  bytes that are not a pickle raise many kinds of error
         raise ReadError(f"{path}: not a pickle ({type(exc).__name__}: {exc})") from None
     if not isinstance(data, dict) or not isinstance(data.get("segments"), list):
         raise ReadError(f"{path}: not a memory snapshot (no 'segments' list)")

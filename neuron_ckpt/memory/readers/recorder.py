@@ -14,8 +14,9 @@ kept when it exited, so a peak of the saved activations, not of the whole device
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 from ...files import write_atomic
 from . import MemoryReading, ReadError

@@ -8,7 +8,7 @@ the module and sums its parameters' gradients over the group; ``replicate`` keep
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -3,9 +3,10 @@
 transformers (5.x) holds a layer's experts as 3-D parameters, one matrix per expert:
 ``gate_up_proj`` ``[E, 2i, h]`` (the gate's ``i`` rows, then the up projection's) and
 ``down_proj`` ``[E, h, i]``; transposed experts hold ``[E, h, 2i]`` and ``[E, i, h]`` (Aria's
-class says so with ``is_transposed``; Llama 4's, without the attribute, by its shapes). Rank ``r`` keeps rows ``[r i/t, (r+1) i/t)`` of the gate and the same rows of
-up, and the same columns of down, so ``act(gate) * up`` and the down projection run on this
-rank's ``i/t`` features, and each rank's output is a partial sum of the layer's output:
+class says so with ``is_transposed``; Llama 4's, without the attribute, by its shapes). Rank ``r``
+keeps rows ``[r i/t, (r+1) i/t)`` of the gate and the same rows of up, and the same columns of
+down, so ``act(gate) * up`` and the down projection run on this rank's ``i/t`` features, and each
+rank's output is a partial sum of the layer's output:
 
 ==============================================  ===============================================
 plan entry                                      becomes

@@ -3,7 +3,8 @@ is computed on the split logits (never gathering ``[b, s, v]``)."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F

@@ -5,7 +5,7 @@ weights, the vocabulary-parallel loss, attention dropout on split heads)."""
 from __future__ import annotations
 
 import re
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
