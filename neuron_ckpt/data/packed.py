@@ -124,7 +124,7 @@ def _require(path: Path, field: str, got: object, expected: object) -> None:
 def _int_field(path: Path, meta: dict, field: str) -> int:
     value = meta.get(field)
     try:
-        return int(value)
+        return int(value)  # type: ignore[arg-type]  # None raises the TypeError caught below
     except (TypeError, ValueError):
         raise ValueError(f"{path}: metadata field {field!r} must be an integer, got {value!r}") from None
 
@@ -161,7 +161,7 @@ def _parse_info(path: Path, header: dict) -> tuple[PackedInfo, dict]:
     if not 1 <= info.vocab_size <= 2**32:
         raise ValueError(f"{path}: vocab_size must be in [1, 2**32], got {info.vocab_size}")
     _require(path, "dtype", info.dtype, token_dtype(info.vocab_size).name)
-    st_dtype = _ST_DTYPES.get(tensor.get("dtype"))
+    st_dtype = _ST_DTYPES.get(str(tensor.get("dtype")))
     _require(path, f"tensor {_TENSOR!r} dtype", st_dtype, np.dtype(info.dtype))
     shape = [info.num_blocks, info.block_len]
     _require(path, f"tensor {_TENSOR!r} shape", tensor.get("shape"), shape)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import datetime
 import weakref
 from dataclasses import FrozenInstanceError, dataclass
+from typing import Any
 
 import torch.distributed as dist
 
@@ -48,6 +49,10 @@ class Group:
     """
 
     __slots__ = ("_process_group", "ranks", "replica_groups", "rank", "__weakref__")
+    _process_group: Any  # a ProcessGroup, None, or _RELEASED
+    ranks: tuple[int, ...]
+    replica_groups: tuple[tuple[int, ...], ...]
+    rank: int
 
     def __init__(
         self,
@@ -272,16 +277,14 @@ def initialize_model_parallel(tensor_parallel_size: int = 1, pipeline_parallel_s
                 f"pipeline_parallel_size={_STATE.pp_size}; call destroy_model_parallel() before changing it"
             )
         return _STATE
-    groups = {name: _new_groups([list(g) for g in getattr(layout, name)], rt.rank) for name in ("tp", "dp")}
+    tp, dp = (_new_groups([list(g) for g in getattr(layout, name)], rt.rank) for name in ("tp", "dp"))
+    assert tp is not None and dp is not None  # every rank is in one TP and one DP group
+    pp = embedding = None
     if pipeline_parallel_size > 1:  # without PP no new communicator (and no new process group)
-        groups["pp"] = _new_groups([list(g) for g in layout.pp], rt.rank)
+        pp = _new_groups([list(g) for g in layout.pp], rt.rank)
         # At p = 2 the embedding groups are the PP groups: the same communicators serve both.
-        groups["embedding"] = (
-            groups["pp"] if layout.embedding == layout.pp else _new_groups([list(g) for g in layout.embedding], rt.rank)
-        )
-    else:
-        groups.update(pp=None, embedding=None)
-    _STATE = ParallelState(**groups)
+        embedding = pp if layout.embedding == layout.pp else _new_groups([list(g) for g in layout.embedding], rt.rank)
+    _STATE = ParallelState(tp, dp, pp, embedding)
     return _STATE
 
 

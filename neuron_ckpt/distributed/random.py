@@ -155,6 +155,7 @@ class RNGStatesTracker:
             if self._open:
                 set_rng_state(self.states[self._open[-1]])
             else:
+                assert self._default is not None  # parked when the first fork opened
                 set_rng_state(self._default)
                 self._default = None
 

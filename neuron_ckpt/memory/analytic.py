@@ -72,22 +72,27 @@ class PricedRecompute:
         c = self.config
         if c.granularity != "full" or num_layers == 1:
             return True
-        return c.num_layers == 1 if c.method == "uniform" else c.num_layers >= num_layers
+        k = c.num_layers
+        assert k is not None  # full recompute always names it (RecomputeConfig checks)
+        return k == 1 if c.method == "uniform" else k >= num_layers
 
     def layer(self, index: int, num_layers: int) -> LayerSpec:
         """How layer ``index`` of a ``num_layers`` stack runs."""
         c = self.config
         if c.granularity != "full":
             return LayerSpec(self.modules, None, self.sliced)
-        if c.method == "block":
-            return LayerSpec((), 1, self.sliced) if index < c.num_layers else LayerSpec()
         k = c.num_layers
+        assert k is not None  # full recompute always names it (RecomputeConfig checks)
+        if c.method == "block":
+            return LayerSpec((), 1, self.sliced) if index < k else LayerSpec()
         return LayerSpec((), min(k, num_layers - index) if index % k == 0 else 0, self.sliced)
 
     def layer_label(self, index: int, num_layers: int) -> str:
         """What layer ``index`` runs, in a budget's words: block's layers are ``full`` or ``none``."""
         if self.config.method == "block":
-            return self.label.replace(self.name, "full") if index < self.config.num_layers else "none"
+            k = self.config.num_layers
+            assert k is not None  # full recompute always names it (RecomputeConfig checks)
+            return self.label.replace(self.name, "full") if index < k else "none"
         return self.label
 
 
@@ -115,11 +120,11 @@ def resolve(model: ModelShape, setup: TrainingSetup, recompute: Recompute) -> Pr
             "with which torch's CPU flash kernel falls back to its math path (fp32 [b, a, s, s] tensors "
             "kept, not modelled); use attention='explicit' for gpt"
         )
-    modules = ()
+    modules: tuple[str, ...] = ()
     if config.granularity == "selective":
         chosen = set(config.modules) - ({"mlp_act"} if "mlp" in config.modules else set())
         modules = tuple(m for m in MODULES if m in chosen)
-    if config.granularity == "full" and config.num_layers > model.layers:
+    if config.granularity == "full" and config.num_layers is not None and config.num_layers > model.layers:
         raise ValueError(
             f"recompute: num_layers={config.num_layers} is larger than the {model.layers} layers of the "
             f"model; choose 1..{model.layers}"
@@ -193,7 +198,7 @@ def layer_backward_peak(kept: int, events: Sequence[RecomputeEvent]) -> int:
     return max([kept, *(e.held + e.again for e in events)])
 
 
-def stack_peak(layers: Sequence[tuple[int, int]], before: int = 0, after: int = 0) -> int:
+def stack_peak(layers: Sequence[tuple[int, ...]], before: int = 0, after: int = 0) -> int:
     """The peak of live activations over one micro-batch's forward and backward.
 
     ``layers``: ``(kept, backward peak)`` of each layer in layer order (:func:`layer_backward_peak`),

@@ -279,7 +279,8 @@ class _Parts:
     def sums(self) -> tuple[int, int, int]:
         """Bytes of (the static items, what is kept before the layers, after them): summed once,
         the planner prices thousands of layer assignments against them."""
-        return tuple(sum(i.nbytes for i in items) for items in (self.static, self.before, self.after))
+        static, before, after = (sum(i.nbytes for i in items) for items in (self.static, self.before, self.after))
+        return static, before, after
 
     def activations(self, runs: Sequence[tuple[LayerOption, int]], m: int) -> tuple[int, int]:
         """(activations kept after the forward, their peak over forward and backward) of the

@@ -18,8 +18,10 @@ path relative to the directory. Reading checks all of it and names the field tha
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ..files import write_atomic
 from ..parallel.attention import ATTENTION
@@ -98,10 +100,10 @@ def read_capture(root: str | Path) -> Capture:
     return Capture(root, job, checked, tuple(notes))
 
 
-def write_capture(root: str | Path, job: dict, runs: list[Run], notes: list[str] = ()) -> Path:
+def write_capture(root: str | Path, job: dict, runs: list[Run], notes: Sequence[str] = ()) -> Path:
     """Write ``root/manifest.json`` atomically (checked as :func:`read_capture` checks it)."""
     root = Path(root)
-    data = {
+    data: dict[str, Any] = {
         "format": FORMAT,
         "version": VERSION,
         "job": job,

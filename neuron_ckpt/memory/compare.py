@@ -22,6 +22,7 @@ is in docs/memory.md, "Checking the model against a device"):
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from .analytic import layer_activation_bytes
@@ -202,7 +203,7 @@ def compare(
     setup: TrainingSetup,
     preset: str,
     runs: list[tuple[int, MemoryReading]],
-    recompute_runs: list[tuple[str, MemoryReading]] = (),
+    recompute_runs: Sequence[tuple[str, MemoryReading]] = (),
 ) -> Comparison:
     """Compare ``runs`` (layer count, reading; all of one report format, ``preset`` on every
     layer) and ``recompute_runs`` (another preset at the largest layer count) with the model."""

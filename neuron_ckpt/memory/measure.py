@@ -36,11 +36,14 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Self
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.hooks import RemovableHandle
+
+if TYPE_CHECKING:  # typing.Self is Python 3.11+; the package supports 3.10
+    from typing_extensions import Self
 
 UNSCOPED = "<unscoped>"
 
@@ -232,8 +235,8 @@ class SavedTensorRecorder(SavedTensorHooks):
             out[s.scope] = out.get(s.scope, 0) + s.nbytes
         return out
 
-    def _unpack(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor
+    def _unpack(self, packed: object) -> torch.Tensor:
+        return cast(torch.Tensor, packed)  # _pack gave the tensor itself
 
 
 def device_peak_bytes(device: torch.device | str) -> int | None:

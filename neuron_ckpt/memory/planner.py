@@ -50,6 +50,7 @@ def device_memory_bytes(spec: float | int | str | None) -> int:
             get_info = getattr(torch.accelerator, "get_memory_info", None)
             if get_info is None:
                 acc = torch.accelerator.current_accelerator()
+                assert acc is not None  # is_available() said there is one
                 get_info = getattr(torch.get_device_module(acc.type), "mem_get_info", None)
             if get_info is not None:
                 return int(get_info()[1])
@@ -113,7 +114,7 @@ class Plan:
         return self.recompute_flops / self.step_flops
 
     @property
-    def recompute(self) -> RecomputeConfig | list[RecomputeConfig | None] | None:
+    def recompute(self) -> RecomputeConfig | list[RecomputeConfig]:
         """What ``apply_recompute(model, ...)`` takes for this plan."""
         counts = self.counts
         if len(counts) == 1:

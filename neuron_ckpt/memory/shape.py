@@ -52,7 +52,7 @@ class ModelShape:
     layers: int
     vocab: int
     name: str = ""
-    head_dim: int | None = None
+    head_dim: int = None  # type: ignore[assignment]  # None: h / a, set in __post_init__
     attention_bias: bool = False
     mlp_bias: bool = False
     tie_word_embeddings: bool = False

@@ -175,6 +175,7 @@ def _llama_args(data: dict, source: str = "the model config") -> LlamaArgs:
         transformers.LlamaConfig.from_dict(copy.deepcopy(data))
     except Exception as exc:  # noqa: BLE001  its checks raise many kinds; re-raised as one ValueError
         raise ValueError(f"{source}: transformers.LlamaConfig refuses it: {' '.join(str(exc).split())}") from None
+    assert args is not None  # no problems: it was built
     return args
 
 
@@ -253,7 +254,7 @@ def fit_positions(config: Any, seq_len: int, source: str = "the model config") -
     if seq_len <= limit:
         return config, None
     if dataclasses.is_dataclass(config):
-        fitted = dataclasses.replace(config, max_position_embeddings=seq_len)
+        fitted = dataclasses.replace(config, max_position_embeddings=seq_len)  # type: ignore[type-var]  # an instance
     else:
         fitted = copy.deepcopy(config)
         fitted.max_position_embeddings = seq_len

@@ -70,7 +70,7 @@ class LlamaOptions:
     """``"explicit"`` or ``"flash"`` (:data:`~neuron_ckpt.parallel.attention.ATTENTION`, see ``CoreAttention``)."""
     dtype: torch.dtype = torch.float32
     """Parameter dtype (fp32, or bf16 for pure-bf16 training)."""
-    parallel_state: ParallelState | None = None
+    parallel_state: ParallelState = None  # type: ignore[assignment]  # None: resolved in __post_init__
     """The tensor/data-parallel groups; None: the global one set by ``initialize_model_parallel``."""
 
     def __post_init__(self) -> None:
@@ -186,7 +186,7 @@ class LlamaDecoderLayer(torch.nn.Module):
 
     def __init__(self, args: LlamaArgs, options: LlamaOptions):
         super().__init__()
-        norm = dict(
+        norm: dict[str, Any] = dict(
             eps=args.rms_norm_eps,
             sequence_parallel=options.sequence_parallel,
             dtype=options.dtype,
@@ -226,7 +226,12 @@ class LlamaForCausalLM(torch.nn.Module):
     ):
         super().__init__()
         self.args = args = LlamaArgs.from_hf(config)
-        self.options = options = LlamaOptions(sequence_parallel, attention_implementation, dtype, parallel_state)
+        self.options = options = LlamaOptions(
+            sequence_parallel,
+            attention_implementation,
+            dtype,
+            parallel_state,  # type: ignore[arg-type]  # None: resolved there
+        )
         sp, state = options.sequence_parallel, options.parallel_state
         init = normal_init(args.initializer_range)
         self.embed_tokens = VocabParallelEmbedding(

@@ -40,9 +40,9 @@ class LlamaArgs:
     """The SwiGLU width (gate, up and down projections)."""
     num_hidden_layers: int
     num_attention_heads: int
-    num_key_value_heads: int | None = None
+    num_key_value_heads: int = None  # type: ignore[assignment]  # None: derived when validated
     """Key/value heads (grouped-query attention); None means ``num_attention_heads`` (MHA)."""
-    head_dim: int | None = None
+    head_dim: int = None  # type: ignore[assignment]  # None: derived when validated
     """None means ``hidden_size // num_attention_heads`` (which must then divide exactly)."""
     max_position_embeddings: int = 2048
     rms_norm_eps: float = 1e-6
@@ -153,6 +153,7 @@ class LlamaArgs:
             problems.append(str(e))
         if problems:
             raise ValueError("; ".join(problems))
+        assert args is not None  # no problems: it was built
         return args
 
     @classmethod

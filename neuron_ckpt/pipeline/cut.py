@@ -80,9 +80,9 @@ def cut_layers(
     ):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
-    for name, value in (("embedding_cost", embedding_cost), ("head_cost", head_cost)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
-            raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+    for name, cost in (("embedding_cost", embedding_cost), ("head_cost", head_cost)):
+        if isinstance(cost, bool) or not isinstance(cost, (int, float)) or not 0 <= cost < float("inf"):
+            raise ValueError(f"{name} must be a finite number >= 0, got {cost!r}")
     stages = pipeline_parallel_size * virtual_stages
     if layers_per_stage is None:
         if num_layers < stages:

@@ -87,6 +87,7 @@ class LlamaPipeline:
             for k in self.stage_indices
         ]  # fmt: skip
         self.loss = PipelineLoss(state.tp, pipeline.loss_average, pipeline.micro_batches)
+        assert state.pp is not None  # a pipeline has a PP group
         self.torch_stages = [
             torch_stage(m, k, S, *self._example_io(m), state.pp.process_group, self.device)
             for k, m in zip(self.stage_indices, self.modules)
@@ -105,7 +106,7 @@ class LlamaPipeline:
         b, s, a = self.micro_batch_size, self.seq_len, self.args
         t, dtype = self.parallel_state.tp_size, stage.options.dtype
         local_s = s // t if stage.options.sequence_parallel else s
-        meta = dict(device="meta")
+        meta: dict[str, Any] = dict(device="meta")
         hidden = torch.empty(local_s, b, a.hidden_size, dtype=dtype, requires_grad=True, **meta)
         x = torch.empty(b, s, dtype=torch.long, **meta) if stage.is_first else hidden
         y = torch.empty(s, b, a.vocab_size // t, dtype=dtype, requires_grad=True, **meta) if stage.is_last else hidden

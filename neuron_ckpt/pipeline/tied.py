@@ -75,5 +75,6 @@ def check_tied_weights(stages: Sequence[LlamaStage], parallel_state: ParallelSta
     if not params:
         return 0.0
     (p,) = params  # one end per rank: the first and last stage share a rank only when p = 1
+    assert parallel_state.embedding is not None  # this rank holds an end
     both = C.all_gather(p.detach().unsqueeze(0).contiguous(), 0, parallel_state.embedding)
     return float((both[0] - both[-1]).abs().max())

@@ -334,6 +334,7 @@ def _reentrant(function, modules, group, args: tuple, kwargs: dict) -> Any:
         tensors.append(torch.empty(0, requires_grad=True))
     call = _Call(function, modules, inputs, distributed, anchor)
     outputs = _CheckpointFunction.apply(call, *tensors)
+    assert call.outputs is not None  # the forward set them
     return call.outputs.fill(outputs)
 
 

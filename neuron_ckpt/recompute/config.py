@@ -175,7 +175,7 @@ class RecomputeConfig:
         """The checks that need the model: call before any training work (apply does)."""
         if not isinstance(num_layers_in_model, int) or num_layers_in_model < 1:
             raise ValueError(f"num_layers_in_model must be a positive int, got {num_layers_in_model!r}")
-        if self.granularity == "full" and self.num_layers > num_layers_in_model:
+        if self.granularity == "full" and self.num_layers is not None and self.num_layers > num_layers_in_model:
             raise ValueError(
                 f"num_layers={self.num_layers} is larger than the {num_layers_in_model} layers of the "
                 f"stack; choose 1..{num_layers_in_model}"

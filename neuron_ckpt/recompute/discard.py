@@ -153,7 +153,7 @@ class _Note:
 
     call: _Call
     index: int
-    geometry: tuple[torch.Size, tuple[int, ...], int] | None  # None: the output root itself
+    geometry: tuple[torch.Size, tuple[int, ...], int | torch.SymInt] | None  # None: the output root itself
     view: Callable[[torch.Tensor], torch.Tensor] | None = None  # on XLA: replays the view on a root
 
     def tensor(self) -> torch.Tensor:
@@ -179,6 +179,7 @@ class _Scope:
         for index, out in enumerate(outputs):
             root = _root(out)
             self.roots[id(root)] = (root, call, index, root._version)
+        assert call.outputs is not None  # the forward set them
         return call.outputs.fill(outputs)
 
     def pack(self, t: torch.Tensor) -> Any:
@@ -190,7 +191,7 @@ class _Scope:
                 # offset) describes the view: its view chain is replayed on the recomputed root
                 # (Tensor._view_func, private: torch's only replay of a view chain onto another
                 # base). Keeping ``t`` costs nothing there: the graph reads the rerun, not t.
-                return _Note(call, index, None, t._view_func)
+                return _Note(call, index, None, t._view_func)  # type: ignore[attr-defined]  # private: see above
             same = t is root or (
                 t.size() == root.size() and t.stride() == root.stride() and t.storage_offset() == root.storage_offset()
             )
@@ -247,9 +248,12 @@ class _Call:
         self.node = weakref.ref(ctx)
 
     def rerun(self, grads: Sequence[torch.Tensor] = ()) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        # Set by keep_inputs and forward, which run before any rerun.
+        assert self.node is not None and self.rng is not None
         inputs = list(self.node().saved_tensors)
         if self.distributed is not None:
             k, shape = self.distributed
+            assert self.group is not None  # distributed only over a group
             inputs[k] = _gather_slices(inputs[k], shape, self.group)
         if runtime.is_xla():
             _xla_barrier([*inputs, *grads], self.modules)

@@ -106,9 +106,9 @@ def prepare(model, config, module_map, sequence_parallel: bool | None):
 
 def undo(model: torch.nn.Module) -> None:
     """Undo what ``finish`` did: the attention implementation, the marks, the cache hook."""
-    name = model.config._attn_implementation
+    name = model.config._attn_implementation  # type: ignore[union-attr]  # torch types a module's attributes as Tensor | Module
     if isinstance(name, str) and name.startswith(PREFIX):
-        model.set_attn_implementation(name.removeprefix(PREFIX))
+        model.set_attn_implementation(name.removeprefix(PREFIX))  # type: ignore[operator]  # torch types a module's attributes as Tensor | Module
     for m in model.modules():
         m.__dict__.pop(_MARK, None)
         handle = m.__dict__.pop(_HOOK, None)
@@ -151,7 +151,7 @@ def _use_checkpointed_attention(model) -> None:
     if name not in AttentionInterface._global_mapping:  # register once per wrapped implementation
         AttentionInterface.register(name, functools.partial(_core_attention, inner))
         if inner in AttentionMaskInterface._global_mapping:  # the same mask as the wrapped one
-            AttentionMaskInterface.register(name, AttentionMaskInterface._global_mapping[inner])
+            AttentionMaskInterface.register(name, AttentionMaskInterface._global_mapping[inner])  # type: ignore[arg-type]  # functools.partial is a callable
     model.set_attn_implementation(name)
     if model.config._attn_implementation != name:  # prepare checked that it can be set
         raise RuntimeError(f"{type(model).__name__}.set_attn_implementation({name!r}) did not set it")

@@ -27,7 +27,7 @@ import contextvars
 import functools
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -168,7 +168,9 @@ def unwrapped(module: torch.nn.Module) -> torch.nn.Module:
     return module.module if isinstance(module, Recompute) else module
 
 
-def run_layers(layers: Sequence[torch.nn.Module], hidden_states: Any, *args: Any, **kwargs: Any) -> Any:
+def run_layers(
+    layers: Sequence[torch.nn.Module] | torch.nn.ModuleList, hidden_states: Any, *args: Any, **kwargs: Any
+) -> Any:
     """``for layer in layers: hidden_states = layer(hidden_states, *args, **kwargs)``, running each
     group set up by full ``uniform`` recompute (a :class:`Recompute` with ``span > 1`` and the
     layers after it) as one activation checkpoint."""
@@ -178,7 +180,7 @@ def run_layers(layers: Sequence[torch.nn.Module], hidden_states: Any, *args: Any
         span = layer.span if isinstance(layer, Recompute) else 1
         if span > 1:
             group = list(layers[i : i + span])
-            c = layer.config
+            c = cast(Recompute, layer).config  # span > 1: a Recompute
             hidden_states = checkpoint(
                 functools.partial(_run_group, group), hidden_states, *args, fence=[unwrapped(g) for g in group],
                 use_reentrant=c.use_reentrant, distribute_saved_activations=c.distribute_saved_activations, **kwargs,

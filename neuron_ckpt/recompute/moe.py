@@ -64,7 +64,7 @@ def routers(module: torch.nn.Module) -> list[torch.nn.Module]:
     found = []
     for m in unwrapped(module).modules():
         if is_moe_block(m):
-            found += [unwrapped(m._modules[n]) for n in ROUTER_NAMES if m._modules.get(n) is not None]
+            found += [unwrapped(m._modules[n]) for n in ROUTER_NAMES if m._modules.get(n) is not None]  # type: ignore[arg-type]  # _modules maps names to Module | None; this one is set
     return found
 
 
@@ -168,7 +168,7 @@ class _DiscardedGate:
         self.experts = experts
 
     def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
-        gate = type(self.experts)._apply_gate.__get__(self.experts)
+        gate = type(self.experts)._apply_gate.__get__(self.experts)  # type: ignore[attr-defined]  # torch types a module's attributes as Tensor | Module
         return checkpoint_without_output(gate, gate_up)
 
 

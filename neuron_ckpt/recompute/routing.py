@@ -65,6 +65,7 @@ class RoutingReplay(TorchFunctionMode):
     def _replay(
         self, input: torch.Tensor, k: int, dim: int = -1, largest: bool = True, sorted: bool = True, *, out: Any = None
     ) -> Any:
+        assert self.recorded is not None  # replaying: the first run recorded
         if self._next >= len(self.recorded):
             raise RuntimeError(
                 f"routing replay: the rerun calls topk {self._next + 1} times, the forward called it "

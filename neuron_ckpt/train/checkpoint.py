@@ -80,7 +80,7 @@ DEFAULT_CHUNK_MB = 256.0
 
 
 def _step_of(path: Path) -> int:
-    return int(_STEP_DIR.match(path.name).group(1))
+    return int(_STEP_DIR.match(path.name).group(1))  # type: ignore[union-attr]  # only for names it matched
 
 
 def rank_prefix(rank: int) -> str:
@@ -223,7 +223,7 @@ class CheckpointManager:
         name = f"step_{step:08d}"
         final, tmp = self.directory / name, self.directory / f".tmp_{name}"
         shared = [k for k in self.shared_keys if k in rank_state]
-        error = None
+        error: BaseException | None = None
         if self.rank == 0:
             try:
                 self.directory.mkdir(parents=True, exist_ok=True)
@@ -235,7 +235,8 @@ class CheckpointManager:
 
         def write() -> None:
             info = self.place.info(self.rank)
-            structure, own = {}, {}
+            structure: dict[str, Any] = {}
+            own: dict[str, torch.Tensor] = {}
             for key, value in rank_state.items():
                 if key in shared:
                     tensors: dict[str, torch.Tensor] = {}
@@ -294,7 +295,7 @@ class CheckpointManager:
         if replaced is not None:
             shutil.rmtree(replaced, ignore_errors=True)
         self._prune(final.name)
-        model_files = [f for ps in shared_prefixes.values() for p in ps for f in groups[p]]
+        model_files = [f for ps in shared_prefixes.values() for p in ps for f in groups[p] or ()]  # all there
         report.total_bytes = sum(files.values()) + (final / "meta.json").stat().st_size
         report.shared_bytes = sum(files[f] + files[f + ".sha256"] for f in model_files)
         report.files = len(files) + 1

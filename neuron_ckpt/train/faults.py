@@ -220,7 +220,8 @@ class Coordinator:
         if timeout_s is None:
             timeout_s = runtime.collective_timeout_s()
         if timeout_s is None and self.store is not None:
-            timeout_s = self.store.timeout.total_seconds()  # the store shares init's timeout
+            # The store shares init's timeout. Store.timeout / .append exist in torch, not in its stubs.
+            timeout_s = self.store.timeout.total_seconds()  # type: ignore[attr-defined]  # see above
         self.timeout_s = timeout_s
         self.grace_s = min(60.0, max(3.0, 0.05 * (timeout_s or 0.0)))
 
@@ -240,11 +241,11 @@ class Coordinator:
         if self.store is None or self.world_size == 1:
             return CollectiveTimeoutError(head, step)
         store, key = self.store, f"{self.prefix}/failed"
-        previous_timeout = store.timeout
+        previous_timeout = store.timeout  # type: ignore[attr-defined]  # in torch, not in its stubs
         silent, last = None, {}
         try:
             store.set_timeout(datetime.timedelta(seconds=max(5.0, self.grace_s)))
-            store.append(key, f"{self.rank},")
+            store.append(key, f"{self.rank},")  # type: ignore[attr-defined]  # in torch, not in its stubs
             deadline = time.monotonic() + self.grace_s
             while True:
                 reported = {int(r) for r in store.get(key).decode().split(",") if r}

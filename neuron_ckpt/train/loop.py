@@ -35,8 +35,9 @@ from __future__ import annotations
 
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -78,7 +79,7 @@ def train_step(
         (loss * scale).backward()
         total = total + loss.detach().float() * scale
         runtime.step_boundary()  # XLA: one graph per micro-batch, so graph size does not grow with accumulation
-    grad_norm = optimizer.step()
+    grad_norm = cast(torch.Tensor, optimizer.step())  # a Zero1Optimizer's: the gradient norm
     return total, grad_norm
 
 
@@ -228,8 +229,9 @@ def fit(
             while state.step < options.max_steps:
                 current = state.step + 1  # the step being run, for error messages (its save included)
                 lr = schedule.apply(optimizer, state.step)
+                run_step: Callable[..., tuple[torch.Tensor, torch.Tensor]]
                 run_step = pipeline_train_step if is_pipeline(model) else train_step
-                loss, grad_norm = run_step(model, optimizer, next(batches), device)
+                loss, grad_norm = run_step(model, optimizer, next(batches), device)  # type: ignore[arg-type]  # torch types a module's attributes as Tensor | Module
                 state.step += 1
                 done = state.step
                 logger.step_done()
@@ -254,7 +256,7 @@ def fit(
                         f"{signal.Signals(stop).name} received: stopping after step {done}"
                         + (", saving a checkpoint first" if save else " (no checkpoint directory: nothing saved)")
                     )
-                saved = state.save(checkpoints, meta or {}) if save else None
+                saved = state.save(checkpoints, meta or {}) if save and checkpoints is not None else None
                 if save:
                     logger.restart()
                 if interrupt:

@@ -50,7 +50,7 @@ class TrainState:
         streams) adds them as ``rng["model"]``."""
         rng = {"default": get_rng_state(), "tracker": self.rng_tracker.get_states()}
         if hasattr(self.model, "rng_state_dict"):
-            rng["model"] = self.model.rng_state_dict()
+            rng["model"] = self.model.rng_state_dict()  # type: ignore[operator]  # torch types a module's attributes as Tensor | Module
         return {
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
@@ -78,7 +78,7 @@ class TrainState:
         set_rng_state(state["rng"]["default"])
         self.rng_tracker.set_states(state["rng"]["tracker"])
         if hasattr(self.model, "load_rng_state_dict"):
-            self.model.load_rng_state_dict(state["rng"]["model"])
+            self.model.load_rng_state_dict(state["rng"]["model"])  # type: ignore[operator]  # torch types a module's attributes as Tensor | Module
         runtime.step_boundary(wait=True)
 
     def save(self, manager: CheckpointManager, meta: dict[str, Any]) -> Path:

@@ -95,6 +95,7 @@ def mla(layer: LayerTensors, shape: MoEShape, setup: MoESetup, x: str) -> None:
     """DeepSeek-V3's latent attention, reading the norm output ``x``; its ``core_attn`` and
     ``mla_up_proj`` units."""
     m, t = shape.mla, shape.split("attention", setup.tp)
+    assert m is not None  # a deepseek_v3 shape carries its MLA sizes (checked at construction)
     T, b, s, w = setup.tokens, setup.micro_batch, setup.seq_len, setup.width
     a, split = shape.heads // t, t > 1
     layer.keep(x, "attn.proj")  # q_a_proj (or q_proj) and kv_a_proj_with_mqa

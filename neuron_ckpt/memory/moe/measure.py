@@ -16,6 +16,7 @@ parameters, the rotary tables, the position ids, the mask.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -34,16 +35,20 @@ def hf_config(shape: MoEShape, setup: MoESetup, layers: int | None = None, vocab
     import transformers
 
     L, v = layers or shape.layers, vocab or shape.vocab
-    common = dict(vocab_size=v, hidden_size=shape.hidden, num_hidden_layers=L, num_attention_heads=shape.heads,
-                  num_key_value_heads=shape.kv_heads, num_experts_per_tok=shape.top_k,
-                  max_position_embeddings=max(setup.seq_len, 128), use_cache=False, attention_dropout=0.0)  # fmt: skip
+    common: dict[str, Any] = dict(
+        vocab_size=v, hidden_size=shape.hidden, num_hidden_layers=L, num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads, num_experts_per_tok=shape.top_k,
+        max_position_embeddings=max(setup.seq_len, 128), use_cache=False, attention_dropout=0.0,
+    )  # fmt: skip
     dense = [i for i in shape.dense_layers if i < L]
+    config: transformers.PretrainedConfig
     if shape.family == "mixtral":
         config = transformers.MixtralConfig(
             **common, head_dim=shape.head_dim, intermediate_size=shape.moe_ffn, num_local_experts=shape.experts
         )
     elif shape.family == "deepseek_v3":
         m = shape.mla
+        assert m is not None  # a deepseek_v3 shape carries its MLA sizes (checked at construction)
         config = transformers.DeepseekV3Config(
             **common, intermediate_size=shape.dense_ffn or 1, moe_intermediate_size=shape.moe_ffn,
             n_routed_experts=shape.experts, n_shared_experts=shape.shared_ffn // shape.moe_ffn,
@@ -56,7 +61,7 @@ def hf_config(shape: MoEShape, setup: MoESetup, layers: int | None = None, vocab
         extra = {"shared_expert_intermediate_size": shape.shared_ffn} if shape.family == "qwen2_moe" else {}
         config = cls(
             **common,
-            **extra,
+            **extra,  # type: ignore[arg-type]  # a weight target always names its param
             intermediate_size=shape.dense_ffn or 1,
             moe_intermediate_size=shape.moe_ffn,
             num_experts=shape.experts,
@@ -83,7 +88,7 @@ def recompute_config(recompute: Recompute) -> RecomputeConfig | None:
         return None
     if modules == ("full",):
         return RecomputeConfig.preset("full")
-    return RecomputeConfig(granularity="selective", modules=list(modules))
+    return RecomputeConfig(granularity="selective", modules=list(modules))  # type: ignore[arg-type]  # a list is fine: stored as a tuple
 
 
 def build_model(

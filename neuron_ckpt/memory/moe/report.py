@@ -17,7 +17,7 @@ import json
 from dataclasses import asdict
 
 from .config import load_moe_config
-from .layer import CHOICES, module_table
+from .layer import CHOICES, LayerMemory, module_table
 from .shape import ATTENTION, EXPERTS, MoESetup, MoEShape
 
 MIB, GIB = 1 << 20, 1 << 30
@@ -75,6 +75,12 @@ def _describe(shape: MoEShape) -> str:
     return " ".join(parts)
 
 
+def _known(memory: LayerMemory | None) -> LayerMemory:
+    """The "none" column: every layer kind has it (only a module a kind lacks is None)."""
+    assert memory is not None
+    return memory
+
+
 def build_report(shape: MoEShape, setup: MoESetup, source: str = "", notices: list[str] | None = None) -> dict:
     """Everything the command prints, as a JSON-ready dict: per layer kind and recompute choice
     the bytes one rank keeps (None where the module does not apply to that kind), the bytes
@@ -83,7 +89,7 @@ def build_report(shape: MoEShape, setup: MoESetup, source: str = "", notices: li
     dense, moe = len(shape.dense_layers), shape.layers - len(shape.dense_layers)
 
     def stack(choice: str) -> int:  # a module a kind lacks leaves those layers as they are
-        per_kind = {kind: (row[choice] or row["none"]).nbytes for kind, row in table.items()}
+        per_kind = {kind: _known(row[choice] or row["none"]).nbytes for kind, row in table.items()}
         return dense * per_kind.get("dense", 0) + moe * per_kind.get("moe", 0)
 
     return {
@@ -98,7 +104,7 @@ def build_report(shape: MoEShape, setup: MoESetup, source: str = "", notices: li
         "outside_autograd_bytes": {kind: {c: None if m is None else m.nbytes - m.autograd_bytes
                                           for c, m in row.items()} for kind, row in table.items()},
         "layers_total_bytes": {c: stack(c) for c in CHOICES},
-        "breakdown": {kind: [asdict(t) for t in row["none"].terms] for kind, row in table.items()},
+        "breakdown": {kind: [asdict(t) for t in _known(row["none"]).terms] for kind, row in table.items()},
         "notices": list(notices or ()),
     }  # fmt: skip
 

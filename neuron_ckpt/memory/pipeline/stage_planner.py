@@ -124,7 +124,7 @@ class PipelinePlan:
         """One entry per virtual stage, in stage order: the per-layer list of its layers' recompute
         (None: none), which :func:`neuron_ckpt.pipeline.apply_pipeline_recompute` takes as a
         per-stage plan."""
-        by_stage = {}
+        by_stage: dict[int, list[Any]] = {}
         for stage in self.stages:
             by_stage.update(zip((c.stage for c in stage.budget.chunks), stage.recompute()))
         return [by_stage[k] for k in range(self.pipeline.stages)]
@@ -176,6 +176,7 @@ def _search(rank: RankModel, options: dict[str, LayerOption], limit: int, first_
             best = (cost, total, runs)
             if first_fit:
                 break
+    assert least is not None  # there is at least one choice of runs
     return (best[2] if best else None), least[2]
 
 

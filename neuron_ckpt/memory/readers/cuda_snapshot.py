@@ -111,7 +111,8 @@ def read(path: str | Path, kind: str = "peak") -> MemoryReading:
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     path = Path(path)
-    data, notes = _load(path), []
+    data = _load(path)
+    notes: list[str] = []
     devices = _current(data["segments"], path, notes)
     traces = data.get("device_traces", [])
     if not isinstance(traces, list) or not all(isinstance(t, list) for t in traces):

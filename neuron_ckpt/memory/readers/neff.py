@@ -84,7 +84,7 @@ def _from_neff(path: Path) -> dict[int, tuple[str, bytes]]:
             for member in archive.getmembers():
                 match = _MEMBER.fullmatch(member.name)
                 if match and member.isfile():
-                    found[int(match.group(1))] = (member.name, archive.extractfile(member).read())
+                    found[int(match.group(1))] = (member.name, archive.extractfile(member).read())  # type: ignore[union-attr]  # a file member: never None
     except (tarfile.TarError, EOFError, OSError, zlib.error) as exc:  # tarfile's message has several lines
         raise ReadError(
             f"{path}: not a NEFF (no tar archive after a {HEADER_BYTES}-byte header: {' '.join(str(exc).split())})"

@@ -46,8 +46,13 @@ class _Scrapes:
     :meth:`close` checks the open scrape against the one before it and keeps its sums."""
 
     def __init__(self, path: Path):
-        self.path, self.closed, self.previous = path, [], set()
-        self.start, self.seen, self.memory, self.sums = 1, set(), set(), {}
+        self.path = path
+        self.closed: list[dict[tuple[int, str], int]] = []
+        self.previous: set[str] = set()
+        self.start = 1
+        self.seen: set[str] = set()
+        self.memory: set[str] = set()
+        self.sums: dict[tuple[int, str], int] = {}
 
     def close(self, next_line: int) -> None:
         if self.sums:
@@ -109,9 +114,9 @@ def read(path: str | Path, tag: str | None = None) -> MemoryReading:
         raise ReadError(f"{path}: no {PREFIX}* samples{which}: not the Neuron exporter's output")
     cores: dict[int, dict[str, int]] = {}
     for sums in scrapes.closed:
-        for (core, category), value in sums.items():
-            peak = cores.setdefault(core, dict.fromkeys(NEURON_CATEGORIES, 0))
-            peak[category] = max(peak[category], value)
+        for (index, kind), value in sums.items():
+            peak = cores.setdefault(index, dict.fromkeys(NEURON_CATEGORIES, 0))
+            peak[kind] = max(peak[kind], value)
     count = len(scrapes.closed)
     return MemoryReading(
         "prometheus",

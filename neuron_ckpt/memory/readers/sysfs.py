@@ -116,7 +116,7 @@ def read(path: str | Path, kind: str = "peak") -> MemoryReading:
         raise ReadError(f"{path}: no neuron<d>/neuron_core<c>/{_DEVICE_MEM} counters under it")
     per_device: dict[int, set[int]] = {}
     for key in found:
-        device, core = map(int, _CORE.fullmatch(key).groups())
+        device, core = map(int, _CORE.fullmatch(key).groups())  # type: ignore[union-attr]  # the keys matched _CORE
         per_device.setdefault(device, set()).add(core)
     widths = {len(cores) for cores in per_device.values()}
     if len(widths) != 1 or any(cores != set(range(len(cores))) for cores in per_device.values()):
@@ -130,7 +130,7 @@ def read(path: str | Path, kind: str = "peak") -> MemoryReading:
         missing = [c for c in NEURON_CATEGORIES if c not in values]
         if missing:
             raise ReadError(f"{path}: {key} lacks {', '.join(map(repr, missing))}")
-        device, core = map(int, _CORE.fullmatch(key).groups())
+        device, core = map(int, _CORE.fullmatch(key).groups())  # type: ignore[union-attr]  # the keys matched _CORE
         cores[device * width + core] = values
     return MemoryReading("sysfs", str(path), kind, dict(sorted(cores.items())), 1, SCRATCHPAD_PAGE_BYTES)
 

@@ -97,8 +97,8 @@ def read(path: str | Path) -> MemoryReading:
                 raise ReadError(f"{path}:{number}: expected 'allocation {count}: size N...:', got {line[:80]!r}")
             values[_category(flags)] += size
             count += 1
-        elif _TOTAL.match(line):
-            total = int(_TOTAL.match(line).group(1))
+        elif matched := _TOTAL.match(line):
+            total = int(matched.group(1))
             break
     if count == 0:
         raise ReadError(f"{path}: no 'allocation N: size S' lines")

@@ -75,7 +75,7 @@ def _whole_shape(experts: torch.nn.Module, name: str) -> tuple[int, ...] | None:
 
 def _check_weight(model: torch.nn.Module, target: Target, t: int) -> None:
     experts, name, where = target.module, target.param, target.where
-    weight = getattr(experts, name)
+    weight = getattr(experts, name)  # type: ignore[arg-type]  # a weight target always names its param
     if name not in WEIGHTS or weight.dim() != 3:
         raise ValueError(
             f"{where}: needs a 3-D expert weight ({', '.join(WEIGHTS)} of an experts module), "
@@ -97,10 +97,10 @@ def _check_weight(model: torch.nn.Module, target: Target, t: int) -> None:
 
 def _apply_weight(target: Target, split: Split) -> None:
     experts, name = target.module, target.param
-    dim, stride = _layout(experts, name)
-    full = getattr(experts, name)
+    dim, stride = _layout(experts, name)  # type: ignore[arg-type]  # a weight target always names its param
+    full = getattr(experts, name)  # type: ignore[arg-type]  # a weight target always names its param
     t = split.state.tp_size
-    take(experts, name, full, dim, t, split.state.tp_rank, stride)
+    take(experts, name, full, dim, t, split.state.tp_rank, stride)  # type: ignore[arg-type]  # a weight target always names its param
     size = full.shape[dim] // stride
     for attribute in SIZE_ATTRIBUTES:
         if getattr(experts, attribute, None) == size:
@@ -126,7 +126,7 @@ def _check_experts(model: torch.nn.Module, target: Target, t: int) -> None:
 
 def check_experts_plan(model: torch.nn.Module, targets: list[Target], t: int) -> None:
     """A split expert weight's module sums the partial outputs, and that module splits all its weights."""
-    split = {}
+    split: dict[str, set[str]] = {}
     for target in targets:
         if target.param is not None and target.param in WEIGHTS:
             split.setdefault(target.name.rpartition(".")[0], set()).add(target.param)

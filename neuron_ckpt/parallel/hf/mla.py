@@ -23,7 +23,7 @@ def _attention(model: torch.nn.Module, target: Target) -> torch.nn.Module:
 
 def _rope_dim(model: torch.nn.Module, target: Target) -> int | None:
     config = getattr(model, "config", None)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = config.get_text_config() if config is not None and hasattr(config, "get_text_config") else config
     return getattr(_attention(model, target), "qk_rope_head_dim", getattr(text, "qk_rope_head_dim", None))
 
 

@@ -73,7 +73,7 @@ def apply_tensor_parallel(
     for lm_head, embedding in tied:
         model.get_submodule(lm_head).weight = model.get_submodule(embedding).weight
     if head is not None:
-        model.loss_function = vocab_parallel_loss(state)
+        model.loss_function = vocab_parallel_loss(state)  # type: ignore[assignment]  # torch types a module's attributes as Tensor | Module
     if sequence is not None:
         apply_sequence_parallel(model, sequence, state)
     return model
