@@ -4,8 +4,10 @@ without importing the models package (torch, transformers)."""
 
 from __future__ import annotations
 
+from typing import TypeGuard
 
-def is_int(value: object) -> bool:
+
+def is_int(value: object) -> TypeGuard[int]:
     """An ``int`` that is not a ``bool`` (``True`` is an ``int`` to Python, not a count)."""
     return isinstance(value, int) and not isinstance(value, bool)
 

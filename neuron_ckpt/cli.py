@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 PROG = "neuron-ckpt"
 
@@ -23,7 +23,7 @@ INPUT_ERRORS = (ValueError, TypeError, OSError, ArithmeticError, ImportError)
 class _OneLineParser(argparse.ArgumentParser):
     """argparse, but an error is one line (no usage block) and exit status 2."""
 
-    def error(self, message: str) -> None:  # type: ignore[override]
+    def error(self, message: str) -> None:  # type: ignore[override]  # argparse's is NoReturn; _fail exits
         _fail(f"{self.prog}: error: {message}")
 
 

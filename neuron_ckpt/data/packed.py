@@ -73,14 +73,10 @@ def write_packed(
     path = Path(path)
     blocks = np.asarray(blocks)
     if blocks.ndim != 2 or blocks.shape[0] < 1 or blocks.shape[1] < 1:
-        raise ValueError(
-            f"{path}: blocks must be [num_blocks>=1, block_len>=1], got shape {blocks.shape}"
-        )
+        raise ValueError(f"{path}: blocks must be [num_blocks>=1, block_len>=1], got shape {blocks.shape}")
     dtype = token_dtype(vocab_size)
     if blocks.min() < 0 or _max_id(blocks) >= vocab_size:
-        raise ValueError(
-            f"{path}: token ids must be in [0, {vocab_size}), got [{blocks.min()}, {blocks.max()}]"
-        )
+        raise ValueError(f"{path}: token ids must be in [0, {vocab_size}), got [{blocks.min()}, {blocks.max()}]")
     payload = np.ascontiguousarray(blocks, dtype=dtype)
     meta = {
         "format": FORMAT_MAGIC,
@@ -128,11 +124,9 @@ def _require(path: Path, field: str, got: object, expected: object) -> None:
 def _int_field(path: Path, meta: dict, field: str) -> int:
     value = meta.get(field)
     try:
-        return int(value)
+        return int(value)  # type: ignore[arg-type]  # None raises the TypeError caught below
     except (TypeError, ValueError):
-        raise ValueError(
-            f"{path}: metadata field {field!r} must be an integer, got {value!r}"
-        ) from None
+        raise ValueError(f"{path}: metadata field {field!r} must be an integer, got {value!r}") from None
 
 
 @dataclass(frozen=True)
@@ -167,7 +161,7 @@ def _parse_info(path: Path, header: dict) -> tuple[PackedInfo, dict]:
     if not 1 <= info.vocab_size <= 2**32:
         raise ValueError(f"{path}: vocab_size must be in [1, 2**32], got {info.vocab_size}")
     _require(path, "dtype", info.dtype, token_dtype(info.vocab_size).name)
-    st_dtype = _ST_DTYPES.get(tensor.get("dtype"))
+    st_dtype = _ST_DTYPES.get(str(tensor.get("dtype")))
     _require(path, f"tensor {_TENSOR!r} dtype", st_dtype, np.dtype(info.dtype))
     shape = [info.num_blocks, info.block_len]
     _require(path, f"tensor {_TENSOR!r} shape", tensor.get("shape"), shape)
@@ -193,9 +187,7 @@ def _open_payload(path: Path) -> tuple[PackedInfo, np.ndarray]:
     nbytes = info.num_blocks * info.block_len * np.dtype(info.dtype).itemsize
     _require(path, "payload byte length", end - begin, nbytes)
     if size < data_start + end:
-        raise ValueError(
-            f"{path}: truncated payload: file has {size} bytes, header needs {data_start + end}"
-        )
+        raise ValueError(f"{path}: truncated payload: file has {size} bytes, header needs {data_start + end}")
     _require(path, "file size (trailing bytes after the payload)", size, data_start + end)
     shape = (info.num_blocks, info.block_len)
     tokens = np.memmap(path, dtype=info.dtype, mode="r", offset=data_start + begin, shape=shape)
@@ -256,8 +248,7 @@ class PackedDataset(torch.utils.data.Dataset):
             _require(self.path, "payload sha256 (checksum)", _sha256(self.tokens), self.info.sha256)
         if (top := _max_id(self.tokens)) >= self.info.vocab_size:
             raise ValueError(
-                f"{self.path}: token id {top} out of range: ids must be < vocab_size "
-                f"{self.info.vocab_size}"
+                f"{self.path}: token id {top} out of range: ids must be < vocab_size {self.info.vocab_size}"
             )
         if verify_checksum:
             try:

@@ -59,9 +59,7 @@ def _transformers(name_or_path: str) -> TextTokenizer:
     try:
         tok = AutoTokenizer.from_pretrained(name_or_path, local_files_only=local)
     except (OSError, ValueError) as e:
-        raise ValueError(
-            f"tokenizer {name_or_path!r}: transformers could not load it: {e}"
-        ) from None
+        raise ValueError(f"tokenizer {name_or_path!r}: transformers could not load it: {e}") from None
     if tok.eos_token_id is None:
         raise ValueError(f"tokenizer {name_or_path!r}: has no EOS token (eos_token_id is None)")
     return TextTokenizer(
@@ -89,8 +87,7 @@ def load_tokenizer(name_or_path: str | os.PathLike | None = None) -> TextTokeniz
         if path.suffix == ".model" or path.name.startswith("tokenizer.model"):
             return _sentencepiece(path, str(name_or_path))
         raise ValueError(
-            f"tokenizer {path}: a file must be a sentencepiece .model; "
-            "for a tokenizer.json pass its directory"
+            f"tokenizer {path}: a file must be a sentencepiece .model; for a tokenizer.json pass its directory"
         )
     hf_files = ("tokenizer.json", "tokenizer_config.json")
     sp_only = not any((path / f).exists() for f in hf_files) and (path / "tokenizer.model").exists()

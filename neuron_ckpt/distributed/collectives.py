@@ -39,7 +39,7 @@ Autograd-aware versions (conjugate pairs) are in :mod:`neuron_ckpt.distributed.m
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -100,12 +100,7 @@ def uses_gloo_forms(tensor: torch.Tensor, group: Group) -> bool:
     """True where :func:`all_gather` and :func:`reduce_scatter` of ``tensor`` over ``group`` run
     as broadcasts and an all-to-all (module docstring): eager, on host tensors, over a gloo group
     of more than one rank."""
-    return (
-        group.size > 1
-        and tensor.device.type == "cpu"
-        and not _compiling()
-        and backend(group) == dist.Backend.GLOO
-    )
+    return group.size > 1 and tensor.device.type == "cpu" and not _compiling() and backend(group) == dist.Backend.GLOO
 
 
 def all_reduce(tensor: torch.Tensor, group: Group, op: str = "sum") -> torch.Tensor:

@@ -16,7 +16,8 @@ import multiprocessing as mp
 import os
 import queue
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from .runtime import free_port
 
@@ -37,7 +38,7 @@ def _worker(rank: int, world_size: int, port: int, backend: str, threads: int, t
 
     try:
         runtime.init_distributed(backend=backend, timeout_s=300)
-    except Exception:
+    except Exception:  # noqa: BLE001  any failure to join goes to the parent, which reports it
         results.put((rank, False, traceback.format_exc()))
         return
     while True:
@@ -47,7 +48,7 @@ def _worker(rank: int, world_size: int, port: int, backend: str, threads: int, t
         fn, args, kwargs = task
         try:
             out = (rank, True, fn(*args, **kwargs))
-        except BaseException:
+        except BaseException:  # noqa: BLE001  every failure of a task goes to the parent; the worker serves the next
             out = (rank, False, traceback.format_exc())
         finally:
             parallel_state.destroy_model_parallel()
@@ -94,7 +95,9 @@ class LocalWorld:
                 rank, ok, value = self._results.get(timeout=self.timeout_s)
             except queue.Empty:
                 self.close(kill=True)
-                raise WorkerError(f"{getattr(fn, '__name__', fn)} did not finish within {self.timeout_s} s; world closed")
+                raise WorkerError(
+                    f"{getattr(fn, '__name__', fn)} did not finish within {self.timeout_s} s; world closed"
+                ) from None
             if ok:
                 outs[rank] = value
             else:
@@ -113,7 +116,7 @@ class LocalWorld:
                 p.kill()
                 p.join()
 
-    def __enter__(self) -> "LocalWorld":
+    def __enter__(self) -> LocalWorld:
         return self
 
     def __exit__(self, *exc) -> None:

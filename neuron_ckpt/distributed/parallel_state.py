@@ -25,9 +25,9 @@ without creating any.
 from __future__ import annotations
 
 import datetime
-
 import weakref
 from dataclasses import FrozenInstanceError, dataclass
+from typing import Any
 
 import torch.distributed as dist
 
@@ -49,6 +49,10 @@ class Group:
     """
 
     __slots__ = ("_process_group", "ranks", "replica_groups", "rank", "__weakref__")
+    _process_group: Any  # a ProcessGroup, None, or _RELEASED
+    ranks: tuple[int, ...]
+    replica_groups: tuple[tuple[int, ...], ...]
+    rank: int
 
     def __init__(
         self,
@@ -103,18 +107,15 @@ class Group:
     def __reduce__(self):  # pickling needs process_group None (a ProcessGroup does not pickle)
         return (Group, (self.process_group, self.ranks, self.replica_groups, self.rank))
 
-    def __copy__(self) -> "Group":
+    def __copy__(self) -> Group:
         return self
 
-    def __deepcopy__(self, memo) -> "Group":
+    def __deepcopy__(self, memo) -> Group:
         return self  # immutable, and a copied model talks over the same communicator
 
     def __repr__(self) -> str:
         pg = "<released>" if self.released else repr(self._process_group)
-        return (
-            f"Group(process_group={pg}, ranks={self.ranks}, replica_groups={self.replica_groups}, "
-            f"rank={self.rank})"
-        )
+        return f"Group(process_group={pg}, ranks={self.ranks}, replica_groups={self.replica_groups}, rank={self.rank})"
 
 
 class _Released:
@@ -125,7 +126,7 @@ class _Released:
 _RELEASED = _Released()
 
 # Every live Group that holds a process group, by id (weak: a Group dies with its last user).
-_HOLDING: "weakref.WeakValueDictionary[int, Group]" = weakref.WeakValueDictionary()
+_HOLDING: weakref.WeakValueDictionary[int, Group] = weakref.WeakValueDictionary()
 
 
 def release_process_groups() -> int:
@@ -245,7 +246,10 @@ def parallel_layout(world_size: int, tensor_parallel_size: int = 1, pipeline_par
         sizes = f"tensor_parallel_size={t}" + (f" x pipeline_parallel_size={p} = {t * p}" if p > 1 else "")
         raise ValueError(f"{sizes} does not divide the world size {world_size}; allowed: {allowed}")
     d = world_size // (t * p)
-    rank = lambda pp, dp, tp: pp * d * t + dp * t + tp  # noqa: E731
+
+    def rank(pp: int, dp: int, tp: int) -> int:
+        return pp * d * t + dp * t + tp
+
     tp = tuple(tuple(rank(i, j, k) for k in range(t)) for i in range(p) for j in range(d))
     dp = tuple(tuple(rank(i, j, k) for j in range(d)) for i in range(p) for k in range(t))
     pp = tuple(tuple(rank(i, j, k) for i in range(p)) for j in range(d) for k in range(t))
@@ -273,15 +277,14 @@ def initialize_model_parallel(tensor_parallel_size: int = 1, pipeline_parallel_s
                 f"pipeline_parallel_size={_STATE.pp_size}; call destroy_model_parallel() before changing it"
             )
         return _STATE
-    groups = {name: _new_groups([list(g) for g in getattr(layout, name)], rt.rank) for name in ("tp", "dp")}
+    tp, dp = (_new_groups([list(g) for g in getattr(layout, name)], rt.rank) for name in ("tp", "dp"))
+    assert tp is not None and dp is not None  # every rank is in one TP and one DP group
+    pp = embedding = None
     if pipeline_parallel_size > 1:  # without PP no new communicator (and no new process group)
-        groups["pp"] = _new_groups([list(g) for g in layout.pp], rt.rank)
+        pp = _new_groups([list(g) for g in layout.pp], rt.rank)
         # At p = 2 the embedding groups are the PP groups: the same communicators serve both.
-        groups["embedding"] = groups["pp"] if layout.embedding == layout.pp else \
-            _new_groups([list(g) for g in layout.embedding], rt.rank)
-    else:
-        groups.update(pp=None, embedding=None)
-    _STATE = ParallelState(**groups)
+        embedding = pp if layout.embedding == layout.pp else _new_groups([list(g) for g in layout.embedding], rt.rank)
+    _STATE = ParallelState(tp, dp, pp, embedding)
     return _STATE
 
 

@@ -12,8 +12,8 @@ the CPU state; a dropout on an accelerator or XLA tensor draws from the device g
 one must be saved and restored too. The accelerator's generator is reached through
 ``torch.get_device_module(type)`` (CUDA, XPU, and a PrivateUse1 device that registers a module
 with ``get_rng_state`` / ``set_rng_state``, as TorchNeuron's ``neuron`` does), once that device has
-been initialised: capturing it must not be what initialises the device. :func:`get_rng_state` / :func:`set_rng_state` are what
-recompute uses to replay a region bit-identically.
+been initialised: capturing it must not be what initialises the device. :func:`get_rng_state` /
+:func:`set_rng_state` are what recompute uses to replay a region bit-identically.
 """
 
 from __future__ import annotations
@@ -131,11 +131,11 @@ class RNGStatesTracker:
     def set_states(self, states: dict[str, RNGState]) -> None:
         self.states = dict(states)
 
-    def snapshot(self) -> "TrackerSnapshot":
+    def snapshot(self) -> TrackerSnapshot:
         """Everything :meth:`restore` needs to replay from here, inside open forks too."""
         return TrackerSnapshot(dict(self.states), tuple(self._open), self._default)
 
-    def restore(self, snap: "TrackerSnapshot") -> None:
+    def restore(self, snap: TrackerSnapshot) -> None:
         self.states, self._open, self._default = dict(snap.states), list(snap.open), snap.default
 
     @contextlib.contextmanager
@@ -155,6 +155,7 @@ class RNGStatesTracker:
             if self._open:
                 set_rng_state(self.states[self._open[-1]])
             else:
+                assert self._default is not None  # parked when the first fork opened
                 set_rng_state(self._default)
                 self._default = None
 

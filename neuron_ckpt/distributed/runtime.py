@@ -7,7 +7,8 @@ or asks torch which accelerator it has. Layers never do.
 Device and backend, unless ``backend=`` overrides them:
 
 * ``xla`` when torch-xla drives the device: torch-neuronx is importable together with torch-xla
-  (trn1, Neuron SDK 2.28: AWS tells XLA training users to stay there), or ``PJRT_DEVICE`` is set and torch-xla is importable;
+  (trn1, Neuron SDK 2.28: AWS tells XLA training users to stay there), or ``PJRT_DEVICE`` is set
+  and torch-xla is importable;
 * otherwise the accelerator ``torch.accelerator`` reports (``neuron`` under TorchNeuron on
   trn2/trn3, ``cuda``, ``xpu``, ... any device torch registers), one per local rank, with the
   backend torch registers as that device's default
@@ -65,7 +66,7 @@ NEURON_WITHOUT_XLA = (
     "(torch.accelerator.is_available() is False). A Neuron SDK of 2.30 or later (TorchNeuron) trains "
     "on trn2/trn3 through the native 'neuron' device, which torch does not see on this machine. "
     "Training on trn1 needs Neuron SDK 2.28 (torch-neuronx 2.9 with torch-xla 2.9; AWS tells XLA training users "
-    "to stay on it): activate that SDK's venv and pip install -e \".[trn1,tutorial]\" -c constraints-trn1.txt "
+    'to stay on it): activate that SDK\'s venv and pip install -e ".[trn1,tutorial]" -c constraints-trn1.txt '
     "(docs/trainium.md). Pass "
     "backend='gloo' to train on the host CPU instead."
 )

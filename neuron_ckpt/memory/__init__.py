@@ -24,7 +24,11 @@ docs/planner.md.
 """
 
 from .analytic import (
-    ActivationTerm, layer_activation_bytes, layer_activation_terms, model_activation_bytes, model_activation_peak_bytes,
+    ActivationTerm,
+    layer_activation_bytes,
+    layer_activation_terms,
+    model_activation_bytes,
+    model_activation_peak_bytes,
 )  # fmt: skip
 from .budget import MemoryBudget, memory_budget
 from .live import LiveSavedTensors

@@ -32,14 +32,14 @@ adds the recompute buffers of the backward.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence, Union
 
 from ..recompute import MODULES, PRESETS, RecomputeConfig
 from .shape import ModelShape, TrainingSetup
 from .terms import ActivationTerm, LayerSpec, RecomputeEvent, layer_terms
 
-Recompute = Union[str, RecomputeConfig]
+Recompute = str | RecomputeConfig
 
 
 def supported_presets(model: ModelShape) -> tuple[str, ...]:
@@ -72,22 +72,27 @@ class PricedRecompute:
         c = self.config
         if c.granularity != "full" or num_layers == 1:
             return True
-        return c.num_layers == 1 if c.method == "uniform" else c.num_layers >= num_layers
+        k = c.num_layers
+        assert k is not None  # full recompute always names it (RecomputeConfig checks)
+        return k == 1 if c.method == "uniform" else k >= num_layers
 
     def layer(self, index: int, num_layers: int) -> LayerSpec:
         """How layer ``index`` of a ``num_layers`` stack runs."""
         c = self.config
         if c.granularity != "full":
             return LayerSpec(self.modules, None, self.sliced)
-        if c.method == "block":
-            return LayerSpec((), 1, self.sliced) if index < c.num_layers else LayerSpec()
         k = c.num_layers
+        assert k is not None  # full recompute always names it (RecomputeConfig checks)
+        if c.method == "block":
+            return LayerSpec((), 1, self.sliced) if index < k else LayerSpec()
         return LayerSpec((), min(k, num_layers - index) if index % k == 0 else 0, self.sliced)
 
     def layer_label(self, index: int, num_layers: int) -> str:
         """What layer ``index`` runs, in a budget's words: block's layers are ``full`` or ``none``."""
         if self.config.method == "block":
-            return self.label.replace(self.name, "full") if index < self.config.num_layers else "none"
+            k = self.config.num_layers
+            assert k is not None  # full recompute always names it (RecomputeConfig checks)
+            return self.label.replace(self.name, "full") if index < k else "none"
         return self.label
 
 
@@ -110,30 +115,40 @@ def resolve(model: ModelShape, setup: TrainingSetup, recompute: Recompute) -> Pr
     else:
         raise ValueError(f"recompute must be a preset name {list(PRESETS)} or a RecomputeConfig, got {recompute!r}")
     if setup.attention == "flash" and model.kind == "gpt":
-        raise ValueError("attention 'flash' is modelled for llama only: the paper's GPT layer has attention dropout, "
-                         "with which torch's CPU flash kernel falls back to its math path (fp32 [b, a, s, s] tensors "
-                         "kept, not modelled); use attention='explicit' for gpt")
-    modules = ()
+        raise ValueError(
+            "attention 'flash' is modelled for llama only: the paper's GPT layer has attention dropout, "
+            "with which torch's CPU flash kernel falls back to its math path (fp32 [b, a, s, s] tensors "
+            "kept, not modelled); use attention='explicit' for gpt"
+        )
+    modules: tuple[str, ...] = ()
     if config.granularity == "selective":
         chosen = set(config.modules) - ({"mlp_act"} if "mlp" in config.modules else set())
         modules = tuple(m for m in MODULES if m in chosen)
-    if config.granularity == "full" and config.num_layers > model.layers:
-        raise ValueError(f"recompute: num_layers={config.num_layers} is larger than the {model.layers} layers of the "
-                         f"model; choose 1..{model.layers}")
+    if config.granularity == "full" and config.num_layers is not None and config.num_layers > model.layers:
+        raise ValueError(
+            f"recompute: num_layers={config.num_layers} is larger than the {model.layers} layers of the "
+            f"model; choose 1..{model.layers}"
+        )
     distribute = config.distribute_saved_activations
     # Megatron refuses distributing with sequence parallel: the saved input is already a shard.
     if distribute and setup.sequence_parallel:
-        raise ValueError("distribute_saved_activations must be False when sequence_parallel is True "
-                         "(the saved layer input is already a 1/t sequence shard)")
+        raise ValueError(
+            "distribute_saved_activations must be False when sequence_parallel is True "
+            "(the saved layer input is already a 1/t sequence shard)"
+        )
     if distribute and config.granularity == "selective" and not {"mlp", "norm"} & set(modules):
-        raise ValueError(f"distribute_saved_activations: the selective modules {list(modules)} keep no replicated "
-                         "input to distribute; only 'mlp' and 'norm' do (or use full recompute)")
+        raise ValueError(
+            f"distribute_saved_activations: the selective modules {list(modules)} keep no replicated "
+            "input to distribute; only 'mlp' and 'norm' do (or use full recompute)"
+        )
     why = model.valid_tp(setup.tp, setup.seq_len if setup.sequence_parallel else None, include_vocab=False)
     if why is not None:
         raise ValueError(why)
     if model.head_dim * model.heads != model.hidden:
-        raise ValueError(f"head_dim ({model.head_dim}) * heads ({model.heads}) must equal hidden "
-                         f"({model.hidden}) for the memory model")
+        raise ValueError(
+            f"head_dim ({model.head_dim}) * heads ({model.heads}) must equal hidden "
+            f"({model.hidden}) for the memory model"
+        )
     return PricedRecompute(config, _name(config, modules), modules, distribute and setup.tp > 1)
 
 
@@ -141,8 +156,10 @@ def _spec(model: ModelShape, setup: TrainingSetup, recompute: Recompute, layer: 
     priced = resolve(model, setup, recompute)
     if layer is None:
         if not priced.same_on_every_layer(model.layers):
-            raise ValueError(f"layer: recompute {priced.name!r} keeps different bytes in different layers; pass "
-                             f"layer=0..{model.layers - 1}, or use model_activation_bytes for the whole stack")
+            raise ValueError(
+                f"layer: recompute {priced.name!r} keeps different bytes in different layers; pass "
+                f"layer=0..{model.layers - 1}, or use model_activation_bytes for the whole stack"
+            )
         layer = 0
     if not (isinstance(layer, int) and 0 <= layer < model.layers):
         raise ValueError(f"layer must be an int in 0..{model.layers - 1}, got {layer!r}")
@@ -161,7 +178,9 @@ def layer_activation_terms(
     return layer_terms(model, setup, _spec(model, setup, recompute, layer))[0]
 
 
-def layer_activation_bytes(model: ModelShape, setup: TrainingSetup, recompute: Recompute, layer: int | None = None) -> int:
+def layer_activation_bytes(
+    model: ModelShape, setup: TrainingSetup, recompute: Recompute, layer: int | None = None
+) -> int:
     """Activation bytes one layer keeps for backward on one rank (for GPT, a row of Table 2)."""
     return sum(term.nbytes for term in layer_activation_terms(model, setup, recompute, layer))
 
@@ -179,7 +198,7 @@ def layer_backward_peak(kept: int, events: Sequence[RecomputeEvent]) -> int:
     return max([kept, *(e.held + e.again for e in events)])
 
 
-def stack_peak(layers: Sequence[tuple[int, int]], before: int = 0, after: int = 0) -> int:
+def stack_peak(layers: Sequence[tuple[int, ...]], before: int = 0, after: int = 0) -> int:
     """The peak of live activations over one micro-batch's forward and backward.
 
     ``layers``: ``(kept, backward peak)`` of each layer in layer order (:func:`layer_backward_peak`),
@@ -222,8 +241,11 @@ def model_activation_bytes(
 
 
 def model_activation_peak_bytes(
-    model: ModelShape, setup: TrainingSetup, recompute: Recompute,
-    before: Sequence[ActivationTerm] = (), after: Sequence[ActivationTerm] = (),
+    model: ModelShape,
+    setup: TrainingSetup,
+    recompute: Recompute,
+    before: Sequence[ActivationTerm] = (),
+    after: Sequence[ActivationTerm] = (),
 ) -> int:
     """The most activation bytes alive at once over one micro-batch's forward and backward:
     what the layers keep, plus, while a layer (or a group of k layers) recomputes in backward,

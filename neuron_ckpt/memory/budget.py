@@ -34,9 +34,10 @@ measured ``LlamaForCausalLM``. The GPT terms outside the layers are analytic onl
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Sequence
+from typing import Any
 
 from ..recompute import PRESETS
 from .analytic import rotary_terms, stack_peak
@@ -150,9 +151,7 @@ def optimizer_step_bytes(model: ModelShape, setup: TrainingSetup, parameters: in
     return per_shard * _FP32 + largest_collective_bytes(model, setup, n)
 
 
-def _static_items(
-    model: ModelShape, setup: TrainingSetup, parameters: int | None = None
-) -> tuple[list[LineItem], int]:
+def _static_items(model: ModelShape, setup: TrainingSetup, parameters: int | None = None) -> tuple[list[LineItem], int]:
     """The parameters, gradients, optimizer state and mask of a rank holding ``parameters`` local
     parameters (None: the whole model's), and the optimizer step's bytes."""
     n = model.local_parameters(setup.tp) if parameters is None else parameters
@@ -162,18 +161,30 @@ def _static_items(
     fp32_grads = setup.grad_width != setup.width
     items = [
         LineItem("parameters", n * setup.width, "static", f"{n / 1e6:,.1f} M local parameters, {setup.dtype}"),
-        LineItem("gradients", n * setup.grad_width, "static",
-                 "fp32 accumulation buffers, full local size (ZeRO-1)" if fp32_grads
-                 else f"{setup.dtype}, full local size (ZeRO-1 keeps them whole)"),
+        LineItem(
+            "gradients",
+            n * setup.grad_width,
+            "static",
+            "fp32 accumulation buffers, full local size (ZeRO-1)"
+            if fp32_grads
+            else f"{setup.dtype}, full local size (ZeRO-1 keeps them whole)",
+        ),
     ]
     if setup.keeps_master_weights:
         items.append(LineItem("master weights", per_shard * _FP32, "static", f"fp32 {where}"))
-    items.append(LineItem("optimizer moments", 2 * per_shard * _FP32, "static",
-                          f"AdamW exp_avg + exp_avg_sq, fp32 {where}"))
+    items.append(
+        LineItem("optimizer moments", 2 * per_shard * _FP32, "static", f"AdamW exp_avg + exp_avg_sq, fp32 {where}")
+    )
     s = setup.seq_len
     if setup.attention == "explicit":
-        items.append(LineItem("attention mask", s * s * _BOOL, "static",
-                              "explicit CoreAttention: one [s, s] bool mask shared by every layer"))
+        items.append(
+            LineItem(
+                "attention mask",
+                s * s * _BOOL,
+                "static",
+                "explicit CoreAttention: one [s, s] bool mask shared by every layer",
+            )
+        )
     return items, optimizer_step_bytes(model, setup, n)
 
 
@@ -230,8 +241,11 @@ def _layer_items(order: Sequence[LayerOption], m: int | Sequence[int]) -> list[L
         same = [(o, c) for o, c in zip(order, counts) if o.name == name]
         total = sum(o.saved_bytes for o, _ in same)
         per = {o.saved_bytes for o, _ in same}
-        note = (f"{per.pop() / 2**20:,.1f} MiB per layer" if len(per) == 1
-                else f"{total / 2**20:,.1f} MiB in all (the group inputs)")
+        note = (
+            f"{per.pop() / 2**20:,.1f} MiB per layer"
+            if len(per) == 1
+            else f"{total / 2**20:,.1f} MiB in all (the group inputs)"
+        )
         kept = sum(o.saved_bytes * c for o, c in same)
         items.append(LineItem(f"act: {len(same)} layers x {name}", kept, "activations", note))
     return items
@@ -258,14 +272,15 @@ class _Parts:
         scores = 0
         if setup.attention == "explicit":
             # The 16-bit scores, and at worst (XLA, which widens) an fp32 copy and the fp32 softmax.
-            scores = model.local_heads(setup.tp) * setup.seq_len ** 2 * setup.micro_batch * (setup.width + 8)
+            scores = model.local_heads(setup.tp) * setup.seq_len**2 * setup.micro_batch * (setup.width + 8)
         return _Parts(tuple(static), step, tuple(before), tuple(after), loss_transient, scores)
 
     @cached_property
     def sums(self) -> tuple[int, int, int]:
         """Bytes of (the static items, what is kept before the layers, after them): summed once,
         the planner prices thousands of layer assignments against them."""
-        return tuple(sum(i.nbytes for i in items) for items in (self.static, self.before, self.after))
+        static, before, after = (sum(i.nbytes for i in items) for items in (self.static, self.before, self.after))
+        return static, before, after
 
     def activations(self, runs: Sequence[tuple[LayerOption, int]], m: int) -> tuple[int, int]:
         """(activations kept after the forward, their peak over forward and backward) of the
@@ -323,5 +338,12 @@ def memory_budget(
     return MemoryBudget(model, setup, names, tuple(items), tuple(notes), peak)
 
 
-__all__ = ["GIB", "LineItem", "MemoryBudget", "embedding_bytes", "largest_collective_bytes", "memory_budget",
-           "optimizer_step_bytes"]
+__all__ = [
+    "GIB",
+    "LineItem",
+    "MemoryBudget",
+    "embedding_bytes",
+    "largest_collective_bytes",
+    "memory_budget",
+    "optimizer_step_bytes",
+]

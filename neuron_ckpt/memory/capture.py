@@ -18,8 +18,10 @@ path relative to the directory. Reading checks all of it and names the field tha
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ..files import write_atomic
 from ..parallel.attention import ATTENTION
@@ -98,12 +100,18 @@ def read_capture(root: str | Path) -> Capture:
     return Capture(root, job, checked, tuple(notes))
 
 
-def write_capture(root: str | Path, job: dict, runs: list[Run], notes: list[str] = ()) -> Path:
+def write_capture(root: str | Path, job: dict, runs: list[Run], notes: Sequence[str] = ()) -> Path:
     """Write ``root/manifest.json`` atomically (checked as :func:`read_capture` checks it)."""
     root = Path(root)
-    data = {"format": FORMAT, "version": VERSION, "job": job,
-            "runs": [{"layers": r.layers, "recompute": r.recompute, "attention": r.attention, "files": r.files}
-                     for r in runs], "notes": list(notes)}
+    data: dict[str, Any] = {
+        "format": FORMAT,
+        "version": VERSION,
+        "job": job,
+        "runs": [
+            {"layers": r.layers, "recompute": r.recompute, "attention": r.attention, "files": r.files} for r in runs
+        ],
+        "notes": list(notes),
+    }
     for i, entry in enumerate(data["runs"]):
         _check_run(f"runs[{i}]", entry)
     path = root / MANIFEST

@@ -22,6 +22,7 @@ is in docs/memory.md, "Checking the model against a device"):
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from .analytic import layer_activation_bytes
@@ -84,8 +85,9 @@ def predicted_per_layer(model: ModelShape, setup: TrainingSetup, preset: str, so
     return per + (layer_state_bytes(model, setup) if COVERAGE[source].with_state else 0)
 
 
-def predicted_saving(model: ModelShape, setup: TrainingSetup, base: str, preset: str, layers: int,
-                     peak: bool = True) -> int:
+def predicted_saving(
+    model: ModelShape, setup: TrainingSetup, base: str, preset: str, layers: int, peak: bool = True
+) -> int:
     """Difference between ``base`` and ``preset`` on every one of ``layers`` layers: the kept
     bytes of every layer, less (for a ``peak``) what ``preset`` brings back during one layer's backward."""
     kept = {p: layer_activation_bytes(model, setup, p) for p in {"none", base, preset}}
@@ -148,16 +150,22 @@ class Comparison:
         m, p = self.measured, self.predicted
         words = []
         if self.control is not None and not self.control["ok"]:
-            words.append(f"the control fails ({self.control['category']} per layer {self.control['measured']:,.0f} B "
-                         f"measured vs {self.control['predicted']:,} B predicted): the runs differ in more than their "
-                         f"layer count, so the per-layer figure says nothing about the model")
+            words.append(
+                f"the control fails ({self.control['category']} per layer {self.control['measured']:,.0f} B "
+                f"measured vs {self.control['predicted']:,} B predicted): the runs differ in more than their "
+                f"layer count, so the per-layer figure says nothing about the model"
+            )
         if self.agrees:
-            words.append(f"agrees within the uncertainty: {m.bytes_per_layer:,.0f} B measured vs {p:,} B predicted "
-                         f"per layer (±{m.uncertainty:,.0f} B)")
+            words.append(
+                f"agrees within the uncertainty: {m.bytes_per_layer:,.0f} B measured vs {p:,} B predicted "
+                f"per layer (±{m.uncertainty:,.0f} B)"
+            )
         else:
             off = (m.bytes_per_layer - p) / p if p else math.inf
-            words.append(f"disagrees by {off:+.1%}: {m.bytes_per_layer:,.0f} B measured vs {p:,} B predicted per "
-                         f"layer (uncertainty ±{m.uncertainty:,.0f} B)")
+            words.append(
+                f"disagrees by {off:+.1%}: {m.bytes_per_layer:,.0f} B measured vs {p:,} B predicted per "
+                f"layer (uncertainty ±{m.uncertainty:,.0f} B)"
+            )
         if not self.resolved:
             words.append(f"unresolved: the uncertainty is more than {RESOLVE:.0%} of a layer's bytes; {self.needed()}")
         return "; ".join(words)
@@ -167,9 +175,11 @@ class Comparison:
         if not self.quantum or not self.measured.page_part or self.predicted <= 0:
             return "add layer counts (the fit's scatter dominates)"
         k = math.ceil(self.quantum / (RESOLVE * self.predicted))  # page / k <= share * predicted
-        return (f"two runs {k} or more layers apart would resolve it (one {self.quantum / 2**20:,.0f} MiB page against "
-                f"{self.predicted / 2**20:,.2f} MiB per layer), or more bytes per layer (a longer sequence, a larger "
-                f"micro-batch), or the step NEFF's def.json (exact bytes, no page)")
+        return (
+            f"two runs {k} or more layers apart would resolve it (one {self.quantum / 2**20:,.0f} MiB page against "
+            f"{self.predicted / 2**20:,.2f} MiB per layer), or more bytes per layer (a longer sequence, a larger "
+            f"micro-batch), or the step NEFF's def.json (exact bytes, no page)"
+        )
 
 
 def _used_cores(cores: list[int], readings: list[MemoryReading]) -> list[int]:
@@ -181,13 +191,20 @@ def _used_cores(cores: list[int], readings: list[MemoryReading]) -> list[int]:
     for core in used:
         idle = [r.path for r in readings if core in r.cores and not any(r.core(core).values())]
         if idle:
-            raise ValueError(f"{idle[0]}: NeuronCore {core} holds nothing there but does in other runs: the runs ran "
-                             f"on different cores (compare runs placed alike, e.g. the same NEURON_RT_VISIBLE_CORES)")
+            raise ValueError(
+                f"{idle[0]}: NeuronCore {core} holds nothing there but does in other runs: the runs ran "
+                f"on different cores (compare runs placed alike, e.g. the same NEURON_RT_VISIBLE_CORES)"
+            )
     return used or cores
 
 
-def compare(model: ModelShape, setup: TrainingSetup, preset: str, runs: list[tuple[int, MemoryReading]],
-            recompute_runs: list[tuple[str, MemoryReading]] = ()) -> Comparison:
+def compare(
+    model: ModelShape,
+    setup: TrainingSetup,
+    preset: str,
+    runs: list[tuple[int, MemoryReading]],
+    recompute_runs: Sequence[tuple[str, MemoryReading]] = (),
+) -> Comparison:
     """Compare ``runs`` (layer count, reading; all of one report format, ``preset`` on every
     layer) and ``recompute_runs`` (another preset at the largest layer count) with the model."""
     source = runs[0][1].source
@@ -195,8 +212,9 @@ def compare(model: ModelShape, setup: TrainingSetup, preset: str, runs: list[tup
         raise ValueError(f"{runs[0][1].path}: no comparison is defined for {source!r} reports")
     for _, reading in [*runs, *recompute_runs]:
         if reading.source != source:
-            raise ValueError(f"{reading.path}: a {reading.source} report among {source} ones: compare one format "
-                             f"at a time")
+            raise ValueError(
+                f"{reading.path}: a {reading.source} report among {source} ones: compare one format at a time"
+            )
     cores = sorted(set.intersection(*(set(r.cores) for _, r in runs)))
     if not cores:
         raise ValueError(f"--run: the reports share no core ({[sorted(r.cores) for _, r in runs]})")
@@ -216,19 +234,44 @@ def compare(model: ModelShape, setup: TrainingSetup, preset: str, runs: list[tup
         worst = max(slopes, key=lambda s: s.bytes_per_layer)
         predicted = layer_state_bytes(model, setup, which)
         tolerance = max(worst.uncertainty, 0.01 * predicted)  # allocation alignment: 1%
-        result = replace(result, control={
-            "category": category, "state": which, "measured": worst.bytes_per_layer, "predicted": predicted,
-            "ok": abs(worst.bytes_per_layer - predicted) <= tolerance})
+        result = replace(
+            result,
+            control={
+                "category": category,
+                "state": which,
+                "measured": worst.bytes_per_layer,
+                "predicted": predicted,
+                "ok": abs(worst.bytes_per_layer - predicted) <= tolerance,
+            },
+        )
     largest = max(n for n, _ in runs)
     base = {c: measured_bytes(r, c) for n, r in runs if n == largest for c in cores}
     savings = []
     for name, reading in recompute_runs:
         measured = max(base[c] - measured_bytes(reading, c) for c in cores)
         predicted = predicted_saving(model, setup, preset, name, largest, COVERAGE[source].peak)
-        savings.append({"preset": name, "layers": largest, "measured": measured, "uncertainty": quantum or 0,
-                        "predicted": predicted, "agrees": abs(measured - predicted) <= (quantum or 0)})
+        savings.append(
+            {
+                "preset": name,
+                "layers": largest,
+                "measured": measured,
+                "uncertainty": quantum or 0,
+                "predicted": predicted,
+                "agrees": abs(measured - predicted) <= (quantum or 0),
+            }
+        )
     return replace(result, savings=savings, notes=notes)
 
 
-__all__ = ["COVERAGE", "Comparison", "Coverage", "Slope", "compare", "fit_slope", "layer_state_bytes",
-           "measured_bytes", "predicted_per_layer", "predicted_saving"]
+__all__ = [
+    "COVERAGE",
+    "Comparison",
+    "Coverage",
+    "Slope",
+    "compare",
+    "fit_slope",
+    "layer_state_bytes",
+    "measured_bytes",
+    "predicted_per_layer",
+    "predicted_saving",
+]

@@ -31,9 +31,21 @@ from .shape import DTYPE_BYTES, KINDS, TrainingSetup
 
 HELP = "compare the analytic model with measured device or compiler memory, per layer by difference"
 # Option: (default, type). None defaults come from --capture or stay unset.
-JOB = {"model": ("llama", str), "config": (None, str), "hidden": (None, int), "heads": (None, int),
-       "vocab": (None, int), "tp": (1, int), "dp": (1, int), "seq": (None, int), "micro_batch": (1, int),
-       "dtype": ("bf16", str), "sequence_parallel": (True, bool), "zero1": (True, bool), "attention": ("flash", str)}
+JOB = {
+    "model": ("llama", str),
+    "config": (None, str),
+    "hidden": (None, int),
+    "heads": (None, int),
+    "vocab": (None, int),
+    "tp": (1, int),
+    "dp": (1, int),
+    "seq": (None, int),
+    "micro_batch": (1, int),
+    "dtype": ("bf16", str),
+    "sequence_parallel": (True, bool),
+    "zero1": (True, bool),
+    "attention": ("flash", str),
+}
 MIB = 1 << 20
 
 
@@ -43,16 +55,29 @@ def _pair(kind: str):
         if not sep or not key or not path:
             raise argparse.ArgumentTypeError(f"expected {kind}=PATH, got {text!r}")
         return key, path
+
     return parse
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--capture", metavar="DIR", help="a capture directory (manifest.json): job options and runs from it")
-    add("--run", type=_pair("LAYERS"), action="append", default=[], metavar="LAYERS=PATH",
-        help="a report of the job with LAYERS decoder layers (give two or more layer counts)")
-    add("--recompute-run", type=_pair("PRESET"), action="append", default=[], metavar="PRESET=PATH",
-        help="a report at the largest --run layer count with another recompute preset")
+    add(
+        "--run",
+        type=_pair("LAYERS"),
+        action="append",
+        default=[],
+        metavar="LAYERS=PATH",
+        help="a report of the job with LAYERS decoder layers (give two or more layer counts)",
+    )
+    add(
+        "--recompute-run",
+        type=_pair("PRESET"),
+        action="append",
+        default=[],
+        metavar="PRESET=PATH",
+        help="a report at the largest --run layer count with another recompute preset",
+    )
     add("--recompute", choices=PRESETS, default=None, help="the preset of every layer in --run (default none)")
     add("--source", choices=SOURCES, default=None, help="--capture: compare only this report format")
     add("--model", choices=KINDS, default=None)
@@ -85,8 +110,10 @@ def _job(args: argparse.Namespace, capture) -> argparse.Namespace:
         if stored is not None and not isinstance(stored, kind):
             raise ValueError(f"{capture.root}: manifest job.{key}: expected {kind.__name__}, got {stored!r}")
         if given is not None and stored is not None and given != stored:
-            raise ValueError(f"--{key.replace('_', '-')} {given!r} differs from the capture's {stored!r}: "
-                             f"leave it out to use the capture's")
+            raise ValueError(
+                f"--{key.replace('_', '-')} {given!r} differs from the capture's {stored!r}: "
+                f"leave it out to use the capture's"
+            )
         setattr(job, key, given if given is not None else stored if stored is not None else default)
     job.layers = 1 if job.model == "gpt" else None  # a per-layer comparison: the count plays no part
     if job.seq is None:
@@ -131,8 +158,11 @@ def _groups(args: argparse.Namespace, capture, base: str, attention: str) -> lis
                 if len({n for n, _ in runs}) < 2:
                     continue
                 largest = max(n for n, _ in runs)
-                extra = [(r.recompute, read[id(r)]) for r in mine
-                         if preset == base and r.recompute != base and r.layers == largest]
+                extra = [
+                    (r.recompute, read[id(r)])
+                    for r in mine
+                    if preset == base and r.recompute != base and r.layers == largest
+                ]
                 groups.append((source, att, preset, runs, extra))
     if not groups:
         raise ValueError(f"{capture.root}: no preset has runs at two or more layer counts")
@@ -142,18 +172,32 @@ def _groups(args: argparse.Namespace, capture, base: str, attention: str) -> lis
 def _line(c: Comparison, preset: str) -> str:
     m = c.measured
     ratio = m.bytes_per_layer / c.predicted if c.predicted else float("nan")
-    return (f"{preset:<18}{c.predicted / MIB:>14.4f}{m.bytes_per_layer / MIB:>14.4f}{m.uncertainty / MIB:>11.4f}"
-            f"{ratio:>8.3f}  {'agrees' if c.agrees else 'disagrees'}{'' if c.resolved else ' (unresolved)'}")
+    return (
+        f"{preset:<18}{c.predicted / MIB:>14.4f}{m.bytes_per_layer / MIB:>14.4f}{m.uncertainty / MIB:>11.4f}"
+        f"{ratio:>8.3f}  {'agrees' if c.agrees else 'disagrees'}{'' if c.resolved else ' (unresolved)'}"
+    )
 
 
 def _to_dict(c: Comparison, attention: str, preset: str) -> dict:
-    return {"source": c.source, "attention": attention, "recompute": preset,
-            "predicted_bytes_per_layer": c.predicted, "measured_bytes_per_layer": c.measured.bytes_per_layer,
-            "uncertainty_bytes_per_layer": c.measured.uncertainty, "quantum": c.quantum,
-            "per_core": {str(k): {"measured_bytes_per_layer": s.bytes_per_layer, "uncertainty_bytes_per_layer":
-                                  s.uncertainty} for k, s in c.per_core.items()},
-            "control": c.control, "savings": c.savings, "agrees": c.agrees, "resolved": c.resolved,
-            "verdict": c.verdict(), "notes": c.notes}
+    return {
+        "source": c.source,
+        "attention": attention,
+        "recompute": preset,
+        "predicted_bytes_per_layer": c.predicted,
+        "measured_bytes_per_layer": c.measured.bytes_per_layer,
+        "uncertainty_bytes_per_layer": c.measured.uncertainty,
+        "quantum": c.quantum,
+        "per_core": {
+            str(k): {"measured_bytes_per_layer": s.bytes_per_layer, "uncertainty_bytes_per_layer": s.uncertainty}
+            for k, s in c.per_core.items()
+        },
+        "control": c.control,
+        "savings": c.savings,
+        "agrees": c.agrees,
+        "resolved": c.resolved,
+        "verdict": c.verdict(),
+        "notes": c.notes,
+    }
 
 
 def run(args: argparse.Namespace) -> int:
@@ -162,9 +206,17 @@ def run(args: argparse.Namespace) -> int:
     model = model_from_args(job)
     base = args.recompute or "none"
     results = []
-    for source, attention, preset, runs, extra in _groups(args, capture, base, job.attention):
-        setup = TrainingSetup(seq_len=job.seq, micro_batch=job.micro_batch, tp=job.tp, dp=job.dp, dtype=job.dtype,
-                              sequence_parallel=job.sequence_parallel, zero1=job.zero1, attention=attention)
+    for _source, attention, preset, runs, extra in _groups(args, capture, base, job.attention):
+        setup = TrainingSetup(
+            seq_len=job.seq,
+            micro_batch=job.micro_batch,
+            tp=job.tp,
+            dp=job.dp,
+            dtype=job.dtype,
+            sequence_parallel=job.sequence_parallel,
+            zero1=job.zero1,
+            attention=attention,
+        )
         results.append((attention, preset, compare(model, setup, preset, runs, extra)))
     primary = next((r for r in results if r[1] == base), results[0])
     if args.json:
@@ -179,18 +231,21 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print(model, job, results, capture) -> None:
-    print(f"{model.name or model.kind}: h={model.hidden} a={model.heads} g={model.kv_heads} f={model.ffn} | "
-          f"tp={job.tp} dp={job.dp} s={job.seq} b={job.micro_batch} {job.dtype} "
-          f"sequence_parallel={job.sequence_parallel} zero1={job.zero1}")
-    for note in (capture.notes if capture else ()):
+    print(
+        f"{model.name or model.kind}: h={model.hidden} a={model.heads} g={model.kv_heads} f={model.ffn} | "
+        f"tp={job.tp} dp={job.dp} s={job.seq} b={job.micro_batch} {job.dtype} "
+        f"sequence_parallel={job.sequence_parallel} zero1={job.zero1}"
+    )
+    for note in capture.notes if capture else ():
         print(f"capture note: {note}")
     shown = None
     for attention, preset, c in results:
         if (c.source, attention) != shown:
             shown = (c.source, attention)
             page = f"page {c.quantum / MIB:,.0f} MiB" if c.quantum else "exact bytes, no page"
-            what = " + ".join(COVERAGE[c.source].measured) + (" (with the layers' state)"
-                                                               if COVERAGE[c.source].with_state else "")
+            what = " + ".join(COVERAGE[c.source].measured) + (
+                " (with the layers' state)" if COVERAGE[c.source].with_state else ""
+            )
             print(f"\n{c.source}: {what}, {page}; {attention} attention; MiB per layer, the largest core")
             print(f"{'recompute':<18}{'predicted':>14}{'measured':>14}{'±':>11}{'ratio':>8}")
         print(_line(c, preset))
@@ -199,12 +254,16 @@ def _print(model, job, results, capture) -> None:
                 print(f"  core {core:<12}{'':>14}{s.bytes_per_layer / MIB:>14.4f}{s.uncertainty / MIB:>11.4f}")
         if c.control is not None:
             k = c.control
-            print(f"  control: {k['category']} per layer {k['measured']:,.0f} B vs {k['state']} {k['predicted']:,} B: "
-                  f"{'ok' if k['ok'] else 'FAILS'}")
+            print(
+                f"  control: {k['category']} per layer {k['measured']:,.0f} B vs {k['state']} {k['predicted']:,} B: "
+                f"{'ok' if k['ok'] else 'FAILS'}"
+            )
         for s in c.savings:
-            print(f"  saving of {s['preset']} at {s['layers']} layers: predicted {s['predicted'] / MIB:,.3f} MiB, "
-                  f"measured {s['measured'] / MIB:,.3f} MiB (±{s['uncertainty'] / MIB:,.0f}): "
-                  f"{'agrees' if s['agrees'] else 'disagrees'}")
+            print(
+                f"  saving of {s['preset']} at {s['layers']} layers: predicted {s['predicted'] / MIB:,.3f} MiB, "
+                f"measured {s['measured'] / MIB:,.3f} MiB (±{s['uncertainty'] / MIB:,.0f}): "
+                f"{'agrees' if s['agrees'] else 'disagrees'}"
+            )
         for note in c.notes:
             print(f"  note: {note}")
         print(f"  verdict: {c.verdict()}")

@@ -88,8 +88,10 @@ class HostBudget:
     def table(self) -> str:
         i = self.instance
         lines = [
-            f"host memory ({i.name}: {i.memory_bytes / GIB:.0f} GiB for {i.ranks} ranks, "
-            f"{i.per_rank_bytes / GIB:.2f} GiB per rank):",
+            (
+                f"host memory ({i.name}: {i.memory_bytes / GIB:.0f} GiB for {i.ranks} ranks, "
+                f"{i.per_rank_bytes / GIB:.2f} GiB per rank):"
+            ),
             f"{'moment':<22}{'GiB/rank':>9}{'GiB/host':>10}  note",
         ]
         for m in self.moments:
@@ -108,8 +110,12 @@ class HostBudget:
             "instance": self.instance.name,
             "per_rank_limit_gib": round(self.instance.per_rank_bytes / GIB, 4),
             "moments": [
-                {"name": m.name, "per_rank_gib": round(m.per_rank / GIB, 4), "per_host_gib": round(m.per_host / GIB, 4),
-                 "note": m.note}
+                {
+                    "name": m.name,
+                    "per_rank_gib": round(m.per_rank / GIB, 4),
+                    "per_host_gib": round(m.per_host / GIB, 4),
+                    "note": m.note,
+                }
                 for m in self.moments
             ],
             "checkpoint_gib": round(self.checkpoint_bytes / GIB, 4),
@@ -142,12 +148,21 @@ def host_budget(
     group = int(chunk_mb * _MB)
     writing = ranks if writers == 0 else min(writers, ranks)
     moments = (
-        HostMoment("model construction", construct, construct * ranks,
-                   f"local parameters ({setup.dtype}) + the largest weight drawn whole in fp32; {ranks} ranks at once"),
-        HostMoment("--init-hf load", load, load * ranks,
-                   "one checkpoint tensor mapped at a time + this rank's slice of it"),
-        HostMoment("checkpoint save", group, group * writing,
-                   f"one group of <= {chunk_mb:g} MiB per writing rank, {writing} writers per host"),
+        HostMoment(
+            "model construction",
+            construct,
+            construct * ranks,
+            f"local parameters ({setup.dtype}) + the largest weight drawn whole in fp32; {ranks} ranks at once",
+        ),
+        HostMoment(
+            "--init-hf load", load, load * ranks, "one checkpoint tensor mapped at a time + this rank's slice of it"
+        ),
+        HostMoment(
+            "checkpoint save",
+            group,
+            group * writing,
+            f"one group of <= {chunk_mb:g} MiB per writing rank, {writing} writers per host",
+        ),
     )
     world = setup.tp * setup.dp
     per_shard = -(-n // setup.optimizer_shards)

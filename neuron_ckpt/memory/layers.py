@@ -95,8 +95,12 @@ def layer_input(model: ModelShape, setup: TrainingSetup, tp_rank: int, seed: int
 
 
 def measure_layers(
-    model: ModelShape, setup: TrainingSetup, recompute: Recompute, num_layers: int = MEASURED_LAYERS,
-    seed: int = 0, backward: bool = True,
+    model: ModelShape,
+    setup: TrainingSetup,
+    recompute: Recompute,
+    num_layers: int = MEASURED_LAYERS,
+    seed: int = 0,
+    backward: bool = True,
 ) -> LayerMeasurement:
     """Forward ``num_layers`` layers once on this rank and count what they keep for backward.
 
@@ -107,8 +111,11 @@ def measure_layers(
     model_parallel_manual_seed(seed)
     state = initialize_model_parallel(setup.tp)
     x = layer_input(model, setup, state.tp_rank, seed)
-    shared = [m.causal_mask(setup.seq_len, x.device) for m in map(unwrapped, layers.modules())
-              if isinstance(m, CoreAttention) and m.implementation == "explicit"]
+    shared = [
+        m.causal_mask(setup.seq_len, x.device)
+        for m in map(unwrapped, layers.modules())
+        if isinstance(m, CoreAttention) and m.implementation == "explicit"
+    ]
     with SavedTensorRecorder(exclude_modules=[layers], exclude_tensors=[*shared, *extra]) as rec:
         handles = rec.attach({LAYER_SCOPE.format(i): layer for i, layer in enumerate(layers)})
         try:

@@ -38,7 +38,8 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 

@@ -12,8 +12,9 @@ Choices, and why:
 - The pack hook returns the tensor detached (the same storage; autograd rebuilds its history on
   unpack), so the graph holds exactly what it would without the recorder: an op's output that
   the op itself saves, returned with its ``grad_fn``, would hold its own graph alive in a cycle
-  through C++ that no garbage collection frees, and a branch dropped in the forward would stay. The recorder keeps only a *weak* reference to each storage, its pointer and its
-  size: it never extends a tensor's life.
+  through C++ that no garbage collection frees, and a branch dropped in the forward would stay.
+  The recorder keeps only a *weak* reference to each storage, its pointer and its size: it never
+  extends a tensor's life.
 - A storage is identified by (device, data pointer). A pointer alone is ambiguous: if a saved
   tensor dies during the forward (its graph branch was discarded) the allocator may hand the
   same address to a new tensor. When a save arrives at a known address whose storage weak
@@ -32,13 +33,17 @@ Choices, and why:
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Mapping, Self
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.hooks import RemovableHandle
+
+if TYPE_CHECKING:  # typing.Self is Python 3.11+; the package supports 3.10
+    from typing_extensions import Self
 
 UNSCOPED = "<unscoped>"
 
@@ -72,8 +77,9 @@ class _Entry:
         return self.ref is None or not self.ref.expired()
 
     def frozen(self) -> SavedStorage:
-        return SavedStorage(self.scope, self.device, self.nbytes, self.dtype, self.shape,
-                            self.times_saved, unshared=self.ref is None)
+        return SavedStorage(
+            self.scope, self.device, self.nbytes, self.dtype, self.shape, self.times_saved, unshared=self.ref is None
+        )
 
 
 def storage_key(tensor: torch.Tensor) -> StorageKey | None:
@@ -170,6 +176,7 @@ class SavedTensorRecorder(SavedTensorHooks):
     def _push_hook(self, name: str):
         def hook(module: torch.nn.Module, args: object) -> None:
             self._scopes.append(name)
+
         return hook
 
     def _pop_hook(self, module: torch.nn.Module, args: object, output: object) -> None:
@@ -193,8 +200,7 @@ class SavedTensorRecorder(SavedTensorHooks):
         if entry is not None:  # the old storage died and its address was reused
             self._retired.append(entry)
         storage = tensor.untyped_storage()
-        self._live[key] = _Entry(scope, key[0], storage.nbytes(), dtype, shape,
-                                 StorageWeakRef(storage))
+        self._live[key] = _Entry(scope, key[0], storage.nbytes(), dtype, shape, StorageWeakRef(storage))
         return tensor.detach()
 
     # --- results -----------------------------------------------------------------------
@@ -229,9 +235,8 @@ class SavedTensorRecorder(SavedTensorHooks):
             out[s.scope] = out.get(s.scope, 0) + s.nbytes
         return out
 
-
-    def _unpack(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor
+    def _unpack(self, packed: object) -> torch.Tensor:
+        return cast(torch.Tensor, packed)  # _pack gave the tensor itself
 
 
 def device_peak_bytes(device: torch.device | str) -> int | None:
@@ -273,7 +278,7 @@ def _xla_peak_bytes(device: torch.device) -> int | None:
         return None
     try:
         info = xm.get_memory_info(device)
-    except Exception:  # runtimes without memory info (XLA:CPU) raise various errors
+    except Exception:  # noqa: BLE001  runtimes without memory info (XLA:CPU) raise various errors
         return None
     # Only a peak: ``bytes_used`` is what is held now, which a caller would misread as one.
     peak = info.get("peak_bytes_used") if isinstance(info, Mapping) else None

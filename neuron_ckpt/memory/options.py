@@ -13,8 +13,8 @@ presets (:data:`~neuron_ckpt.recompute.PRESETS`) the attention makes worth runni
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Sequence, Union
 
 from ..recompute import PRESETS, RecomputeConfig
 from .analytic import Recompute, layer_activation_bytes, layer_backward_peak, resolve, supported_presets
@@ -82,8 +82,13 @@ def layer_option(model: ModelShape, setup: TrainingSetup, recompute: Recompute, 
     spec = priced.layer(layer, model.layers)
     kept, events = layer_terms(model, setup, spec)
     saved = sum(t.nbytes for t in kept)
-    return LayerOption(priced.layer_label(layer, model.layers), priced.config, saved,
-                       layer_backward_peak(saved, events), _cost(_flops(model, setup), spec))
+    return LayerOption(
+        priced.layer_label(layer, model.layers),
+        priced.config,
+        saved,
+        layer_backward_peak(saved, events),
+        _cost(_flops(model, setup), spec),
+    )
 
 
 def stack_options(model: ModelShape, setup: TrainingSetup, recompute: Recompute) -> list[LayerOption]:
@@ -91,7 +96,7 @@ def stack_options(model: ModelShape, setup: TrainingSetup, recompute: Recompute)
     return [layer_option(model, setup, recompute, i) for i in range(model.layers)]
 
 
-Layers = Union[str, RecomputeConfig, Sequence[Union[str, RecomputeConfig, None]]]
+Layers = str | RecomputeConfig | Sequence[str | RecomputeConfig | None]
 
 
 def per_layer_options(
@@ -104,9 +109,14 @@ def per_layer_options(
 
     def named(name: str) -> LayerOption:
         if name not in options:
-            why = " (with flash attention selective recompute has no s^2 tensor to drop)" if (
-                setup.attention == "flash" and name in PRESETS) else ""
-            raise ValueError(f"layers: option {name!r} is not offered for {model.kind}{why}; choose from {list(options)}")
+            why = (
+                " (with flash attention selective recompute has no s^2 tensor to drop)"
+                if (setup.attention == "flash" and name in PRESETS)
+                else ""
+            )
+            raise ValueError(
+                f"layers: option {name!r} is not offered for {model.kind}{why}; choose from {list(options)}"
+            )
         return options[name]
 
     if isinstance(layers, str):
@@ -127,8 +137,10 @@ def per_layer_options(
         elif entry is None or isinstance(entry, RecomputeConfig):
             config = entry or RecomputeConfig()
             if config.granularity == "full" and config.num_layers != 1:
-                raise ValueError(f"layers[{i}]: in a per-layer list a full-recompute entry covers its own layer "
-                                 f"only: use num_layers=1, got num_layers={config.num_layers}")
+                raise ValueError(
+                    f"layers[{i}]: in a per-layer list a full-recompute entry covers its own layer "
+                    f"only: use num_layers=1, got num_layers={config.num_layers}"
+                )
             out.append(layer_option(one, setup, config))
         else:
             raise ValueError(f"layers[{i}] must be a preset name, a RecomputeConfig or None, got {entry!r}")
@@ -189,6 +201,16 @@ def step_flops(model: ModelShape, setup: TrainingSetup) -> float:
     return model.flops_per_token(s) * s * setup.micro_batch / setup.tp
 
 
-__all__ = ["LayerOption", "Layers", "canonical_order", "layer_option", "layer_options", "offered_configs",
-           "offered_presets",
-           "per_layer_options", "selective_saving_with_flash", "stack_options", "step_flops"]
+__all__ = [
+    "LayerOption",
+    "Layers",
+    "canonical_order",
+    "layer_option",
+    "layer_options",
+    "offered_configs",
+    "offered_presets",
+    "per_layer_options",
+    "selective_saving_with_flash",
+    "stack_options",
+    "step_flops",
+]

@@ -58,7 +58,9 @@ def _finite(low: float, low_ok: bool):
         except ValueError:
             value = math.nan
         if not math.isfinite(value) or value < low or (value == low and not low_ok):
-            raise argparse.ArgumentTypeError(f"expected a finite number {'>=' if low_ok else '>'} {low:g}, got {text!r}")
+            raise argparse.ArgumentTypeError(
+                f"expected a finite number {'>=' if low_ok else '>'} {low:g}, got {text!r}"
+            )
         return value
 
     return parse
@@ -67,9 +69,11 @@ def _finite(low: float, low_ok: bool):
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``plan`` options, on an existing parser."""
     parser.add_argument("--model", choices=KINDS, default="llama")
-    parser.add_argument("--config", default=None,
-                        help=f"llama: a config.json path, a directory holding one, or a preset name "
-                             f"(default {DEFAULT_CONFIG})")
+    parser.add_argument(
+        "--config",
+        default=None,
+        help=f"llama: a config.json path, a directory holding one, or a preset name (default {DEFAULT_CONFIG})",
+    )
     parser.add_argument("--hidden", type=int, help="gpt: hidden size")
     parser.add_argument("--heads", type=int, help="gpt: attention heads")
     parser.add_argument("--layers", type=int, help="gpt: number of layers")
@@ -78,26 +82,50 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dp", type=int, default=1, help="data-parallel degree (ZeRO-1 shards over it)")
     parser.add_argument("--seq", type=int, required=True, help="sequence length")
     parser.add_argument("--micro-batch", type=int, default=1)
-    parser.add_argument("--device-memory", default=None,
-                        help="GiB per device or a preset (trn1 = 16 GiB per NeuronCore); default: the CUDA device")
     parser.add_argument(
-        "--reserve", type=_finite(0.0, True), default=None,
+        "--device-memory",
+        default=None,
+        help="GiB per device or a preset (trn1 = 16 GiB per NeuronCore); default: the CUDA device",
+    )
+    parser.add_argument(
+        "--reserve",
+        type=_finite(0.0, True),
+        default=None,
         help="GiB to keep free for the runtime, collectives and fragmentation (default: 10%% of the device)",
     )
     parser.add_argument("--dtype", choices=tuple(DTYPE_BYTES), default="bf16")
-    parser.add_argument("--zero1", action=argparse.BooleanOptionalAction, default=True,
-                        help="shard fp32 master weights and AdamW moments over dp (default on)")
+    parser.add_argument(
+        "--zero1",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="shard fp32 master weights and AdamW moments over dp (default on)",
+    )
     parser.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--attention", choices=ATTENTION, default="flash",
-                        help="core attention: flash (a fused kernel, no s x s tensor: torch SDPA's flash on CPU/CUDA, "
-                             "NxD's NKI kernel on trn1; default, as the reference trains) or explicit")
-    parser.add_argument("--bucket-cap-mb", type=_finite(0.0, False), default=None,
-                        help=f"ZeRO-1 bucket cap in MiB: the optimizer step's largest collective "
-                             f"(default {DEFAULT_BUCKET_CAP_MB:g})")
-    parser.add_argument("--instance", choices=sorted(INSTANCES), default="trn1.32xlarge",
-                        help="host whose memory the ranks share (default trn1.32xlarge: 512 GiB, 32 ranks)")
-    parser.add_argument("--checkpoint-writers", type=int, default=8,
-                        help="ranks per host writing a checkpoint at once (train.py's default 8; 0: all)")
+    parser.add_argument(
+        "--attention",
+        choices=ATTENTION,
+        default="flash",
+        help="core attention: flash (a fused kernel, no s x s tensor: torch SDPA's flash on CPU/CUDA, "
+        "NxD's NKI kernel on trn1; default, as the reference trains) or explicit",
+    )
+    parser.add_argument(
+        "--bucket-cap-mb",
+        type=_finite(0.0, False),
+        default=None,
+        help=f"ZeRO-1 bucket cap in MiB: the optimizer step's largest collective (default {DEFAULT_BUCKET_CAP_MB:g})",
+    )
+    parser.add_argument(
+        "--instance",
+        choices=sorted(INSTANCES),
+        default="trn1.32xlarge",
+        help="host whose memory the ranks share (default trn1.32xlarge: 512 GiB, 32 ranks)",
+    )
+    parser.add_argument(
+        "--checkpoint-writers",
+        type=int,
+        default=8,
+        help="ranks per host writing a checkpoint at once (train.py's default 8; 0: all)",
+    )
     parser.add_argument("--json", action="store_true", help="one JSON object instead of tables")
     pipeline_cli.add_arguments(parser)
 
@@ -116,8 +144,9 @@ def model_from_args(args: argparse.Namespace) -> ModelShape:
         name = args.config or DEFAULT_CONFIG
         return ModelShape.from_llama(load_llama_config(name), name=name)
     if args.config is not None:
-        raise ValueError("--config is for --model llama; a GPT's shape comes from --hidden, --heads, --layers "
-                         "and --vocab")
+        raise ValueError(
+            "--config is for --model llama; a GPT's shape comes from --hidden, --heads, --layers and --vocab"
+        )
     missing = [f"--{n}" for n in ("hidden", "heads", "layers") if getattr(args, n) is None]
     if missing:
         raise ValueError(f"--model gpt needs {', '.join(missing)}")
@@ -134,12 +163,16 @@ def device_gib(args: argparse.Namespace) -> float:
         except ValueError:
             number = None
         if number is not None and not math.isfinite(number * GIB):  # inf, nan, or overflows in bytes
-            raise ValueError(f"--device-memory must be a finite number of GiB (one that fits in bytes) or a preset "
-                             f"({', '.join(DEVICE_PRESETS)}), got {spec!r}")
+            raise ValueError(
+                f"--device-memory must be a finite number of GiB (one that fits in bytes) or a preset "
+                f"({', '.join(DEVICE_PRESETS)}), got {spec!r}"
+            )
     total = device_memory_bytes(spec) / GIB
     if args.reserve is not None and args.reserve >= total:
-        raise ValueError(f"--reserve {args.reserve:g} GiB leaves nothing of a {total:g} GiB device: "
-                         f"give a reserve below {total:g} GiB (default: 10% of the device)")
+        raise ValueError(
+            f"--reserve {args.reserve:g} GiB leaves nothing of a {total:g} GiB device: "
+            f"give a reserve below {total:g} GiB (default: 10% of the device)"
+        )
     return total
 
 
@@ -149,18 +182,27 @@ def build(args: argparse.Namespace) -> tuple[ModelShape, TrainingSetup]:
     if args.checkpoint_writers < 0:
         raise ValueError(f"--checkpoint-writers must be >= 0 (0: all), got {args.checkpoint_writers}")
     if args.bucket_cap_mb is not None and not args.zero1:
-        raise ValueError("--bucket-cap-mb sizes ZeRO-1's buckets; with --no-zero1 there are none (a DP "
-                         "all-reduce of every gradient): drop it or use --zero1")
+        raise ValueError(
+            "--bucket-cap-mb sizes ZeRO-1's buckets; with --no-zero1 there are none (a DP "
+            "all-reduce of every gradient): drop it or use --zero1"
+        )
     bucket_cap_mb = DEFAULT_BUCKET_CAP_MB if args.bucket_cap_mb is None else args.bucket_cap_mb
-    setup = TrainingSetup(seq_len=args.seq, micro_batch=args.micro_batch, tp=args.tp, dp=args.dp,
-                          dtype=args.dtype, sequence_parallel=args.sequence_parallel, zero1=args.zero1,
-                          bucket_cap_mb=bucket_cap_mb, attention=args.attention)
+    setup = TrainingSetup(
+        seq_len=args.seq,
+        micro_batch=args.micro_batch,
+        tp=args.tp,
+        dp=args.dp,
+        dtype=args.dtype,
+        sequence_parallel=args.sequence_parallel,
+        zero1=args.zero1,
+        bucket_cap_mb=bucket_cap_mb,
+        attention=args.attention,
+    )
     return model, setup
 
 
 def _alternatives(model: ModelShape, setup: TrainingSetup, plan: Plan) -> list[Plan]:
-    return [evaluate(model, setup, name, plan.limit_bytes, plan.options) for name in PRESETS
-            if name in plan.options]
+    return [evaluate(model, setup, name, plan.limit_bytes, plan.options) for name in PRESETS if name in plan.options]
 
 
 def _config_text(config) -> str:
@@ -185,34 +227,49 @@ def attention_notes(model: ModelShape, setup: TrainingSetup, device_memory: str 
     trn1's kernel keeps more than the model counts."""
     if setup.attention != "flash":
         return []
-    left_out = [name for name in PRESETS if name not in offered_presets(model, setup) and
-                name in offered_presets(model, replace(setup, attention="explicit"))]
-    notes = [f"flash attention: {', '.join(left_out)} offered without core attention (as selective[...]): rerunning "
-             f"the attention forward would drop {selective_saving_with_flash(model, setup) / 2**10:,.1f} KiB per "
-             "layer (the kernel's fp32 logsumexp); their output-discarding modules still save what they save"]
+    left_out = [
+        name
+        for name in PRESETS
+        if name not in offered_presets(model, setup)
+        and name in offered_presets(model, replace(setup, attention="explicit"))
+    ]
+    notes = [
+        (
+            f"flash attention: {', '.join(left_out)} offered without core attention (as selective[...]): rerunning "
+            f"the attention forward would drop {selective_saving_with_flash(model, setup) / 2**10:,.1f} KiB per "
+            "layer (the kernel's fp32 logsumexp); their output-discarding modules still save what they save"
+        )
+    ]
     if setup.dtype == "fp32" and str(device_memory).lower() != "trn1":
-        notes.append("fp32: on CUDA torch's flash kernel takes only fp16/bf16 and SDPA runs its memory-efficient or "
-                     "math kernel, which keep other tensors than counted here (on CPU the flash kernel takes fp32: "
-                     "those figures are measured)")
+        notes.append(
+            "fp32: on CUDA torch's flash kernel takes only fp16/bf16 and SDPA runs its memory-efficient or "
+            "math kernel, which keep other tensors than counted here (on CPU the flash kernel takes fp32: "
+            "those figures are measured)"
+        )
     a, g = model.local_heads(setup.tp), model.local_kv_heads(setup.tp)
     if str(device_memory).lower() == "trn1" and g < a:
         extra = 2 * setup.width * setup.seq_len * setup.micro_batch * (a - g) * model.head_dim
-        notes.append(f"trn1: NxD's NKI kernel is called with k and v repeated to the {a} query heads of a rank "
-                     f"(its wrapper launches over query heads) and keeps them so: {extra / 2**20:,.1f} MiB per layer "
-                     f"more than counted here (torch's kernel keeps them at the {g} kv heads)")
+        notes.append(
+            f"trn1: NxD's NKI kernel is called with k and v repeated to the {a} query heads of a rank "
+            f"(its wrapper launches over query heads) and keeps them so: {extra / 2**20:,.1f} MiB per layer "
+            f"more than counted here (torch's kernel keeps them at the {g} kv heads)"
+        )
     return notes
 
 
 def _print_plan(model: ModelShape, setup: TrainingSetup, plan: Plan, notes: list[str]) -> None:
-    print(f"{model.name or model.kind}: L={model.layers} h={model.hidden} a={model.heads} g={model.kv_heads} "
-          f"f={model.ffn} v={model.vocab} | tp={setup.tp} dp={setup.dp} s={setup.seq_len} b={setup.micro_batch} "
-          f"{setup.dtype} sequence_parallel={setup.sequence_parallel} zero1={setup.zero1} attention={setup.attention}")
+    print(
+        f"{model.name or model.kind}: L={model.layers} h={model.hidden} a={model.heads} g={model.kv_heads} "
+        f"f={model.ffn} v={model.vocab} | tp={setup.tp} dp={setup.dp} s={setup.seq_len} b={setup.micro_batch} "
+        f"{setup.dtype} sequence_parallel={setup.sequence_parallel} zero1={setup.zero1} attention={setup.attention}"
+    )
     print(f"memory to plan for: {plan.limit_bytes / GIB:.2f} GiB (device memory less the reserve)\n")
     print(plan.budget.table())
     for note in (*plan.budget.notes, *notes):
         print(f"note: {note}")
-    print(f"\nplan: {plan.describe()} ({plan.budget.total_gib:.2f} GiB, "
-          f"recompute {plan.overhead:.2%} of a step's FLOPs)")
+    print(
+        f"\nplan: {plan.describe()} ({plan.budget.total_gib:.2f} GiB, recompute {plan.overhead:.2%} of a step's FLOPs)"
+    )
     print(f"recompute: {_recompute_text(plan)}")
     print("\nalternatives (the same option on every layer):")
     for alt in _alternatives(model, setup, plan):
@@ -221,8 +278,10 @@ def _print_plan(model: ModelShape, setup: TrainingSetup, plan: Plan, notes: list
 
 
 def _print_step_and_host(model: ModelShape, setup: TrainingSetup, args: argparse.Namespace) -> None:
-    print(f"\noptimizer step: largest collective {largest_collective_bytes(model, setup) / 2**20:,.0f} MiB, "
-          f"transient {optimizer_step_bytes(model, setup) / GIB:.2f} GiB per device")
+    print(
+        f"\noptimizer step: largest collective {largest_collective_bytes(model, setup) / 2**20:,.0f} MiB, "
+        f"transient {optimizer_step_bytes(model, setup) / GIB:.2f} GiB per device"
+    )
     print(_host(model, setup, args).table())
 
 
@@ -242,20 +301,33 @@ def run(args: argparse.Namespace) -> int:
         plan = plan_recompute(model, setup, device_gib(args), reserve_gib=args.reserve)
     except NothingFits as exc:
         if args.json:
-            print(json.dumps({"fits": False, "attention": setup.attention, "message": str(exc),
-                              "smallest_tp": exc.smallest_tp, "largest_micro_batch": exc.largest_micro_batch,
-                              "least_memory": exc.least.to_dict()}, indent=2))
+            print(
+                json.dumps(
+                    {
+                        "fits": False,
+                        "attention": setup.attention,
+                        "message": str(exc),
+                        "smallest_tp": exc.smallest_tp,
+                        "largest_micro_batch": exc.largest_micro_batch,
+                        "least_memory": exc.least.to_dict(),
+                    },
+                    indent=2,
+                )
+            )
         print(f"neuron-ckpt plan: {exc}", file=sys.stderr)
         return 1
     if args.json:
         out = plan.to_dict()
         out["attention"] = setup.attention
         out["attention_notes"] = notes
-        out["alternatives"] = {alt.layers[0]: {"total_gib": round(alt.budget.total_gib, 4), "fits": alt.fits,
-                                               "overhead": alt.overhead}
-                               for alt in _alternatives(model, setup, plan)}
-        out["optimizer_step"] = {"largest_collective_bytes": largest_collective_bytes(model, setup),
-                                 "transient_bytes": optimizer_step_bytes(model, setup)}
+        out["alternatives"] = {
+            alt.layers[0]: {"total_gib": round(alt.budget.total_gib, 4), "fits": alt.fits, "overhead": alt.overhead}
+            for alt in _alternatives(model, setup, plan)
+        }
+        out["optimizer_step"] = {
+            "largest_collective_bytes": largest_collective_bytes(model, setup),
+            "transient_bytes": optimizer_step_bytes(model, setup),
+        }
         out["host"] = _host(model, setup, args).to_dict()
         print(json.dumps(out, indent=2))
     else:

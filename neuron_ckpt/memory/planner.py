@@ -50,6 +50,7 @@ def device_memory_bytes(spec: float | int | str | None) -> int:
             get_info = getattr(torch.accelerator, "get_memory_info", None)
             if get_info is None:
                 acc = torch.accelerator.current_accelerator()
+                assert acc is not None  # is_available() said there is one
                 get_info = getattr(torch.get_device_module(acc.type), "mem_get_info", None)
             if get_info is not None:
                 return int(get_info()[1])
@@ -113,7 +114,7 @@ class Plan:
         return self.recompute_flops / self.step_flops
 
     @property
-    def recompute(self) -> RecomputeConfig | list[RecomputeConfig | None] | None:
+    def recompute(self) -> RecomputeConfig | list[RecomputeConfig]:
         """What ``apply_recompute(model, ...)`` takes for this plan."""
         counts = self.counts
         if len(counts) == 1:
@@ -146,8 +147,12 @@ class Plan:
 
 
 def _config_dict(config: RecomputeConfig) -> dict[str, Any]:
-    return {"granularity": config.granularity, "method": config.method, "num_layers": config.num_layers,
-            "modules": list(config.modules) if config.granularity == "selective" else None}
+    return {
+        "granularity": config.granularity,
+        "method": config.method,
+        "num_layers": config.num_layers,
+        "modules": list(config.modules) if config.granularity == "selective" else None,
+    }
 
 
 class NothingFits(ValueError):
@@ -171,8 +176,12 @@ def _used(budget: MemoryBudget, limit_on: str) -> int:
 
 
 def evaluate(
-    model: ModelShape, setup: TrainingSetup, layers: str | tuple[str, ...] | RecomputeConfig, limit_bytes: int,
-    options: dict[str, LayerOption] | None = None, limit_on: str = "total",
+    model: ModelShape,
+    setup: TrainingSetup,
+    layers: str | tuple[str, ...] | RecomputeConfig,
+    limit_bytes: int,
+    options: dict[str, LayerOption] | None = None,
+    limit_on: str = "total",
 ) -> Plan:
     """The :class:`Plan` of a given assignment (one option name, or one per layer; or a grouped
     full-recompute config for the whole stack), fitting or not."""
@@ -197,7 +206,10 @@ def _splits(total: int, parts: int):
 
 
 def _best(
-    model: ModelShape, setup: TrainingSetup, limit_bytes: int, allowed: tuple[str, ...] | None,
+    model: ModelShape,
+    setup: TrainingSetup,
+    limit_bytes: int,
+    allowed: tuple[str, ...] | None,
     limit_on: str = "total",
 ) -> tuple[Plan | None, Plan]:
     """(cheapest fitting plan or None, least-memory plan); memory is what ``limit_on`` names."""
@@ -233,8 +245,9 @@ def _best(
     assert least is not None
 
     def layers(choice: Any) -> Any:  # a split in the layer order, or a grouped config
-        return choice if isinstance(choice, RecomputeConfig) else tuple(
-            n for n, k in zip(names, choice) for _ in range(k))
+        return (
+            choice if isinstance(choice, RecomputeConfig) else tuple(n for n, k in zip(names, choice) for _ in range(k))
+        )
 
     plan = evaluate(model, setup, layers(best[2]), limit_bytes, options, limit_on) if best else None
     return plan, evaluate(model, setup, layers(least[2]), limit_bytes, options, limit_on)
@@ -308,7 +321,9 @@ def plan_activations(
     raise NothingFits(
         f"no recompute choice keeps at most {activation_bytes / 2**20:,.1f} MiB of activations: the least "
         f"({least.describe()}) keeps {least.used_bytes / 2**20:,.1f} MiB",
-        least, None, None,
+        least,
+        None,
+        None,
     )
 
 
@@ -332,13 +347,17 @@ def _nothing_fits(model: ModelShape, setup: TrainingSetup, limit: int, least: Pl
     static = least.budget.bytes_of("static")
     what = least.describe()
     parts = [
-        f"nothing fits in {limit / GIB:.2f} GiB per device: the least memory ({what}) needs "
-        f"{least.budget.total_gib:.2f} GiB, of which {static / GIB:.2f} GiB is parameters, gradients, "
-        f"optimizer state and mask cache"
+        (
+            f"nothing fits in {limit / GIB:.2f} GiB per device: the least memory ({what}) needs "
+            f"{least.budget.total_gib:.2f} GiB, of which {static / GIB:.2f} GiB is parameters, gradients, "
+            f"optimizer state and mask cache"
+        )
     ]
     if smallest_tp is not None:
-        parts.append(f"would fit: tp={smallest_tp} (the smallest tensor-parallel degree that fits, dp={setup.dp}, "
-                     f"micro-batch {setup.micro_batch})")
+        parts.append(
+            f"would fit: tp={smallest_tp} (the smallest tensor-parallel degree that fits, dp={setup.dp}, "
+            f"micro-batch {setup.micro_batch})"
+        )
     else:
         parts.append(f"no tensor-parallel degree above {setup.tp} fits at this micro-batch")
     if largest_b is not None:
@@ -350,5 +369,15 @@ def _nothing_fits(model: ModelShape, setup: TrainingSetup, limit: int, least: Pl
     return NothingFits("; ".join(parts), least, smallest_tp, largest_b)
 
 
-__all__ = ["DEVICE_PRESETS", "LIMITS_ON", "NothingFits", "Plan", "device_memory_bytes", "evaluate", "limit_bytes",
-           "plan_activations", "plan_recompute", "valid_tp_degrees"]
+__all__ = [
+    "DEVICE_PRESETS",
+    "LIMITS_ON",
+    "NothingFits",
+    "Plan",
+    "device_memory_bytes",
+    "evaluate",
+    "limit_bytes",
+    "plan_activations",
+    "plan_recompute",
+    "valid_tp_degrees",
+]

@@ -44,8 +44,14 @@ def plot_memory_vs_seq(
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for (name, sp), variant in variants(model, setup).items():
         ys = [layer_activation_bytes(model, replace(variant, seq_len=s), name) / MIB for s in seqs]
-        ax.plot(seqs, ys, color=COLORS[name], linestyle="-" if sp else "--", marker=None,
-                label=f"{name}{' + SP' if sp else ''}")
+        ax.plot(
+            seqs,
+            ys,
+            color=COLORS[name],
+            linestyle="-" if sp else "--",
+            marker=None,
+            label=f"{name}{' + SP' if sp else ''}",
+        )
     if measured is not None:
         for (name, sp), nbytes in measured.items():
             ax.plot([setup.seq_len], [nbytes / MIB], color=COLORS[name], marker="o" if sp else "x", linestyle="none")
@@ -54,8 +60,10 @@ def plot_memory_vs_seq(
     ax.set_yscale("log")
     ax.set_xlabel("sequence length s")
     ax.set_ylabel("activation MiB per layer per rank")
-    ax.set_title(f"{model.kind}: h={model.hidden} a={model.heads} b={setup.micro_batch} t={setup.tp} {setup.dtype}, "
-                 f"{setup.attention} attention")
+    ax.set_title(
+        f"{model.kind}: h={model.hidden} a={model.heads} b={setup.micro_batch} t={setup.tp} {setup.dtype}, "
+        f"{setup.attention} attention"
+    )
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

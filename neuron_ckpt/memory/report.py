@@ -20,7 +20,12 @@ from pathlib import Path
 from ..parallel.attention import ATTENTION
 from ..recompute import PRESETS, RecomputeConfig
 from .analytic import (
-    Recompute, layer_activation_bytes, layer_activation_terms, model_activation_bytes, outside_layer_terms, resolve,
+    Recompute,
+    layer_activation_bytes,
+    layer_activation_terms,
+    model_activation_bytes,
+    outside_layer_terms,
+    resolve,
     supported_presets,
 )  # fmt: skip
 from .layers import MEASURED_LAYERS, Case, measure_on_ranks
@@ -53,10 +58,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``memory`` subcommand's options."""
     add = parser.add_argument
     add("--model", choices=KINDS, default="gpt", help="gpt: the paper's layer; llama: RMSNorm/GQA/SwiGLU")
-    add("--config", metavar="CONFIG",
+    add(
+        "--config",
+        metavar="CONFIG",
         help="a transformers MoE config.json (model_type mixtral, qwen3_moe, qwen2_moe, deepseek_v3), a directory "
-             "holding one, or a preset (mixtral-8x7b, deepseek-v3): its dense and MoE layers under every recompute "
-             "module, analytic (the sizes come from the file)")
+        "holding one, or a preset (mixtral-8x7b, deepseek-v3): its dense and MoE layers under every recompute "
+        "module, analytic (the sizes come from the file)",
+    )
     add("--hidden", type=positive_int, help="h, model width (required without --config)")
     add("--heads", type=positive_int, help="a, attention heads (required without --config)")
     add("--kv-heads", type=positive_int, help="llama: key/value heads (GQA); default: --heads")
@@ -64,18 +72,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--seq", type=positive_int, required=True, help="s, tokens per sequence")
     add("--micro-batch", type=positive_int, default=1, help="b, sequences per micro-batch")
     add("--tp", type=positive_int, default=1, help="t, tensor-parallel degree")
-    add("--sequence-parallel", action="store_true",
-        help="shard norms/dropouts along the sequence (with --config: apply_tensor_parallel(sequence_parallel=True))")
+    add(
+        "--sequence-parallel",
+        action="store_true",
+        help="shard norms/dropouts along the sequence (with --config: apply_tensor_parallel(sequence_parallel=True))",
+    )
     add("--recompute", choices=PRESETS, default="none", help="a recompute preset")
     add("--distribute-saved-activations", action="store_true", help="full recompute: keep 1/t of the layer input")
     add("--layers", type=positive_int, default=1, help="layers in the model (totals are layers x per layer)")
     add("--dtype", choices=tuple(DTYPE_BYTES), default="bf16", help="activation dtype")
-    add("--attention", choices=ATTENTION + MOE_ATTENTION,
+    add(
+        "--attention",
+        choices=ATTENTION + MOE_ATTENTION,
         help="core attention: explicit (keeps the s x s probabilities, the paper's layer; default) or flash "
-             "(a fused kernel: torch SDPA's flash on CPU/CUDA, NxD's NKI kernel on trn1; llama only); with "
-             "--config transformers' implementation: sdpa (default; torch's CPU dispatch), eager, or sdpa-fused "
-             "(a fused sdpa kernel whatever the head sizes: CUDA's memory-efficient kernel for MLA)")
-    add("--experts", choices=MOE_EXPERTS, help="with --config: transformers' experts implementation (default grouped_mm)")
+        "(a fused kernel: torch SDPA's flash on CPU/CUDA, NxD's NKI kernel on trn1; llama only); with "
+        "--config transformers' implementation: sdpa (default; torch's CPU dispatch), eager, or sdpa-fused "
+        "(a fused sdpa kernel whatever the head sizes: CUDA's memory-efficient kernel for MLA)",
+    )
+    add(
+        "--experts",
+        choices=MOE_EXPERTS,
+        help="with --config: transformers' experts implementation (default grouped_mm)",
+    )
     add("--measure", action="store_true", help=f"run {MEASURED_LAYERS} real layers on --tp local gloo processes")
     add("--json", action="store_true", help="print one JSON object instead of a table")
     add("--plot", metavar="PATH", help="write a PNG: bytes per layer against sequence length")
@@ -91,13 +109,21 @@ def case_from_args(args: argparse.Namespace) -> Case:
         raise ValueError("--experts applies to --config (transformers MoE models) only")
     attention = "explicit" if args.attention is None else args.attention
     if attention not in ATTENTION:
-        raise ValueError(f"--attention must be one of {ATTENTION} for --model {args.model}, got {attention!r} "
-                         "(sdpa / eager / sdpa-fused are for --config)")
+        raise ValueError(
+            f"--attention must be one of {ATTENTION} for --model {args.model}, got {attention!r} "
+            "(sdpa / eager / sdpa-fused are for --config)"
+        )
     kv_heads = args.heads if args.kv_heads is None else args.kv_heads
     ffn = default_ffn(args.model, args.hidden) if args.ffn is None else args.ffn
     model = ModelShape(args.model, args.hidden, args.heads, kv_heads, ffn, args.layers, DEFAULT_VOCAB)
-    setup = TrainingSetup(args.seq, args.micro_batch, args.tp, dtype=args.dtype,
-                          sequence_parallel=args.sequence_parallel, attention=attention)
+    setup = TrainingSetup(
+        args.seq,
+        args.micro_batch,
+        args.tp,
+        dtype=args.dtype,
+        sequence_parallel=args.sequence_parallel,
+        attention=attention,
+    )
     recompute = RecomputeConfig.preset(args.recompute)
     if args.distribute_saved_activations:
         recompute = replace(recompute, distribute_saved_activations=True)
@@ -122,7 +148,9 @@ def measure(cases: list[Case]) -> list[dict]:
             "measured_bytes_per_layer": max(rank[i].bytes_per_layer for rank in per_rank),
             "measured_per_rank": [rank[i].bytes_per_layer for rank in per_rank],
             "measured_layers": layers,
-            "measured_storages": [dict(zip(("scope", "dtype", "shape", "bytes"), row)) for row in per_rank[0][i].storages],
+            "measured_storages": [
+                dict(zip(("scope", "dtype", "shape", "bytes"), row)) for row in per_rank[0][i].storages
+            ],
         }
         for i in range(len(cases))
     ]
@@ -154,8 +182,10 @@ def build_report(model: ModelShape, setup: TrainingSetup, recompute: Recompute, 
         "analytic_bytes_total": model_activation_bytes(model, setup, recompute, outside),
         "breakdown": [asdict(t) for t in layer_activation_terms(model, setup, recompute)],
         "outside_layer_terms": [asdict(t) for t in outside],
-        "vs_no_recompute": {n: layer_activation_bytes(model, setup, c) / baseline
-                            for n, c in comparisons(model, setup, recompute).items()},
+        "vs_no_recompute": {
+            n: layer_activation_bytes(model, setup, c) / baseline
+            for n, c in comparisons(model, setup, recompute).items()
+        },
         "saving_vs_no_recompute": 1 - per_layer / baseline,
     }
     if model.kind == "gpt" and name in PAPER_ROWS:
@@ -169,12 +199,17 @@ def build_report(model: ModelShape, setup: TrainingSetup, recompute: Recompute, 
 def format_report(report: dict) -> str:
     """A readable table of :func:`build_report`'s dict (MiB, ratios, the term breakdown)."""
     s = report["spec"]
-    flags = [f"t={s['tp']}"] + (["sequence parallel"] if s["sequence_parallel"] else []) + (
-        ["distributed saved input"] if s["distribute_saved_activations"] else [])
+    flags = (
+        [f"t={s['tp']}"]
+        + (["sequence parallel"] if s["sequence_parallel"] else [])
+        + (["distributed saved input"] if s["distribute_saved_activations"] else [])
+    )
     kv = f" kv={s['kv_heads']}" if s["kv_heads"] else ""
     lines = [
-        f"{s['model']} layer: s={s['seq_len']} b={s['micro_batch']} h={s['hidden']} a={s['heads']}{kv} "
-        f"{s['dtype']}, {', '.join(flags)}, {s['attention']} attention, recompute={s['recompute']}",
+        (
+            f"{s['model']} layer: s={s['seq_len']} b={s['micro_batch']} h={s['hidden']} a={s['heads']}{kv} "
+            f"{s['dtype']}, {', '.join(flags)}, {s['attention']} attention, recompute={s['recompute']}"
+        ),
         f"activations per layer per rank (analytic): {report['analytic_bytes_per_layer'] / MIB:.3f} MiB"
         + (f"   [paper: {report['paper_formula']}]" if "paper_formula" in report else ""),
         f"x {s['layers']} layers (+ shared terms): {report['analytic_bytes_total'] / MIB:.3f} MiB",
@@ -186,14 +221,21 @@ def format_report(report: dict) -> str:
     lines += ["", f"{'term':<24}{'MiB':>10}{'share':>8}  split by t"]
     total = report["analytic_bytes_per_layer"]
     for term in report["breakdown"]:
-        lines.append(f"{term['name']:<24}{term['nbytes'] / MIB:>10.4f}{term['nbytes'] / total:>8.1%}  "
-                     f"{'yes' if term['split_by_tp'] else 'no'}")
+        lines.append(
+            f"{term['name']:<24}{term['nbytes'] / MIB:>10.4f}{term['nbytes'] / total:>8.1%}  "
+            f"{'yes' if term['split_by_tp'] else 'no'}"
+        )
     for term in report["outside_layer_terms"]:
         lines.append(f"{term['name'] + ' (shared)':<24}{term['nbytes'] / MIB:>10.4f}")
     if "measured_bytes_per_layer" in report:
-        lines += ["", f"measured ({report['measured_layers']} layers, {s['tp']} gloo ranks): "
-                  f"{report['measured_bytes_per_layer'] / MIB:.3f} MiB per layer, "
-                  f"measured/analytic {report['measured_over_analytic']:.4f}"]
+        lines += [
+            "",
+            (
+                f"measured ({report['measured_layers']} layers, {s['tp']} gloo ranks): "
+                f"{report['measured_bytes_per_layer'] / MIB:.3f} MiB per layer, "
+                f"measured/analytic {report['measured_over_analytic']:.4f}"
+            ),
+        ]
     if "plot" in report:
         lines.append(f"plot: {report['plot']}")
     return "\n".join(lines)

@@ -52,7 +52,7 @@ class ModelShape:
     layers: int
     vocab: int
     name: str = ""
-    head_dim: int | None = None
+    head_dim: int = None  # type: ignore[assignment]  # None: h / a, set in __post_init__
     attention_bias: bool = False
     mlp_bias: bool = False
     tie_word_embeddings: bool = False
@@ -77,10 +77,12 @@ class ModelShape:
                 raise ValueError(f"kv_heads applies to llama only; gpt has kv_heads = heads, got {self.kv_heads!r}")
             if self.ffn != 4 * self.hidden:
                 raise ValueError(
-                    f"ffn for gpt must be 4 * hidden = {4 * self.hidden} (the paper's layer), got {self.ffn!r}")
+                    f"ffn for gpt must be 4 * hidden = {4 * self.hidden} (the paper's layer), got {self.ffn!r}"
+                )
             if self.head_dim * self.heads != self.hidden:
-                raise ValueError(f"head_dim for gpt must be hidden / heads = {self.hidden // self.heads}, "
-                                 f"got {self.head_dim!r}")
+                raise ValueError(
+                    f"head_dim for gpt must be hidden / heads = {self.hidden // self.heads}, got {self.head_dim!r}"
+                )
 
     @classmethod
     def gpt(cls, hidden: int, heads: int, layers: int, vocab: int = DEFAULT_VOCAB, name: str = "") -> ModelShape:

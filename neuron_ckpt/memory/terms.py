@@ -28,8 +28,8 @@ its output) and, for output-discarding, the recomputed output handed to its cons
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from .shape import ModelShape, TrainingSetup
 
@@ -72,7 +72,9 @@ class LayerSpec:
     distribute: bool = False
 
 
-def layer_terms(model: ModelShape, setup: TrainingSetup, spec: LayerSpec) -> tuple[list[ActivationTerm], list[RecomputeEvent]]:
+def layer_terms(
+    model: ModelShape, setup: TrainingSetup, spec: LayerSpec
+) -> tuple[list[ActivationTerm], list[RecomputeEvent]]:
     """The terms one layer keeps (forward order) and its recompute events, under ``spec``."""
     none, core_again = (_gpt if model.kind == "gpt" else _llama)(model, setup)
     if spec.span == 0:
@@ -92,8 +94,15 @@ def layer_terms(model: ModelShape, setup: TrainingSetup, spec: LayerSpec) -> tup
 def _selective(none: Sequence[_Term], modules: set[str], core_again: int, slice_: int, gathered: int):
     mlp, norm = "mlp" in modules, "norm" in modules
     act_out = mlp or "mlp_act" in modules
-    dropped = {"core.own": "core_attn" in modules, "norm1.own": norm, "norm2.own": norm, "norm1.out": norm,
-               "norm2.out": norm, "act.in": mlp, "act.out": act_out}
+    dropped = {
+        "core.own": "core_attn" in modules,
+        "norm1.own": norm,
+        "norm2.own": norm,
+        "norm1.out": norm,
+        "norm2.out": norm,
+        "act.in": mlp,
+        "act.out": act_out,
+    }
     by_role: dict[str, int] = {}
     for x in none:
         by_role[x.role] = by_role.get(x.role, 0) + x.term.nbytes

@@ -74,6 +74,7 @@ NXD_KEYS = frozenset({
     "kv_shared_group_size", "qkv_linear", "fuse_qkv", "use_flash_attention", "transpose_nki_inputs",
 })  # fmt: skip
 
+
 def valid_keys() -> frozenset[str]:
     """Every key :func:`load_llama_config` accepts: the installed ``LlamaConfig``'s fields and
     :data:`METADATA_KEYS`."""
@@ -172,8 +173,9 @@ def _llama_args(data: dict, source: str = "the model config") -> LlamaArgs:
         raise ValueError(f"{source}: " + "; ".join(problems))
     try:  # its own checks too (strict field types, the keys each rope_type needs): the file loads there
         transformers.LlamaConfig.from_dict(copy.deepcopy(data))
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001  its checks raise many kinds; re-raised as one ValueError
         raise ValueError(f"{source}: transformers.LlamaConfig refuses it: {' '.join(str(exc).split())}") from None
+    assert args is not None  # no problems: it was built
     return args
 
 
@@ -186,8 +188,9 @@ def config_path(path_or_name: str | Path) -> Path:
     if path.is_dir():
         path = path / "config.json"
     if not path.exists():
-        raise ValueError(f"{path_or_name}: no such file, directory holding config.json, or preset name "
-                         f"({', '.join(PRESET_NAMES)})")
+        raise ValueError(
+            f"{path_or_name}: no such file, directory holding config.json, or preset name ({', '.join(PRESET_NAMES)})"
+        )
     return path
 
 
@@ -203,8 +206,11 @@ def drop_nxd_keys(data: dict, source: str, notices: list[str] | None = None) -> 
     """``data`` without :data:`NXD_KEYS`; one notice naming the keys dropped (none: no notice)."""
     dropped = sorted(k for k in data if k in NXD_KEYS)
     if dropped:
-        _notify(f"{source}: dropped NxD training options {', '.join(dropped)} (not model fields; "
-                "this library takes them as flags: --sequence-parallel, --recompute)", notices)
+        _notify(
+            f"{source}: dropped NxD training options {', '.join(dropped)} (not model fields; "
+            "this library takes them as flags: --sequence-parallel, --recompute)",
+            notices,
+        )
     return {k: v for k, v in data.items() if k not in NXD_KEYS}
 
 
@@ -248,7 +254,7 @@ def fit_positions(config: Any, seq_len: int, source: str = "the model config") -
     if seq_len <= limit:
         return config, None
     if dataclasses.is_dataclass(config):
-        fitted = dataclasses.replace(config, max_position_embeddings=seq_len)
+        fitted = dataclasses.replace(config, max_position_embeddings=seq_len)  # type: ignore[type-var]  # an instance
     else:
         fitted = copy.deepcopy(config)
         fitted.max_position_embeddings = seq_len
@@ -260,9 +266,20 @@ def fit_positions(config: Any, seq_len: int, source: str = "the model config") -
             f"the RoPE tables (rope_type {rope_type.get('rope_type')!r} derives them from max_position_embeddings): "
             f"prepare the data with --seq-len {limit} or less, or give original_max_position_embeddings in the config"
         )
-    return fitted, (f"{source}: max_position_embeddings {limit} < block length {seq_len}: raised to {seq_len}, "
-                    "as NxD's get_model does (the RoPE tables are unchanged)")
+    return fitted, (
+        f"{source}: max_position_embeddings {limit} < block length {seq_len}: raised to {seq_len}, "
+        "as NxD's get_model does (the RoPE tables are unchanged)"
+    )
 
 
-__all__ = ["METADATA_KEYS", "NXD_KEYS", "PRESET_NAMES", "config_path", "drop_nxd_keys", "fit_positions",
-           "load_llama_config", "read_json_object", "valid_keys"]
+__all__ = [
+    "METADATA_KEYS",
+    "NXD_KEYS",
+    "PRESET_NAMES",
+    "config_path",
+    "drop_nxd_keys",
+    "fit_positions",
+    "load_llama_config",
+    "read_json_object",
+    "valid_keys",
+]

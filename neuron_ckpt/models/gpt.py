@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from ..distributed.parallel_state import ParallelState, get_parallel_state
 from ..distributed.random import get_rng_tracker
-from ..parallel.dropout import dropout
 from ..parallel import ColumnParallelLinear, CoreAttention, LayerNorm, QKVParallelLinear, RowParallelLinear
+from ..parallel.dropout import dropout
 from ..parallel.init import normal_init
 from ..recompute import run_layers
 
@@ -113,7 +114,7 @@ class GPTMLP(torch.nn.Module):
     def __init__(self, config: GPTConfig, state: ParallelState):
         super().__init__()
         h, f, sp, init = config.hidden_size, config.ffn_size, config.sequence_parallel, normal_init(config.init_std)
-        common = dict(sequence_parallel=sp, init_method=init, dtype=config.dtype, parallel_state=state)
+        common: dict[str, Any] = dict(sequence_parallel=sp, init_method=init, dtype=config.dtype, parallel_state=state)
         self.fc1 = ColumnParallelLinear(h, f, **common)
         self.act_fn = torch.nn.GELU()  # a module, so selective recompute can name it (mlp_act)
         self.fc2 = RowParallelLinear(f, h, input_is_parallel=True, **common)
@@ -128,8 +129,10 @@ class GPTLayer(torch.nn.Module):
     def __init__(self, config: GPTConfig, parallel_state: ParallelState | None = None):
         super().__init__()
         state = parallel_state if parallel_state is not None else get_parallel_state()
-        norm = dict(
-            eps=config.layernorm_eps, sequence_parallel=config.sequence_parallel, dtype=config.dtype,
+        norm: dict[str, Any] = dict(
+            eps=config.layernorm_eps,
+            sequence_parallel=config.sequence_parallel,
+            dtype=config.dtype,
             parallel_state=state,
         )
         self.config = config

@@ -23,7 +23,7 @@ one gathering a layer at a time on rank 0.
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 
@@ -56,7 +56,7 @@ def _layout(param: torch.Tensor, tp_size: int) -> tuple[int, int, int] | None:
     if not is_tensor_parallel(param):
         return None
     replicas = int(getattr(param, "tensor_parallel_replicas", 1))
-    return param.partition_dim, tp_size // replicas, replicas
+    return param.partition_dim, tp_size // replicas, replicas  # type: ignore[attr-defined]  # a marker torch does not declare
 
 
 def full_shape(param: torch.Tensor, tp_size: int) -> tuple[int, ...]:
@@ -128,23 +128,25 @@ def check_hf_shapes(
     Raises ``KeyError`` listing every missing and unexpected key, then ``ValueError`` listing
     every shape mismatch: the caller writes no parameter before this returns.
     """
-    tp_size = model.parallel_state.tp.size
+    tp_size = model.parallel_state.tp.size  # type: ignore[union-attr]  # torch types a module's attributes as Tensor | Module
     expected = expected_hf_keys(model)
     given = {k for k in shapes if not k.endswith(_IGNORED_SUFFIXES)}
     if _tied(model) and TIED_HEAD_KEY in given:  # the same tensor as the table: checked, not loaded
         given.discard(TIED_HEAD_KEY)
         if TIED_TABLE_KEY in shapes and tuple(shapes[TIED_HEAD_KEY]) != tuple(shapes[TIED_TABLE_KEY]):
-            raise ValueError(f"{what}: tie_word_embeddings is true but {TIED_HEAD_KEY} {tuple(shapes[TIED_HEAD_KEY])} "
-                             f"has not the shape of {TIED_TABLE_KEY} {tuple(shapes[TIED_TABLE_KEY])}")
+            raise ValueError(
+                f"{what}: tie_word_embeddings is true but {TIED_HEAD_KEY} {tuple(shapes[TIED_HEAD_KEY])} "
+                f"has not the shape of {TIED_TABLE_KEY} {tuple(shapes[TIED_TABLE_KEY])}"
+            )
     missing, unexpected = sorted(set(expected) - given), sorted(given - set(expected))
     if missing or unexpected:
         raise KeyError(
-            f"{what} does not match the model ({model.args.num_hidden_layers} layers): "
+            f"{what} does not match the model ({model.args.num_hidden_layers} layers): "  # type: ignore[union-attr]  # torch types a module's attributes as Tensor | Module
             f"missing keys {missing or 'none'}; unexpected keys {unexpected or 'none'}"
         )
     wrong = []
     for key, (_, p) in expected.items():
-        want = full_shape(p, tp_size)
+        want = full_shape(p, tp_size)  # type: ignore[arg-type]  # torch types a module's attributes as Tensor | Module
         if tuple(shapes[key]) != want:
             wrong.append(f"{key}: checkpoint {tuple(shapes[key])}, model expects {want}")
     if wrong:
@@ -158,15 +160,17 @@ def load_hf_state_dict(model: torch.nn.Module, state_dict: dict[str, torch.Tenso
     Raises ``KeyError`` listing missing and unexpected keys, ``ValueError`` listing every shape
     mismatch, before any parameter is written.
     """
-    tp = model.parallel_state.tp
+    tp = model.parallel_state.tp  # type: ignore[union-attr]  # torch types a module's attributes as Tensor | Module
     expected = check_hf_shapes(model, {k: tuple(v.shape) for k, v in state_dict.items()}, "state dict")
     head = state_dict.get(TIED_HEAD_KEY) if _tied(model) else None
     if head is not None and not torch.equal(head, state_dict[TIED_TABLE_KEY]):
-        raise ValueError(f"state dict: tie_word_embeddings is true but {TIED_HEAD_KEY} differs from "
-                         f"{TIED_TABLE_KEY} (an untied checkpoint? set tie_word_embeddings false)")
+        raise ValueError(
+            f"state dict: tie_word_embeddings is true but {TIED_HEAD_KEY} differs from "
+            f"{TIED_TABLE_KEY} (an untied checkpoint? set tie_word_embeddings false)"
+        )
     with torch.no_grad():
         for key, (_, p) in expected.items():
-            p.copy_(shard(state_dict[key], p, tp.rank, tp.size).to(device=p.device, dtype=p.dtype))
+            p.copy_(shard(state_dict[key], p, tp.rank, tp.size).to(device=p.device, dtype=p.dtype))  # type: ignore[arg-type, union-attr]  # torch types a module's attributes as Tensor | Module
 
 
 def hf_state_dict(model: torch.nn.Module, grads: bool = False) -> dict[str, torch.Tensor]:
@@ -175,7 +179,7 @@ def hf_state_dict(model: torch.nn.Module, grads: bool = False) -> dict[str, torc
     Holds the whole model on every rank's host: for checkpoints of real models use
     :func:`neuron_ckpt.models.hf_export.save_hf_checkpoint` (one layer at a time, rank 0 only).
     """
-    tp = model.parallel_state.tp
+    tp = model.parallel_state.tp  # type: ignore[union-attr]  # torch types a module's attributes as Tensor | Module
     out = {}
     for name, p in model.named_parameters():
         local = p.detach()

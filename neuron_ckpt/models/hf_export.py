@@ -182,19 +182,19 @@ def save_hf_checkpoint(
     global rank 0, None elsewhere. Raises the same error on every rank when the location is not
     writable (before any gather) or a write failed.
     """
-    config = model.args.to_hf() if config is None else config
+    config = model.args.to_hf() if config is None else config  # type: ignore[operator, union-attr]  # torch types a module's attributes as Tensor | Module
     check_hf_config(model.args, config, "the config given")
     state = model.parallel_state
-    tp = state.tp
+    tp = state.tp  # type: ignore[union-attr]  # torch types a module's attributes as Tensor | Module
     groups = export_groups(model, dtype)  # every stage's, in order, under pipeline parallelism
     entries = [e for group in groups for e in group.entries]
     total = sum(_nbytes(d, s) for _, d, s in entries)
     directory = check_writable(directory, required_bytes=total + (1 << 20))
 
     writer = rank() == 0
-    if writer and (tp.rank != 0 or state.dp.rank != 0):
-        raise RuntimeError(f"global rank 0 is TP rank {tp.rank}, DP rank {state.dp.rank}: expected 0, 0")
-    gathers = runtime.is_xla() or state.dp.rank == 0  # see the module docstring
+    if writer and (tp.rank != 0 or state.dp.rank != 0):  # type: ignore[union-attr]  # torch types a module's attributes as Tensor | Module
+        raise RuntimeError(f"global rank 0 is TP rank {tp.rank}, DP rank {state.dp.rank}: expected 0, 0")  # type: ignore[union-attr]  # torch types a module's attributes as Tensor | Module
+    gathers = runtime.is_xla() or state.dp.rank == 0  # type: ignore[union-attr]  # torch types a module's attributes as Tensor | Module; see the module docstring
     shards = _plan(entries, parse_size(max_shard_size))
     names = _shard_names(len(shards))
     shard_of = {e[0]: i for i, shard in enumerate(shards) for e in shard}
@@ -214,17 +214,17 @@ def save_hf_checkpoint(
                     full = [(key, hf_conversion.gather(p.detach(), p, tp)) for key, p in group.params]
                     full = [(key, t if dtype is None else t.to(dtype)) for key, t in full]
                 runtime.step_boundary()  # XLA: the layer's gathers as one graph, on every rank
-            if state.pp_size > 1:
+            if state.pp_size > 1:  # type: ignore[operator, union-attr]  # torch types a module's attributes as Tensor | Module
                 full = to_rank0(group, full, runtime.get_runtime().device)
             if writer and error is None:
                 try:
-                    for key, tensor in full:
+                    for key, tensor in full:  # type: ignore[union-attr]  # rank 0 gathered or received it
                         pending[key] = tensor.cpu().contiguous()
                         index = shard_of[key]
                         if len(pending) == len(shards[index]):  # shards fill in gather order
                             _save_shard(tmp / names[index], pending)
                             pending = {}
-                except Exception as e:  # keep taking part in the gathers; raised on every rank below
+                except Exception as e:  # noqa: BLE001  keep taking part in the gathers; raised on every rank below
                     error = f"{type(e).__name__}: {e}"
             del full
         if writer and error is None:
@@ -234,7 +234,7 @@ def save_hf_checkpoint(
                     _write_json(tmp / SAFE_INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": weight_map})
                 _write_json(tmp / CONFIG_NAME, _config_dict(config, dtype or entries[0][1]))
                 _replace_dir(tmp, directory)
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001  raised on every rank below
                 error = f"{type(e).__name__}: {e}"
     finally:
         if writer and tmp.exists():

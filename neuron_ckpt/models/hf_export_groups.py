@@ -76,7 +76,7 @@ def to_rank0(group: ExportGroup, full: list[tuple[str, torch.Tensor]] | None, de
     if group.owner == 0 or rank not in (0, group.owner):
         return full
     if rank == group.owner:
-        for _, tensor in full:
+        for _, tensor in full:  # type: ignore[union-attr]  # the owner gathered it
             dist.send(tensor.contiguous(), dst=0)
         return None
     out = []

@@ -70,7 +70,7 @@ class LlamaOptions:
     """``"explicit"`` or ``"flash"`` (:data:`~neuron_ckpt.parallel.attention.ATTENTION`, see ``CoreAttention``)."""
     dtype: torch.dtype = torch.float32
     """Parameter dtype (fp32, or bf16 for pure-bf16 training)."""
-    parallel_state: ParallelState | None = None
+    parallel_state: ParallelState = None  # type: ignore[assignment]  # None: resolved in __post_init__
     """The tensor/data-parallel groups; None: the global one set by ``initialize_model_parallel``."""
 
     def __post_init__(self) -> None:
@@ -78,8 +78,7 @@ class LlamaOptions:
             raise ValueError(f"sequence_parallel must be a bool, got {self.sequence_parallel!r}")
         if self.attention_implementation not in ATTENTION:
             raise ValueError(
-                f"attention_implementation must be one of {list(ATTENTION)}, "
-                f"got {self.attention_implementation!r}"
+                f"attention_implementation must be one of {list(ATTENTION)}, got {self.attention_implementation!r}"
             )
         if not isinstance(self.dtype, torch.dtype):
             raise ValueError(f"dtype must be a torch.dtype, got {self.dtype!r}")
@@ -187,7 +186,7 @@ class LlamaDecoderLayer(torch.nn.Module):
 
     def __init__(self, args: LlamaArgs, options: LlamaOptions):
         super().__init__()
-        norm = dict(
+        norm: dict[str, Any] = dict(
             eps=args.rms_norm_eps,
             sequence_parallel=options.sequence_parallel,
             dtype=options.dtype,
@@ -227,7 +226,12 @@ class LlamaForCausalLM(torch.nn.Module):
     ):
         super().__init__()
         self.args = args = LlamaArgs.from_hf(config)
-        self.options = options = LlamaOptions(sequence_parallel, attention_implementation, dtype, parallel_state)
+        self.options = options = LlamaOptions(
+            sequence_parallel,
+            attention_implementation,
+            dtype,
+            parallel_state,  # type: ignore[arg-type]  # None: resolved there
+        )
         sp, state = options.sequence_parallel, options.parallel_state
         init = normal_init(args.initializer_range)
         self.embed_tokens = VocabParallelEmbedding(
@@ -299,7 +303,6 @@ class LlamaForCausalLM(torch.nn.Module):
     def hf_grad_dict(self) -> dict[str, torch.Tensor]:
         """The full gradients, named and shaped like ``hf_state_dict`` (parameters without a grad: zeros)."""
         return hf_conversion.hf_state_dict(self, grads=True)
-
 
 
 TIED_HEAD = "lm_head.weight"

@@ -13,8 +13,9 @@ either knows them, and a ``config.json`` means the same model here and there.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any, Mapping
+from typing import Any
 
 from ..checks import is_int, positive_int_problem
 
@@ -39,9 +40,9 @@ class LlamaArgs:
     """The SwiGLU width (gate, up and down projections)."""
     num_hidden_layers: int
     num_attention_heads: int
-    num_key_value_heads: int | None = None
+    num_key_value_heads: int = None  # type: ignore[assignment]  # None: derived when validated
     """Key/value heads (grouped-query attention); None means ``num_attention_heads`` (MHA)."""
-    head_dim: int | None = None
+    head_dim: int = None  # type: ignore[assignment]  # None: derived when validated
     """None means ``hidden_size // num_attention_heads`` (which must then divide exactly)."""
     max_position_embeddings: int = 2048
     rms_norm_eps: float = 1e-6
@@ -96,8 +97,9 @@ class LlamaArgs:
         else:
             problems.append(_number_problem("rope_theta", rope.get("rope_theta"), above=0.0))
             if rope["rope_type"] == "dynamic":
-                problems.append("rope_type='dynamic' (length-dependent RoPE scaling) is not supported; "
-                                "use a static variant")
+                problems.append(
+                    "rope_type='dynamic' (length-dependent RoPE scaling) is not supported; use a static variant"
+                )
         return [p for p in problems if p]
 
     def _resolve(self) -> list[str]:
@@ -109,13 +111,18 @@ class LlamaArgs:
             return [f"num_key_value_heads ({self.num_key_value_heads}) must divide num_attention_heads ({heads})"]
         if self.head_dim is None:
             if self.hidden_size % heads:
-                return [f"hidden_size ({self.hidden_size}) must be a multiple of num_attention_heads ({heads}) "
-                        "when head_dim is not given"]
+                return [
+                    (
+                        f"hidden_size ({self.hidden_size}) must be a multiple of num_attention_heads ({heads}) "
+                        "when head_dim is not given"
+                    )
+                ]
             object.__setattr__(self, "head_dim", self.hidden_size // heads)
         if self.head_dim % 2:
             return [f"head_dim must be even (RoPE rotates pairs), got {self.head_dim}"]
-        object.__setattr__(self, "rope_parameters", {**self.rope_parameters,
-                                                     "rope_theta": float(self.rope_parameters["rope_theta"])})
+        object.__setattr__(
+            self, "rope_parameters", {**self.rope_parameters, "rope_theta": float(self.rope_parameters["rope_theta"])}
+        )
         if isinstance(self.eos_token_id, list):
             object.__setattr__(self, "eos_token_id", list(self.eos_token_id))
         return []
@@ -146,6 +153,7 @@ class LlamaArgs:
             problems.append(str(e))
         if problems:
             raise ValueError("; ".join(problems))
+        assert args is not None  # no problems: it was built
         return args
 
     @classmethod
@@ -174,12 +182,17 @@ class LlamaArgs:
         return config
 
 
-def _number_problem(name: str, value: Any, above: float | None = None, at_least: float | None = None,
-                    below: float | None = None) -> str | None:
+def _number_problem(
+    name: str, value: Any, above: float | None = None, at_least: float | None = None, below: float | None = None
+) -> str | None:
     """Why ``value`` is not a finite number in the range (None when it is)."""
     number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if number and (above is None or value > above) and (at_least is None or value >= at_least) and (
-            below is None or value < below):
+    if (
+        number
+        and (above is None or value > above)
+        and (at_least is None or value >= at_least)
+        and (below is None or value < below)
+    ):
         return None
     bounds = [f"> {above:g}" if above is not None else None, f">= {at_least:g}" if at_least is not None else None,
               f"< {below:g}" if below is not None else None]  # fmt: skip
@@ -203,6 +216,5 @@ def _rope_parameters(data: Mapping[str, Any], max_position_embeddings: Any) -> d
     params.pop("type", None)
     if params["rope_type"] in _SCALED_FROM_ORIGINAL:
         original = data.get("original_max_position_embeddings")  # a top-level field of some configs
-        params.setdefault("original_max_position_embeddings",
-                          max_position_embeddings if original is None else original)
+        params.setdefault("original_max_position_embeddings", max_position_embeddings if original is None else original)
     return params

@@ -74,7 +74,7 @@ class RotaryEmbedding(torch.nn.Module):
         long = self.long_after is not None and seq_len > self.long_after
         inv_freq = self.long_inv_freq if long else self.inv_freq
         positions = torch.arange(seq_len, dtype=torch.float32, device=device)
-        freqs = positions[:, None] * inv_freq.to(device=device, dtype=torch.float32)[None, :]
+        freqs = positions[:, None] * inv_freq.to(device=device, dtype=torch.float32)[None, :]  # type: ignore[index]  # torch types a module's attributes as Tensor | Module
         emb = torch.cat((freqs, freqs), dim=-1)
         cos = (emb.cos() * self.attention_scaling).to(dtype)
         sin = (emb.sin() * self.attention_scaling).to(dtype)

@@ -69,7 +69,7 @@ def cut_buckets(flat: FlatLayout, ps: ParallelState, cap_mb: float | None, reduc
     """``flat`` cut at ``cap_mb`` (counted in ``reduce_dtype``), masters read from the parameters."""
     dp, r = ps.dp_size, ps.dp_rank
     step = bucket_numel(cap_mb, reduce_dtype, dp, flat.padded)
-    values = [p.detach() for p in flat.params]
+    values: list[torch.Tensor | None] = [p.detach() for p in flat.params]
     buckets = []
     for start in range(0, flat.padded, step):
         end = min(start + step, flat.padded)

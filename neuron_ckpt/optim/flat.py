@@ -11,8 +11,9 @@ builds a range of it from tensors laid out like the parameters when one is neede
 from __future__ import annotations
 
 import bisect
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -21,7 +22,7 @@ class Piece(NamedTuple):
     """The run of one parameter inside a range of a flat: its elements ``[first, last)`` sit at
     ``offset`` from the start of the range."""
 
-    index: int  # into the flat's params
+    index: int  # type: ignore[assignment]  # into the flat's params (shadows tuple.index, unused here)
     first: int
     last: int
     offset: int
@@ -85,7 +86,7 @@ class FlatLayout:
 def param_groups(params: Iterable[torch.Tensor] | Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     """The param groups, each parameter once (a shared one in the first group that lists it) and
     only those that require grad; ValueError for conflicting or unusable ones."""
-    groups = list(params)
+    groups: list[Any] = list(params)
     if not groups:
         raise ValueError("Zero1Optimizer got an empty parameter list")
     if not isinstance(groups[0], dict):

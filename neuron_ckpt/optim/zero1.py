@@ -35,8 +35,9 @@ stays a tensor), so it traces into one graph on XLA.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, cast
 
 import torch
 
@@ -132,7 +133,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
         self._auto_cap = bucket_cap_mb == "auto"
         if self._auto_cap:
             bucket_cap_mb = collectives.default_bucket_cap_mb(ps.dp)
-        self.bucket_cap_mb: float | None = bucket_cap_mb
+        self.bucket_cap_mb = cast("float | None", bucket_cap_mb)  # "auto" was replaced above
         self.last_grad_norm: torch.Tensor | None = None
 
         groups = param_groups(params)
@@ -142,7 +143,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
             accumulate = layout.dtype in _SIXTEEN_BIT if accumulate_fp32 is None else accumulate_fp32
             # Accumulate and reduce in at least fp32 (an fp64 parameter keeps fp64).
             reduce_dtype = torch.promote_types(layout.dtype, torch.float32) if accumulate else layout.dtype
-            self._flats.append(_Flat(layout, reduce_dtype, cut_buckets(layout, ps, bucket_cap_mb, reduce_dtype)))
+            self._flats.append(_Flat(layout, reduce_dtype, cut_buckets(layout, ps, self.bucket_cap_mb, reduce_dtype)))
             if accumulate:
                 accumulated.append(self._flats[-1])
         # The gradient buffers (their hooks) last, every parameter checked first: a refused
@@ -156,15 +157,15 @@ class Zero1Optimizer(torch.optim.Optimizer):
     # an LR scheduler would then set in vain. These three are the inner optimizer's, read through,
     # so they stay its own after its load_state_dict replaces them.
     @property
-    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]  # a property over an attribute
         return self.inner.param_groups
 
     @property
-    def state(self) -> Any:  # type: ignore[override]
+    def state(self) -> Any:  # type: ignore[override]  # a property over an attribute
         return self.inner.state
 
     @property
-    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]  # a property over an attribute
         return self.inner.defaults
 
     @property
@@ -217,7 +218,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
     # ---- step ------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> torch.Tensor:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None) -> torch.Tensor:  # type: ignore[override]  # returns the gradient norm
         """One optimizer step; returns the global gradient norm before clipping."""
         if closure is not None:
             with torch.enable_grad():
@@ -273,7 +274,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
         ps = self.parallel_state
         sq = collectives.all_reduce(sq, ps.dp)
         sq = collectives.all_reduce(sq, ps.tp)
-        if ps.pp_size > 1:  # each stage holds its own parameters: the norm is over all of them
+        if ps.pp is not None and ps.pp.size > 1:  # each stage holds its own parameters: the norm is over all
             sq = collectives.all_reduce(sq, ps.pp)
         return sq.sqrt()
 

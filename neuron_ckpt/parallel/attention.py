@@ -147,4 +147,3 @@ class CoreAttention(torch.nn.Module):
             f"dropout={self.attention_dropout}, softmax_in_fp32={self.softmax_in_fp32}, "
             f"implementation={self.implementation!r}"
         )
-

@@ -45,7 +45,7 @@ class VocabParallelEmbedding(torch.nn.Module):
         num_embeddings: int,
         embedding_dim: int,
         sequence_parallel: bool = False,
-        init_method: InitMethod = normal_init(1.0),
+        init_method: InitMethod = normal_init(1.0),  # noqa: B008  stateless: one shared default is harmless
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
         parallel_state: ParallelState | None = None,
@@ -64,7 +64,7 @@ class VocabParallelEmbedding(torch.nn.Module):
             raise ValueError(f"padding_idx={padding_idx} must be in [0, num_embeddings={num_embeddings})")
         self.padding_idx = padding_idx  # its row gets no gradient, as in torch.nn.Embedding
         mine = padding_idx is not None and self.vocab_start <= padding_idx < self.vocab_end
-        self._local_padding_idx = padding_idx - self.vocab_start if mine else None
+        self._local_padding_idx = padding_idx - self.vocab_start if padding_idx is not None and mine else None
         self.weight = torch.nn.Parameter(
             shard_of_full((num_embeddings, embedding_dim), 0, r, t, init_method, dtype, device)
         )

@@ -81,16 +81,28 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p
     any strides are fine); returns ``[b, a, s, d]``. Check :func:`unavailable` first on XLA."""
     a, g = q.shape[1], k.shape[1]
     if dropout_p > 0 and q.device.type == "cpu" and not torch.compiler.is_compiling():
-        _warn_once("attention 'flash' with dropout on CPU: torch's SDPA runs its math path, which keeps fp32 "
-                   "[b, a, s, s] tensors (the memory model counts the flash kernel, without dropout)")
+        _warn_once(
+            "attention 'flash' with dropout on CPU: torch's SDPA runs its math path, which keeps fp32 "
+            "[b, a, s, s] tensors (the memory model counts the flash kernel, without dropout)"
+        )
     if q.device.type != "xla":
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=a != g)
     if a != g:  # query head i reads kv head i // (a/g), as repeat_kv and the explicit path
         k, v = k.repeat_interleave(a // g, dim=1), v.repeat_interleave(a // g, dim=1)
     nki = nki_flash_attn_func()
-    t = (lambda x: x.transpose(-1, -2))  # [b, h, s, d] -> [b, h, d, s], a view
-    return nki(t(q), t(k), t(v), dropout_p=dropout_p, softmax_scale=1.0 / math.sqrt(q.shape[-1]), causal=True,
-               transpose_nki_inputs=True)
+
+    def t(x: torch.Tensor) -> torch.Tensor:  # [b, h, s, d] -> [b, h, d, s], a view
+        return x.transpose(-1, -2)
+
+    return nki(
+        t(q),
+        t(k),
+        t(v),
+        dropout_p=dropout_p,
+        softmax_scale=1.0 / math.sqrt(q.shape[-1]),
+        causal=True,
+        transpose_nki_inputs=True,
+    )
 
 
 __all__ = ["NKI_MODULE", "flash_attention", "kernel_name", "nki_flash_attn_func", "unavailable", "warn_fallback"]

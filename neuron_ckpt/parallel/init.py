@@ -10,7 +10,7 @@ construction (for Llama-2 7B, at most the 32000 x 4096 embedding: 0.5 GB fp32).
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -20,8 +20,8 @@ would cost ``2sbh(1 - 1/t)`` more bytes per layer in 16-bit.
 from __future__ import annotations
 
 import torch
-from torch.autograd.function import once_differentiable
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 from ..distributed import collectives as C
 from ..distributed.mappings import (
@@ -80,6 +80,7 @@ class _SequenceParallelLinear(torch.autograd.Function):
         for i in live:
             g2 = grad_outs[i].reshape(-1, grad_outs[i].shape[-1])
             if needs[2 + 2 * i]:
+                assert total is not None  # gathered: a weight needs its gradient (need_w)
                 grads[2 * i] = g2.t().matmul(total.reshape(-1, total.shape[-1]))
             if ctx.has_bias[i] and needs[3 + 2 * i]:
                 grads[2 * i + 1] = g2.sum(0)

@@ -31,6 +31,7 @@ class _Norm(torch.nn.Module):
     def _param(self, p: torch.Tensor | None) -> torch.Tensor | None:
         if p is None or not self.sequence_parallel:
             return p
+        assert self.parallel_state is not None  # set with sequence_parallel
         return copy_to_tensor_parallel_region(p, self.parallel_state.tp)
 
     def extra_repr(self) -> str:
@@ -58,7 +59,7 @@ class RMSNorm(_Norm):
         self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self._param(self.weight), self.eps)
+        return rms_norm(x, self._param(self.weight), self.eps)  # type: ignore[arg-type]  # a weight in, a weight out
 
 
 class LayerNorm(_Norm):

@@ -19,9 +19,10 @@ import torch
 
 
 def set_tensor_parallel_attributes(param: torch.Tensor, partition_dim: int, replicas: int = 1) -> None:
-    param.tensor_parallel = True
-    param.partition_dim = partition_dim
-    param.tensor_parallel_replicas = replicas
+    # Attributes on the tensor itself, as Megatron and NxD mark theirs (torch declares none of them).
+    param.tensor_parallel = True  # type: ignore[attr-defined]  # see above
+    param.partition_dim = partition_dim  # type: ignore[attr-defined]  # see above
+    param.tensor_parallel_replicas = replicas  # type: ignore[attr-defined]  # see above
 
 
 def is_tensor_parallel(param: torch.Tensor) -> bool:

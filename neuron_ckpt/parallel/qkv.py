@@ -125,7 +125,7 @@ class QKVParallelLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         weights = [self.q_weight, self._kv(self.k_weight), self._kv(self.v_weight)]
         biases = [self.q_bias, self._kv(self.k_bias), self._kv(self.v_bias)]
-        q, k, v = parallel_linear(x, weights, biases, self.parallel_state.tp, self.sequence_parallel)
+        q, k, v = parallel_linear(x, weights, biases, self.parallel_state.tp, self.sequence_parallel)  # type: ignore[arg-type]  # weights are never None
         return q, k, v
 
     def extra_repr(self) -> str:

@@ -19,8 +19,8 @@ stages ``r, r + p, ..., r + (v - 1) p``.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 
 @dataclass(frozen=True)
@@ -73,13 +73,16 @@ def cut_layers(
     ``num_layers``); None: balanced by cost (module docstring). Raises a one-line ValueError for a
     cut that cannot be made.
     """
-    for name, value in (("num_layers", num_layers), ("pipeline_parallel_size", pipeline_parallel_size),
-                        ("virtual_stages", virtual_stages)):
+    for name, value in (
+        ("num_layers", num_layers),
+        ("pipeline_parallel_size", pipeline_parallel_size),
+        ("virtual_stages", virtual_stages),
+    ):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
-    for name, value in (("embedding_cost", embedding_cost), ("head_cost", head_cost)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
-            raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+    for name, cost in (("embedding_cost", embedding_cost), ("head_cost", head_cost)):
+        if isinstance(cost, bool) or not isinstance(cost, (int, float)) or not 0 <= cost < float("inf"):
+            raise ValueError(f"{name} must be a finite number >= 0, got {cost!r}")
     stages = pipeline_parallel_size * virtual_stages
     if layers_per_stage is None:
         if num_layers < stages:

@@ -50,16 +50,23 @@ def load_pipeline_hf_checkpoint(pipe: LlamaPipeline, path: str | Path) -> None:
         given.discard(TIED_HEAD_KEY)  # the table's values: checked by shape, not loaded
         head, table = entries.get(TIED_HEAD_KEY), entries.get(TIED_TABLE_KEY)
         if head is not None and table is not None and head.shape != table.shape:
-            raise ValueError(f"checkpoint {path}: tie_word_embeddings is true but {TIED_HEAD_KEY} {head.shape} "
-                             f"has not the shape of {TIED_TABLE_KEY} {table.shape}")
+            raise ValueError(
+                f"checkpoint {path}: tie_word_embeddings is true but {TIED_HEAD_KEY} {head.shape} "
+                f"has not the shape of {TIED_TABLE_KEY} {table.shape}"
+            )
     whole = _whole_model_keys(pipe, local)
     missing, unexpected = sorted(whole - given), sorted(given - whole)
     if missing or unexpected:
-        raise KeyError(f"checkpoint {path} does not match the model ({pipe.args.num_hidden_layers} layers): "
-                       f"missing keys {missing or 'none'}; unexpected keys {unexpected or 'none'}")
+        raise KeyError(
+            f"checkpoint {path} does not match the model ({pipe.args.num_hidden_layers} layers): "
+            f"missing keys {missing or 'none'}; unexpected keys {unexpected or 'none'}"
+        )
     tp = pipe.parallel_state.tp
-    wrong = [f"{k}: checkpoint {entries[k].shape}, model expects {full_shape(p, tp.size)}"
-             for k, p in local.items() if tuple(entries[k].shape) != full_shape(p, tp.size)]
+    wrong = [
+        f"{k}: checkpoint {entries[k].shape}, model expects {full_shape(p, tp.size)}"
+        for k, p in local.items()
+        if tuple(entries[k].shape) != full_shape(p, tp.size)
+    ]
     if wrong:
         raise ValueError(f"shape mismatch between checkpoint {path} and the model config: " + "; ".join(wrong))
     with torch.no_grad():

@@ -43,8 +43,11 @@ def load_stage_hf_state_dict(stage: LlamaStage, state_dict: dict[str, torch.Tens
     if head is not None and not torch.equal(head, state_dict[TIED_TABLE_KEY]):
         raise ValueError(f"state dict: tie_word_embeddings is true but {TIED_HEAD_KEY} differs from {TIED_TABLE_KEY}")
     t = stage.parallel_state.tp
-    wrong = [f"{k}: {tuple(state_dict[k].shape)}, stage expects {full_shape(p, t.size)}"
-             for k, p in keys.items() if tuple(state_dict[k].shape) != full_shape(p, t.size)]
+    wrong = [
+        f"{k}: {tuple(state_dict[k].shape)}, stage expects {full_shape(p, t.size)}"
+        for k, p in keys.items()
+        if tuple(state_dict[k].shape) != full_shape(p, t.size)
+    ]
     if wrong:
         raise ValueError("shape mismatch between the state dict and the stage: " + "; ".join(wrong))
     with torch.no_grad():
@@ -60,4 +63,3 @@ def stage_hf_state_dict(stage: LlamaStage, grads: bool = False) -> dict[str, tor
         local = p.detach() if not grads else (p.grad.detach() if p.grad is not None else torch.zeros_like(p))
         out[key] = gather(local, p, t).cpu().clone(memory_format=torch.contiguous_format)
     return out
-

@@ -19,7 +19,8 @@ after the step.
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -67,8 +68,10 @@ class LlamaPipeline:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if sequence_parallel and seq_len % state.tp_size:
-            raise ValueError(f"seq_len={seq_len} must be divisible by the tensor-parallel size {state.tp_size} "
-                             "under sequence parallel")
+            raise ValueError(
+                f"seq_len={seq_len} must be divisible by the tensor-parallel size {state.tp_size} "
+                "under sequence parallel"
+            )
         self.args, self.config, self.parallel_state = args, pipeline, state
         self.micro_batch_size, self.seq_len = micro_batch_size, seq_len
         self.cut: PipelineCut = cut_layers(
@@ -84,6 +87,7 @@ class LlamaPipeline:
             for k in self.stage_indices
         ]  # fmt: skip
         self.loss = PipelineLoss(state.tp, pipeline.loss_average, pipeline.micro_batches)
+        assert state.pp is not None  # a pipeline has a PP group
         self.torch_stages = [
             torch_stage(m, k, S, *self._example_io(m), state.pp.process_group, self.device)
             for k, m in zip(self.stage_indices, self.modules)
@@ -102,7 +106,7 @@ class LlamaPipeline:
         b, s, a = self.micro_batch_size, self.seq_len, self.args
         t, dtype = self.parallel_state.tp_size, stage.options.dtype
         local_s = s // t if stage.options.sequence_parallel else s
-        meta = dict(device="meta")
+        meta: dict[str, Any] = dict(device="meta")
         hidden = torch.empty(local_s, b, a.hidden_size, dtype=dtype, requires_grad=True, **meta)
         x = torch.empty(b, s, dtype=torch.long, **meta) if stage.is_first else hidden
         y = torch.empty(s, b, a.vocab_size // t, dtype=dtype, requires_grad=True, **meta) if stage.is_last else hidden
@@ -165,7 +169,7 @@ class LlamaPipeline:
         for _, p in self.named_parameters():
             yield p
 
-    def train(self, mode: bool = True) -> "LlamaPipeline":
+    def train(self, mode: bool = True) -> LlamaPipeline:
         for module in self.modules:
             module.train(mode)
         return self
@@ -183,8 +187,10 @@ class LlamaPipeline:
         mine = set(self.state_dict())
         if set(state_dict) != mine:
             missing, unexpected = sorted(mine - set(state_dict)), sorted(set(state_dict) - mine)
-            raise ValueError(f"LlamaPipeline.load_state_dict: stages {list(self.stage_indices)} miss {missing[:4]} "
-                             f"and do not hold {unexpected[:4]} (saved with another cut?)")
+            raise ValueError(
+                f"LlamaPipeline.load_state_dict: stages {list(self.stage_indices)} miss {missing[:4]} "
+                f"and do not hold {unexpected[:4]} (saved with another cut?)"
+            )
         for module in self.modules:
             module.load_state_dict({k: state_dict[k] for k in module.state_dict()})
 
@@ -195,8 +201,10 @@ class LlamaPipeline:
 
     def load_rng_state_dict(self, states: list[dict[str, Any]]) -> None:
         if len(states) != len(self.modules):
-            raise ValueError(f"LlamaPipeline.load_rng_state_dict: {len(states)} stages' streams, this rank holds "
-                             f"{len(self.modules)} stages")
+            raise ValueError(
+                f"LlamaPipeline.load_rng_state_dict: {len(states)} stages' streams, this rank holds "
+                f"{len(self.modules)} stages"
+            )
         for module, state in zip(self.modules, states):
             module.rng.default, module.rng.tp = state["default"], state["tp"]
 

@@ -73,10 +73,19 @@ class LlamaStage(torch.nn.Module):
         L = args.num_hidden_layers
         if not isinstance(layers, range) or layers.step != 1 or not 0 <= layers.start <= layers.stop <= L:
             raise ValueError(f"layers must be a range of consecutive layers within 0..{L}, got {layers!r}")
-        if not isinstance(num_stages, int) or num_stages < 1 or not isinstance(stage_index, int) \
-                or not 0 <= stage_index < num_stages:
+        if (
+            not isinstance(num_stages, int)
+            or num_stages < 1
+            or not isinstance(stage_index, int)
+            or not 0 <= stage_index < num_stages
+        ):
             raise ValueError(f"stage_index must be in 0..num_stages-1, got {stage_index!r} of {num_stages!r}")
-        self.options = options = LlamaOptions(sequence_parallel, attention_implementation, dtype, parallel_state)
+        self.options = options = LlamaOptions(
+            sequence_parallel,
+            attention_implementation,
+            dtype,
+            parallel_state,  # type: ignore[arg-type]  # None: resolved there
+        )
         self.layer_ids, self.stage_index, self.num_stages = layers, stage_index, num_stages
         state, sp = options.parallel_state, options.sequence_parallel
         init = normal_init(args.initializer_range)
@@ -101,7 +110,7 @@ class LlamaStage(torch.nn.Module):
         if self.tied_weight is not None and not (self.is_first and self.is_last):
             # Two stages hold these values (summed gradients, the same updates): a gradient norm
             # over the pipeline weighs each end 1/2 (neuron_ckpt.optim.buckets.stage_replicas).
-            self.tied_weight.pipeline_replicas = 2
+            self.tied_weight.pipeline_replicas = 2  # type: ignore[attr-defined]  # a marker torch does not declare
         self.rotary = RotaryEmbedding(args)
         self.rng = StageRNG(seed, stage_index, state.tp_rank)
 

@@ -22,7 +22,7 @@ layer indices (``"5.core_attn"``, ``"4"``, ``"4-5"``).
 from __future__ import annotations
 
 import re
-from typing import Sequence, Union
+from collections.abc import Sequence
 
 from ..recompute import RecomputeConfig, apply_recompute
 from ..recompute.config import validate_per_layer
@@ -30,8 +30,8 @@ from .llama_pipeline import LlamaPipeline
 from .llama_stage import LlamaStage
 from .schedule import recompute_conflict
 
-PerLayer = Sequence[Union[RecomputeConfig, None]]
-Plan = Union[RecomputeConfig, None, PerLayer, Sequence[Union[RecomputeConfig, None, PerLayer]]]
+PerLayer = Sequence[RecomputeConfig | None]
+Plan = RecomputeConfig | None | PerLayer | Sequence[RecomputeConfig | None | PerLayer]
 
 
 def apply_pipeline_recompute(pipeline: LlamaPipeline, plan: Plan, module_map=None) -> list[str]:

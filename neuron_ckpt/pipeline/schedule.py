@@ -23,7 +23,7 @@ peer stage then waits for a gradient that never comes, until the collective time
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch.distributed import pipelining
@@ -93,13 +93,20 @@ def check_recompute_composes(schedule: str, modules: Sequence[torch.nn.Module]) 
     for module in modules:
         for name, unit in module.named_modules():
             if isinstance(unit, Recompute):
-                reason = _DISCARDING.format(schedule=schedule, names=name) if unit.discard else \
-                    recompute_conflict(schedule, unit.config)
+                reason = (
+                    _DISCARDING.format(schedule=schedule, names=name)
+                    if unit.discard
+                    else recompute_conflict(schedule, unit.config)
+                )
                 if reason is not None:
                     raise ValueError(f"{name}: {reason}")
 
 
-_REENTRANT = ("schedule {schedule!r} takes input gradients with torch.autograd.grad, which the reentrant activation "
-              "checkpoint does not support: leave use_reentrant None/False and distribute_saved_activations off")
-_DISCARDING = ("schedule {schedule!r} backpropagates each micro-batch in two passes, which output-discarding recompute "
-               "({names}) does not support: recompute core_attn or mlp, or use Interleaved1F1B")
+_REENTRANT = (
+    "schedule {schedule!r} takes input gradients with torch.autograd.grad, which the reentrant activation "
+    "checkpoint does not support: leave use_reentrant None/False and distribute_saved_activations off"
+)
+_DISCARDING = (
+    "schedule {schedule!r} backpropagates each micro-batch in two passes, which output-discarding recompute "
+    "({names}) does not support: recompute core_attn or mlp, or use Interleaved1F1B"
+)

@@ -21,7 +21,7 @@ DP reduce-scatter.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -55,8 +55,10 @@ def all_reduce_tied_gradients(stages: Sequence[LlamaStage], parallel_state: Para
         return 0
     group = parallel_state.embedding
     if group is None:
-        raise ValueError("tied embeddings across stages need the embedding group: initialize_model_parallel("
-                         "pipeline_parallel_size=...) creates it")
+        raise ValueError(
+            "tied embeddings across stages need the embedding group: initialize_model_parallel("
+            "pipeline_parallel_size=...) creates it"
+        )
     for p in params:
         # A ZeRO-1 optimizer's fp32 buffer when it accumulates p's gradient (p.grad is None then).
         grad = gradient_holder(p)
@@ -73,5 +75,6 @@ def check_tied_weights(stages: Sequence[LlamaStage], parallel_state: ParallelSta
     if not params:
         return 0.0
     (p,) = params  # one end per rank: the first and last stage share a rank only when p = 1
+    assert parallel_state.embedding is not None  # this rank holds an end
     both = C.all_gather(p.detach().unsqueeze(0).contiguous(), 0, parallel_state.embedding)
     return float((both[0] - both[-1]).abs().max())

@@ -17,8 +17,8 @@ The contract for models is in :mod:`.apply`; the activation checkpoint function 
 
 from .activation_checkpoint import checkpoint
 from .apply import apply_recompute, remove_recompute
-from .discard import checkpoint_without_output, discard_outputs
 from .config import DENSE_MODULES, GRANULARITIES, METHODS, MODULES, PRESETS, RecomputeConfig
+from .discard import checkpoint_without_output, discard_outputs
 from .module import Recompute, run_layers, unwrapped
 from .module_map import DEFAULT_MODULE_MAP
 

@@ -52,11 +52,12 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import inspect
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
 import torch
-import torch._dynamo  # noqa: F401  see below
+import torch._dynamo  # imported here on purpose: see the comment below the imports
 from torch.utils import _pytree as pytree
 
 from ..distributed import collectives as C
@@ -145,7 +146,7 @@ class _RNGSnapshot:
     streams: TrackerSnapshot
 
     @staticmethod
-    def take() -> "_RNGSnapshot":
+    def take() -> _RNGSnapshot:
         return _RNGSnapshot(get_rng_state(), get_rng_tracker().snapshot())
 
     def restore(self) -> None:
@@ -297,7 +298,7 @@ class _Tree:
     spec: pytree.TreeSpec
 
     @staticmethod
-    def split(tree: Any) -> tuple[list[torch.Tensor], "_Tree"]:
+    def split(tree: Any) -> tuple[list[torch.Tensor], _Tree]:
         leaves, spec = pytree.tree_flatten(tree)
         is_tensor = [torch.is_tensor(v) for v in leaves]
         tensors = [v for v, t in zip(leaves, is_tensor) if t]
@@ -333,6 +334,7 @@ def _reentrant(function, modules, group, args: tuple, kwargs: dict) -> Any:
         tensors.append(torch.empty(0, requires_grad=True))
     call = _Call(function, modules, inputs, distributed, anchor)
     outputs = _CheckpointFunction.apply(call, *tensors)
+    assert call.outputs is not None  # the forward set them
     return call.outputs.fill(outputs)
 
 

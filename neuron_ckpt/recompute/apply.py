@@ -43,8 +43,8 @@ group) replaced by a :class:`~.module.Recompute` in every place the model holds 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Sequence, Union
 
 import torch
 
@@ -56,7 +56,7 @@ from .module import SEQUENCE_PARALLEL, DiscardScope, Recompute, unwrapped
 from .module_map import DISCARDING, Patterns, check_every_name_matched, resolve_module_map, selected_modules
 from .patch import unpatch
 
-Layers = Union[torch.nn.Module, Sequence[torch.nn.Module]]  # a model with .layers, or the layers
+Layers = torch.nn.Module | Sequence[torch.nn.Module]  # a model with .layers, or the layers
 _SCOPE = "_neuron_ckpt_discard_scope"  # on a layer with output-discarding units: its DiscardScope
 Modules = list[torch.nn.Module]
 
@@ -72,7 +72,7 @@ _SEQUENCE_PARALLEL_LAYERS = (
 
 def apply_recompute(
     model: Layers,
-    config: Union[RecomputeConfig, Sequence[RecomputeConfig | None], None],
+    config: RecomputeConfig | Sequence[RecomputeConfig | None] | None,
     module_map: Patterns | None = None,
     sequence_parallel: bool | None = None,
 ) -> list[str]:
@@ -106,7 +106,7 @@ def remove_recompute(model: Layers) -> None:
     """Undo :func:`apply_recompute` on ``model``: every :class:`~.module.Recompute` is replaced by
     the module it holds."""
     if hf.is_transformers_model(model):
-        hf.undo(model)
+        hf.undo(model)  # type: ignore[arg-type]  # a transformers model: a Module
     roots = [model] if isinstance(model, torch.nn.Module) else list(model)
     for root in roots:
         unpatch(map(unwrapped, root.modules()))
@@ -152,7 +152,7 @@ def _apply(root, layers: Modules, config, module_map, sequence_parallel: bool | 
     for unit in units:
         unit.install(slots)
     for layer in {id(u.layer): u.layer for u in units if u.discard}.values():
-        layer.__dict__[_SCOPE] = DiscardScope(layer)
+        layer.__dict__[_SCOPE] = DiscardScope(layer)  # type: ignore[arg-type]  # a discarding unit has its layer
     return [unit.name for unit in units]
 
 
@@ -190,11 +190,12 @@ class _Unit:
 
 # Units that are not a module replaced by a Recompute: the experts' activation (an act_fn module
 # and an _apply_gate method), MLA's up part (inside its attention's forward).
-_INSTALLERS = {"moe_act": moe.install_expert_act, "mla_up_proj": mla.install}
+_INSTALLERS: dict[str, Callable[..., None]] = {"moe_act": moe.install_expert_act, "mla_up_proj": mla.install}
 
 
-def _units(layers: Modules, config: RecomputeConfig, patterns: Patterns, matched: set[str], first: int = 0
-           ) -> list[_Unit]:
+def _units(
+    layers: Modules, config: RecomputeConfig, patterns: Patterns, matched: set[str], first: int = 0
+) -> list[_Unit]:
     """The units of ``config`` applied to ``layers`` (numbered from ``first``); the selective
     names that matched are added to ``matched``."""
     if config.granularity == "selective":
@@ -204,12 +205,20 @@ def _units(layers: Modules, config: RecomputeConfig, patterns: Patterns, matched
     return []
 
 
-def _selective(layers: Modules, config: RecomputeConfig, patterns: Patterns, matched: set[str], first: int
-               ) -> list[_Unit]:
+def _selective(
+    layers: Modules, config: RecomputeConfig, patterns: Patterns, matched: set[str], first: int
+) -> list[_Unit]:
     """Each layer's submodules named in ``config.modules``, one unit each."""
     return [
-        _Unit(f"{i}.{qualname}", (module,), config, replicated and config.distribute_saved_activations,
-              name in DISCARDING, layer, name)
+        _Unit(
+            f"{i}.{qualname}",
+            (module,),
+            config,
+            replicated and config.distribute_saved_activations,
+            name in DISCARDING,
+            layer,
+            name,
+        )
         for i, layer in enumerate(layers, start=first)
         for qualname, module, replicated, name in selected_modules(layer, i, config.modules, patterns, matched)
     ]
@@ -226,6 +235,7 @@ def _full_block(layers: Modules, config: RecomputeConfig, first: int) -> list[_U
 def _full_uniform(layers: Modules, config: RecomputeConfig, first: int) -> list[_Unit]:
     """Consecutive groups of ``num_layers`` layers (the last may be shorter), one unit each."""
     k = config.num_layers
+    assert k is not None  # full recompute always names it (RecomputeConfig checks)
     units = []
     for start in range(0, len(layers), k):
         group = tuple(layers[start : start + k])
@@ -234,8 +244,9 @@ def _full_uniform(layers: Modules, config: RecomputeConfig, first: int) -> list[
     return units
 
 
-def _per_layer(layers: Modules, configs: Sequence[RecomputeConfig | None], patterns: Patterns, matched: set[str]
-               ) -> list[_Unit]:
+def _per_layer(
+    layers: Modules, configs: Sequence[RecomputeConfig | None], patterns: Patterns, matched: set[str]
+) -> list[_Unit]:
     """A per-layer list: each entry applied to its own layer by the strategies above."""
     return [
         unit
@@ -253,9 +264,9 @@ def _as_layer_list(model: Layers) -> Modules:
     layers = model
     if isinstance(model, torch.nn.Module) and not isinstance(model, (torch.nn.ModuleList, torch.nn.Sequential)):
         try:
-            layers = model.layers
+            layers = model.layers  # type: ignore[assignment]  # a ModuleList or ModuleDict
         except AttributeError:
-            layers = None
+            layers = None  # type: ignore[assignment]  # refused just below
         if isinstance(layers, torch.nn.ModuleDict):  # a pipeline stage's layers, keyed by global index
             layers = list(layers.values())
         if not isinstance(layers, (torch.nn.ModuleList, list, tuple)):
@@ -263,7 +274,7 @@ def _as_layer_list(model: Layers) -> Modules:
                 f"layers must be an nn.ModuleList, a sequence of modules or a module with a .layers "
                 f"attribute; got {type(model).__name__} without .layers"
             )
-    layers = [unwrapped(layer) for layer in layers]
+    layers = [unwrapped(layer) for layer in layers]  # type: ignore[union-attr]  # a sequence by now
     for i, layer in enumerate(layers):
         if not isinstance(layer, torch.nn.Module):
             raise TypeError(f"layers[{i}] must be an nn.Module, got {type(layer).__name__}")

@@ -21,8 +21,8 @@ A model may also take one entry per layer (``list[RecomputeConfig | None]``, che
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 GRANULARITIES = (None, "selective", "full")
 METHODS = ("uniform", "block")
@@ -100,9 +100,7 @@ class RecomputeConfig:
         ):
             raise ValueError(f"num_layers must be a positive int, got {self.num_layers!r}")
         if not isinstance(self.distribute_saved_activations, bool):
-            raise ValueError(
-                f"distribute_saved_activations must be a bool, got {self.distribute_saved_activations!r}"
-            )
+            raise ValueError(f"distribute_saved_activations must be a bool, got {self.distribute_saved_activations!r}")
         if self.use_reentrant is not None and not isinstance(self.use_reentrant, bool):
             raise ValueError(f"use_reentrant must be None, True or False, got {self.use_reentrant!r}")
 
@@ -141,7 +139,7 @@ class RecomputeConfig:
             )
 
     @classmethod
-    def preset(cls, name: str, distribute_saved_activations: bool = False) -> "RecomputeConfig":
+    def preset(cls, name: str, distribute_saved_activations: bool = False) -> RecomputeConfig:
         """The config of a layer that recomputes as ``name`` (one of :data:`PRESETS`).
 
         ``"none"``: nothing (``RecomputeConfig()``). ``"selective"``: core attention.
@@ -177,7 +175,7 @@ class RecomputeConfig:
         """The checks that need the model: call before any training work (apply does)."""
         if not isinstance(num_layers_in_model, int) or num_layers_in_model < 1:
             raise ValueError(f"num_layers_in_model must be a positive int, got {num_layers_in_model!r}")
-        if self.granularity == "full" and self.num_layers > num_layers_in_model:
+        if self.granularity == "full" and self.num_layers is not None and self.num_layers > num_layers_in_model:
             raise ValueError(
                 f"num_layers={self.num_layers} is larger than the {num_layers_in_model} layers of the "
                 f"stack; choose 1..{num_layers_in_model}"

@@ -26,8 +26,8 @@ as if the block had none of its own; ``function``'s inputs are kept through thos
 Correct whatever else reads the output: an op that reads it in the forward (a residual add) reads
 the real tensor; one that keeps it outside the block keeps the real tensor (then nothing is
 saved, and nothing is wrong); one that keeps it after it was written in place keeps the real
-tensor too (the rerun would give the value before the write). Gradients are bit-identical to running ``function`` plainly:
-the rerun computes the same values (same ops, same RNG draws).
+tensor too (the rerun would give the value before the write). Gradients are bit-identical to
+running ``function`` plainly: the rerun computes the same values (same ops, same RNG draws).
 
 Where it turns itself off and ``function`` runs plainly: without grad; inside an activation
 checkpoint's forward or rerun (the enclosing checkpoint keeps nothing of the block already);
@@ -45,8 +45,9 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
@@ -54,8 +55,8 @@ from torch.utils import _pytree as pytree
 from ..distributed import runtime
 from ..distributed.parallel_state import Group
 from .activation_checkpoint import (
-    DISCARD_SCOPE,
     _NO_DOUBLE_BACKWARD,
+    DISCARD_SCOPE,
     _autocast,
     _autocast_state,
     _distributed_group,
@@ -114,8 +115,7 @@ class discard_outputs:
 
     def __enter__(self) -> discard_outputs:
         hooks = None
-        if (not torch.is_grad_enabled() or inside_checkpoint() or torch.compiler.is_compiling()
-                or _SCOPE.get() is _OFF):
+        if not torch.is_grad_enabled() or inside_checkpoint() or torch.compiler.is_compiling() or _SCOPE.get() is _OFF:
             scope: Any = _OFF
         else:
             # The hooks active outside the block, to pass everything else on to. torch has no
@@ -153,7 +153,7 @@ class _Note:
 
     call: _Call
     index: int
-    geometry: tuple[torch.Size, tuple[int, ...], int] | None  # None: the output root itself
+    geometry: tuple[torch.Size, tuple[int, ...], int | torch.SymInt] | None  # None: the output root itself
     view: Callable[[torch.Tensor], torch.Tensor] | None = None  # on XLA: replays the view on a root
 
     def tensor(self) -> torch.Tensor:
@@ -179,6 +179,7 @@ class _Scope:
         for index, out in enumerate(outputs):
             root = _root(out)
             self.roots[id(root)] = (root, call, index, root._version)
+        assert call.outputs is not None  # the forward set them
         return call.outputs.fill(outputs)
 
     def pack(self, t: torch.Tensor) -> Any:
@@ -190,9 +191,10 @@ class _Scope:
                 # offset) describes the view: its view chain is replayed on the recomputed root
                 # (Tensor._view_func, private: torch's only replay of a view chain onto another
                 # base). Keeping ``t`` costs nothing there: the graph reads the rerun, not t.
-                return _Note(call, index, None, t._view_func)
-            same = t is root or (t.size() == root.size() and t.stride() == root.stride()
-                                 and t.storage_offset() == root.storage_offset())
+                return _Note(call, index, None, t._view_func)  # type: ignore[attr-defined]  # private: see above
+            same = t is root or (
+                t.size() == root.size() and t.stride() == root.stride() and t.storage_offset() == root.storage_offset()
+            )
             return _Note(call, index, None if same else (t.size(), t.stride(), t.storage_offset()))
         return self.outer[0](t) if self.outer is not None else t
 
@@ -246,9 +248,12 @@ class _Call:
         self.node = weakref.ref(ctx)
 
     def rerun(self, grads: Sequence[torch.Tensor] = ()) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        # Set by keep_inputs and forward, which run before any rerun.
+        assert self.node is not None and self.rng is not None
         inputs = list(self.node().saved_tensors)
         if self.distributed is not None:
             k, shape = self.distributed
+            assert self.group is not None  # distributed only over a group
             inputs[k] = _gather_slices(inputs[k], shape, self.group)
         if runtime.is_xla():
             _xla_barrier([*inputs, *grads], self.modules)
@@ -331,15 +336,19 @@ class _DiscardFunction(torch.autograd.Function):
         if torch.is_grad_enabled():  # the engine enables grad in backward only for create_graph=True
             raise RuntimeError(_NO_DOUBLE_BACKWARD)
         call = ctx.call
-        inputs, outputs = call.recomputed if call.recomputed is not None else call.rerun(
-            [g for g in grads if g is not None])
+        inputs, outputs = (
+            call.recomputed if call.recomputed is not None else call.rerun([g for g in grads if g is not None])
+        )
         call.recomputed = None  # a retain_graph backward recomputes again
         params = [p for m in call.modules for p in m.parameters() if p.requires_grad]
         wanted = [t for t in inputs if t.requires_grad] + params
         pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None and o.requires_grad]
         with _hooks_held(params):
-            got = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True)
-                       if pairs and wanted else [None] * len(wanted))
+            got = iter(
+                torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True)
+                if pairs and wanted
+                else [None] * len(wanted)
+            )
         input_grads = [next(got) if t.requires_grad else None for t in inputs]
         param_grads = [next(got) for _ in params]
         return (None, None, *input_grads, *param_grads)

@@ -27,7 +27,8 @@ import functools
 import inspect
 import sys
 import warnings
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -53,7 +54,7 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
     layers: list[torch.nn.Module] = []
     for module in map(unwrapped, model.modules()):
-        if isinstance(module, GradientCheckpointingLayer) and not any(module in set(l.modules()) for l in layers):
+        if isinstance(module, GradientCheckpointingLayer) and not any(module in set(held.modules()) for held in layers):
             layers.append(module)
     if not layers:
         raise TypeError(
@@ -105,9 +106,9 @@ def prepare(model, config, module_map, sequence_parallel: bool | None):
 
 def undo(model: torch.nn.Module) -> None:
     """Undo what ``finish`` did: the attention implementation, the marks, the cache hook."""
-    name = model.config._attn_implementation
+    name = model.config._attn_implementation  # type: ignore[union-attr]  # torch types a module's attributes as Tensor | Module
     if isinstance(name, str) and name.startswith(PREFIX):
-        model.set_attn_implementation(name.removeprefix(PREFIX))
+        model.set_attn_implementation(name.removeprefix(PREFIX))  # type: ignore[operator]  # torch types a module's attributes as Tensor | Module
     for m in model.modules():
         m.__dict__.pop(_MARK, None)
         handle = m.__dict__.pop(_HOOK, None)
@@ -150,7 +151,7 @@ def _use_checkpointed_attention(model) -> None:
     if name not in AttentionInterface._global_mapping:  # register once per wrapped implementation
         AttentionInterface.register(name, functools.partial(_core_attention, inner))
         if inner in AttentionMaskInterface._global_mapping:  # the same mask as the wrapped one
-            AttentionMaskInterface.register(name, AttentionMaskInterface._global_mapping[inner])
+            AttentionMaskInterface.register(name, AttentionMaskInterface._global_mapping[inner])  # type: ignore[arg-type]  # functools.partial is a callable
     model.set_attn_implementation(name)
     if model.config._attn_implementation != name:  # prepare checked that it can be set
         raise RuntimeError(f"{type(model).__name__}.set_attn_implementation({name!r}) did not set it")
@@ -183,7 +184,10 @@ class _CacheOffInTraining:
         use_cache = args[self.index] if positional else kwargs.get("use_cache")
         if use_cache or (use_cache is None and getattr(model.config, "use_cache", False)):
             if not self.warned:
-                warnings.warn("use_cache=True is incompatible with recompute in training; setting use_cache=False")
+                # stacklevel 1 (this hook): above it is torch's module call machinery, not the caller.
+                warnings.warn(
+                    "use_cache=True is incompatible with recompute in training; setting use_cache=False", stacklevel=1
+                )
                 self.warned = True
         if positional:
             args = (*args[: self.index], False, *args[self.index + 1 :])
@@ -199,5 +203,5 @@ def _disable_cache_in_training(model: torch.nn.Module, layers: Sequence[torch.nn
     for m in model.modules():
         if isinstance(m, PreTrainedModel):
             owners.update({id(unwrapped(sub)): m for sub in m.modules()})
-    for owner in {id(owners[id(l)]): owners[id(l)] for l in layers}.values():
+    for owner in {id(owners[id(layer)]): owners[id(layer)] for layer in layers}.values():
         owner.__dict__[_HOOK] = owner.register_forward_pre_hook(_CacheOffInTraining(owner), with_kwargs=True)

@@ -26,7 +26,8 @@ from __future__ import annotations
 import contextvars
 import functools
 import sys
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any, cast
 
 import torch
 
@@ -63,7 +64,11 @@ class Recompute(torch.nn.Module):
     ops after it, inside the :class:`~.discard.discard_outputs` block of its layer)."""
 
     def __init__(
-        self, module: torch.nn.Module, config: RecomputeConfig, distribute: bool = False, span: int = 1,
+        self,
+        module: torch.nn.Module,
+        config: RecomputeConfig,
+        distribute: bool = False,
+        span: int = 1,
         discard: bool = False,
     ):
         super().__init__()
@@ -107,7 +112,7 @@ class Recompute(torch.nn.Module):
                 raise
             return getattr(module, name)
 
-    def train(self, mode: bool = True) -> "Recompute":
+    def train(self, mode: bool = True) -> Recompute:
         self.module.training = mode
         return super().train(mode)
 
@@ -163,7 +168,9 @@ def unwrapped(module: torch.nn.Module) -> torch.nn.Module:
     return module.module if isinstance(module, Recompute) else module
 
 
-def run_layers(layers: Sequence[torch.nn.Module], hidden_states: Any, *args: Any, **kwargs: Any) -> Any:
+def run_layers(
+    layers: Sequence[torch.nn.Module] | torch.nn.ModuleList, hidden_states: Any, *args: Any, **kwargs: Any
+) -> Any:
     """``for layer in layers: hidden_states = layer(hidden_states, *args, **kwargs)``, running each
     group set up by full ``uniform`` recompute (a :class:`Recompute` with ``span > 1`` and the
     layers after it) as one activation checkpoint."""
@@ -173,7 +180,7 @@ def run_layers(layers: Sequence[torch.nn.Module], hidden_states: Any, *args: Any
         span = layer.span if isinstance(layer, Recompute) else 1
         if span > 1:
             group = list(layers[i : i + span])
-            c = layer.config
+            c = cast(Recompute, layer).config  # span > 1: a Recompute
             hidden_states = checkpoint(
                 functools.partial(_run_group, group), hidden_states, *args, fence=[unwrapped(g) for g in group],
                 use_reentrant=c.use_reentrant, distribute_saved_activations=c.distribute_saved_activations, **kwargs,

@@ -19,18 +19,18 @@ an error, since wrapping a forward that is never called would recompute nothing.
 
 from __future__ import annotations
 
-from typing import Any, Sequence, Union
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
-from . import mla, moe
-from .module import unwrapped
-
 from ..parallel.attention import CoreAttention
 from ..parallel.norms import LayerNorm, RMSNorm
+from . import mla, moe
 from .config import MODULE_ALIASES, MODULES
+from .module import unwrapped
 
-Pattern = Union[str, type, tuple]
+Pattern = str | type | tuple
 Patterns = dict[str, Pattern]
 
 DEFAULT_MODULE_MAP: dict[str, Pattern] = {

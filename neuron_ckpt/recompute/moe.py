@@ -64,12 +64,13 @@ def routers(module: torch.nn.Module) -> list[torch.nn.Module]:
     found = []
     for m in unwrapped(module).modules():
         if is_moe_block(m):
-            found += [unwrapped(m._modules[n]) for n in ROUTER_NAMES if m._modules.get(n) is not None]
+            found += [unwrapped(m._modules[n]) for n in ROUTER_NAMES if m._modules.get(n) is not None]  # type: ignore[arg-type]  # _modules maps names to Module | None; this one is set
     return found
 
 
-def wrapper(module: torch.nn.Module, config: RecomputeConfig, distribute: bool, span: int, discard: bool,
-            kind: str | None) -> Recompute:
+def wrapper(
+    module: torch.nn.Module, config: RecomputeConfig, distribute: bool, span: int, discard: bool, kind: str | None
+) -> Recompute:
     """The :class:`~.module.Recompute` for one unit: routed where the module is or holds an MoE block."""
     if span == 1 and not discard and (kind == "moe" or holds_moe_block(module)):
         return RoutedRecompute(module, config, distribute, copy_input=kind == "moe" or is_moe_block(module))
@@ -81,8 +82,9 @@ class RoutedRecompute(Recompute):
     layer under full recompute): routing replayed, router outputs differentiable (module
     docstring). ``copy_input``: run the module on a copy of its first argument."""
 
-    def __init__(self, module: torch.nn.Module, config: RecomputeConfig, distribute: bool = False,
-                 copy_input: bool = False):
+    def __init__(
+        self, module: torch.nn.Module, config: RecomputeConfig, distribute: bool = False, copy_input: bool = False
+    ):
         super().__init__(module, config, distribute)
         self.copy_input = copy_input
 
@@ -143,8 +145,9 @@ def check_experts(module: torch.nn.Module, index: int, qualname: str) -> None:
         )
 
 
-def install_expert_act(experts: torch.nn.Module, config: RecomputeConfig,
-                       slots: dict[int, list[tuple[torch.nn.Module, str]]]) -> None:
+def install_expert_act(
+    experts: torch.nn.Module, config: RecomputeConfig, slots: dict[int, list[tuple[torch.nn.Module, str]]]
+) -> None:
     """Discard the output of ``experts._apply_gate`` (grouped_mm, batched_mm) and of
     ``experts.act_fn`` (the eager loop's ``act_fn(gate) * up``)."""
     act = experts._modules.get("act_fn")
@@ -165,7 +168,7 @@ class _DiscardedGate:
         self.experts = experts
 
     def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
-        gate = type(self.experts)._apply_gate.__get__(self.experts)
+        gate = type(self.experts)._apply_gate.__get__(self.experts)  # type: ignore[attr-defined]  # torch types a module's attributes as Tensor | Module
         return checkpoint_without_output(gate, gate_up)
 
 

@@ -42,7 +42,7 @@ class RoutingReplay(TorchFunctionMode):
         self._recording: list[torch.Tensor] = []
         self._next = 0
 
-    def __enter__(self) -> "RoutingReplay":
+    def __enter__(self) -> RoutingReplay:
         self._recording, self._next = [], 0
         return super().__enter__()
 
@@ -62,8 +62,10 @@ class RoutingReplay(TorchFunctionMode):
             return result
         return self._replay(*args, **kwargs)
 
-    def _replay(self, input: torch.Tensor, k: int, dim: int = -1, largest: bool = True, sorted: bool = True,
-                *, out: Any = None) -> Any:
+    def _replay(
+        self, input: torch.Tensor, k: int, dim: int = -1, largest: bool = True, sorted: bool = True, *, out: Any = None
+    ) -> Any:
+        assert self.recorded is not None  # replaying: the first run recorded
         if self._next >= len(self.recorded):
             raise RuntimeError(
                 f"routing replay: the rerun calls topk {self._next + 1} times, the forward called it "

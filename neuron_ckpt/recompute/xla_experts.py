@@ -29,7 +29,7 @@ def check_experts_implementation(model: torch.nn.Module) -> None:
     for name, block in model.named_modules():
         if not is_moe_block(block):
             continue
-        experts = unwrapped(unwrapped(block)._modules["experts"])
+        experts = unwrapped(unwrapped(block)._modules["experts"])  # type: ignore[arg-type]  # _modules maps names to Module | None; this one is set
         if getattr(getattr(experts, "config", None), "_experts_implementation", None) == "grouped_mm":
             raise ValueError(
                 f"{name}.experts ({type(experts).__name__}) runs transformers' experts implementation "

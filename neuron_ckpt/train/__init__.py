@@ -3,7 +3,15 @@
 from .checkpoint import CheckpointManager, SaveReport
 from .faults import CollectiveTimeoutError, Interrupted, NonFiniteError
 from .loop import FitOptions, SavePolicy, fit, train_step
-from .metrics import PEAK_TFLOPS, MetricsWriter, StepRecord, detect_device_kind, device_peak_bytes, peak_tflops, read_metrics
+from .metrics import (
+    PEAK_TFLOPS,
+    MetricsWriter,
+    StepRecord,
+    detect_device_kind,
+    device_peak_bytes,
+    peak_tflops,
+    read_metrics,
+)
 from .recipes import RECIPES, Recipe, param_groups
 from .schedule import LRSchedule
 from .state import TrainState

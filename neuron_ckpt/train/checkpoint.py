@@ -20,7 +20,9 @@ dict names (a standard safetensors state dict); every rank reads those of its ow
 whatever its DP rank. Everything else is the rank's own. :mod:`~neuron_ckpt.train.tensor_files`
 says how tensors are grouped (one group of at most ``chunk_mb`` on the host at a time while
 writing), named and checked; :mod:`~neuron_ckpt.train.rounds` how ranks take turns writing and
-reading (``writers`` per host) and how one rank's failure fails every rank.
+reading (``writers`` per host) and how one rank's failure fails every rank;
+:mod:`~.checkpoint_commit` the atomic commit and the pruning below; :mod:`~.checkpoint_read` the
+names, the format and the readers.
 
 A save never leaves something that looks complete but is not: every rank writes into
 ``.tmp_step_...``, all ranks agree that every write succeeded, then rank 0 checks that every
@@ -51,39 +53,27 @@ dict).
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import shutil
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from ..distributed.host import agree, all_max
+from .checkpoint_commit import commit, prune
+from .checkpoint_read import FORMAT, FORMAT_VERSION, LATEST, complete, load_rank_state, rank_prefix, read_meta
+from .placement import Placement
 from .rounds import DEFAULT_WRITERS, WriterRounds
-from ..files import fsync_dir, write_atomic
-from .placement import Placement, saved
-from .tensor_files import group_files, join, read_structure, read_tensors, split, write_structure, write_tensors
+from .tensor_files import split, write_structure, write_tensors
 
-LATEST = "latest"
-_STEP_DIR = re.compile(r"^step_(\d{8,})$")
-_DELETING = ".deleting_"
-_FORMAT_NAME = "neuron_ckpt.train.checkpoint"
-FORMAT_VERSION = 2
-FORMAT = f"{_FORMAT_NAME}/{FORMAT_VERSION}"
+__all__ = ["DEFAULT_CHUNK_MB", "FORMAT", "FORMAT_VERSION", "LATEST", "CheckpointManager", "SaveReport", "rank_prefix"]
+
 DEFAULT_CHUNK_MB = 256.0
-
-
-def _step_of(path: Path) -> int:
-    return int(_STEP_DIR.match(path.name).group(1))
-
-
-def rank_prefix(rank: int) -> str:
-    return f"rank_{rank:05d}"
 
 
 def _human(n: float) -> str:
@@ -157,7 +147,12 @@ class CheckpointManager:
                     "model parallel state): it decides which rank writes the model files of each TP rank"
                 ) from None
         self.place = place = Placement.of(parallel_state) if parallel_state is not None else Placement()
-        self.tp_rank, self.tp_size, self.dp_rank, self.dp_size = place.tp_rank, place.tp_size, place.dp_rank, place.dp_size
+        self.tp_rank, self.tp_size, self.dp_rank, self.dp_size = (
+            place.tp_rank,
+            place.tp_size,
+            place.dp_rank,
+            place.dp_size,
+        )
         if place.world_size != world_size:
             pp = f" x PP {place.pp_size}" if place.pp_size > 1 else ""
             raise ValueError(f"TP {self.tp_size} x DP {self.dp_size}{pp} != world size {world_size}")
@@ -176,10 +171,7 @@ class CheckpointManager:
 
         Temporary (``.tmp_step_...``) and half-removed (``.deleting_step_...``) directories are
         not listed."""
-        if not self.directory.is_dir():
-            return []
-        found = [p for p in self.directory.iterdir() if _STEP_DIR.match(p.name) and (p / "meta.json").is_file()]
-        return sorted(found, key=_step_of)
+        return complete(self.directory)
 
     def check_fresh_start(self) -> None:
         """A collective: refuse (ValueError, on every rank) to start a new run here when the
@@ -217,7 +209,7 @@ class CheckpointManager:
         name = f"step_{step:08d}"
         final, tmp = self.directory / name, self.directory / f".tmp_{name}"
         shared = [k for k in self.shared_keys if k in rank_state]
-        error = None
+        error: BaseException | None = None
         if self.rank == 0:
             try:
                 self.directory.mkdir(parents=True, exist_ok=True)
@@ -229,13 +221,16 @@ class CheckpointManager:
 
         def write() -> None:
             info = self.place.info(self.rank)
-            structure, own = {}, {}
+            structure: dict[str, Any] = {}
+            own: dict[str, torch.Tensor] = {}
             for key, value in rank_state.items():
                 if key in shared:
                     tensors: dict[str, torch.Tensor] = {}
                     structure[key] = split(value, "", tensors)  # the state dict's own names
                     if self.place.writes_shared:
-                        write_tensors(tmp, self.place.shared_prefix(key), tensors, {"key": key, **info}, self.chunk_bytes)
+                        write_tensors(
+                            tmp, self.place.shared_prefix(key), tensors, {"key": key, **info}, self.chunk_bytes
+                        )
                 else:
                     structure[key] = split(value, str(key), own)
             write_tensors(tmp, rank_prefix(self.rank), own, info, self.chunk_bytes)
@@ -258,83 +253,15 @@ class CheckpointManager:
             self.log(report.describe())
         return final
 
-    def _commit(self, tmp: Path, final: Path, step: int, meta: dict[str, Any], shared: list[str], report: SaveReport) -> None:
-        names = {p.name for p in tmp.iterdir()}
-        prefixes = [rank_prefix(r) for r in range(self.world_size)]
-        shared_prefixes = {key: self.place.shared_prefixes(key) for key in shared}
-        groups = {p: group_files(names, p) for p in prefixes + [p for ps in shared_prefixes.values() for p in ps]}
-        missing = [f"{p}-*.safetensors" for p, files in groups.items() if files is None]
-        expected = [f for files in groups.values() for f in files or ()] + [f"{p}.pt" for p in prefixes]
-        missing += [f for f in expected if f"{f}.sha256" not in names]
-        if missing:
-            raise RuntimeError(f"checkpoint {tmp}: {len(missing)} files not written: {', '.join(missing[:8])}")
-        files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}
-        full_meta = {
-            "format": FORMAT, "step": step, "world_size": self.world_size, **self.place.meta(), **meta,
-            "shared": shared_prefixes, "groups": groups, "files": files,
-        }  # fmt: skip
-        write_atomic(tmp / "meta.json", json.dumps(full_meta, indent=1).encode())
-        fsync_dir(tmp)
-        replaced = None
-        if final.exists():  # the same step saved again (e.g. after a resume): replace it
-            replaced = self._rename_away(final)
-        os.replace(tmp, final)
-        write_atomic(self.directory / LATEST, final.name.encode())
-        fsync_dir(self.directory)
-        if replaced is not None:
-            shutil.rmtree(replaced, ignore_errors=True)
-        self._prune(final.name)
-        model_files = [f for ps in shared_prefixes.values() for p in ps for f in groups[p]]
-        report.total_bytes = sum(files.values()) + (final / "meta.json").stat().st_size
-        report.shared_bytes = sum(files[f] + files[f + ".sha256"] for f in model_files)
-        report.files = len(files) + 1
-
-    def _rename_away(self, path: Path) -> Path:
-        """Rename ``path`` to ``.deleting_<name>`` (atomic): from here on no reader sees it."""
-        away = self.directory / f"{_DELETING}{path.name}"
-        if away.exists():
-            shutil.rmtree(away)
-        os.replace(path, away)
-        fsync_dir(self.directory)
-        return away
-
-    def _remove(self, path: Path) -> None:
-        """Delete a checkpoint: renamed away first, so a kill part-way never leaves a ``step_...``
-        directory that has ``meta.json`` but not all of its files."""
-        shutil.rmtree(self._rename_away(path), ignore_errors=True)
+    def _commit(
+        self, tmp: Path, final: Path, step: int, meta: dict[str, Any], shared: list[str], report: SaveReport
+    ) -> None:
+        args = (self.directory, tmp, final, step, self.world_size, self.place, meta, shared, self._prune)
+        report.total_bytes, report.shared_bytes, report.files = commit(*args)
 
     def _prune(self, just_saved: str) -> None:
-        """Delete checkpoints beyond the newest ``keep_last`` (rank 0, after a save).
-
-        Newest: this manager's saves (in the order saved, ``just_saved`` last), then the others by
-        step. Others with a step above ``just_saved``'s are another run's later state: kept, not
-        counted. Leftovers of an interrupted removal (``.deleting_step_...``) are deleted here.
-        A failure to delete is reported (``log``), not raised: the checkpoint is already saved.
-        """
-        try:
-            for leftover in self.directory.glob(f"{_DELETING}step_*"):
-                shutil.rmtree(leftover, ignore_errors=True)
-            mine = [n for n in self.saved if n != just_saved and (self.directory / n / "meta.json").is_file()]
-            mine.append(just_saved)
-            step = _step_of(Path(just_saved))
-            others = [p.name for p in self.complete() if p.name not in mine]
-            older = [n for n in others if _step_of(Path(n)) < step]
-            later = [n for n in others if _step_of(Path(n)) > step and n not in self._reported]
-            ranked = older + mine  # oldest first
-            for name in ranked[: max(0, len(ranked) - self.keep_last)]:
-                if name != just_saved and (self.directory / name).is_dir():
-                    self._remove(self.directory / name)
-            self._reported.update(later)
-            if later and self.log is not None:
-                self.log(
-                    f"keeping {', '.join(later)} under {self.directory}: later steps than {just_saved}, "
-                    "written by another run (not pruned; delete them yourself if they are not wanted)"
-                )
-        except OSError as e:
-            if self.log is not None:
-                self.log(f"pruning old checkpoints under {self.directory} failed: {e}")
-            else:
-                warnings.warn(f"pruning old checkpoints under {self.directory} failed: {e}", stacklevel=2)
+        """Delete checkpoints beyond the newest ``keep_last`` (:func:`~.checkpoint_commit.prune`)."""
+        prune(self.directory, self.saved, just_saved, self.keep_last, self._reported, self.log)
 
     def resolve(self, which: str) -> Path | None:
         """``"latest"`` -> the checkpoint ``latest`` names (None if there is no checkpoint yet);
@@ -379,23 +306,7 @@ class CheckpointManager:
 
     def read_meta(self, path: Path) -> dict[str, Any]:
         """``meta.json`` of the checkpoint at ``path``, refused unless it is this format."""
-        try:
-            meta = json.loads((path / "meta.json").read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ValueError(f"{path / 'meta.json'}: unreadable checkpoint metadata ({e})") from None
-        got = meta.get("format") if isinstance(meta, dict) else meta
-        if got == FORMAT:
-            return meta
-        if isinstance(got, str) and got.startswith(_FORMAT_NAME + "/"):
-            raise ValueError(
-                f"{path / 'meta.json'}: checkpoint format {got!r}, but this version of neuron_ckpt reads "
-                f"{FORMAT!r} only (format 1 stored the whole model slice in every rank's file; format 2 "
-                "stores it once per TP rank, in model_tp*.safetensors). Continue that run with the "
-                "neuron_ckpt version that wrote it, or export its weights there (train.py --export-hf "
-                "hf_weights/ --max-steps <its step> --resume <it>) and start from them here with "
-                "--init-hf hf_weights/ (optimizer state starts fresh)."
-            )
-        raise ValueError(f"{path / 'meta.json'}: format must be {FORMAT!r}, got {got!r}")
+        return read_meta(path)
 
     def load(self, path: Path, expect: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         """``(rank_state, meta)`` of this rank; ``expect`` fields (tp_size, dp_size, ...) must match meta.
@@ -403,36 +314,7 @@ class CheckpointManager:
         ``rank_state`` has this rank's own entries and the shared ones (the model) from the files of
         this rank's TP rank. Not a collective; :meth:`restore` reads in writer rounds.
         """
-        meta = self.read_meta(path)
-        expect = {"world_size": self.world_size, **expect}
-        diffs = {k: (saved(meta, k), v) for k, v in expect.items() if saved(meta, k) != v}
-        if diffs:
-            said = ", ".join(f"{k}: checkpoint {a!r}, this run {b!r}" for k, (a, b) in diffs.items())
-            raise ValueError(
-                f"cannot resume from {path}: {said}. A sharded checkpoint holds per-rank tensor-parallel "
-                "weight slices (of its pipeline stage) and ZeRO-1 optimizer slices, so it loads only at the layout "
-                "it was saved with. To change the layout, export the weights at the old layout (train.py --export-hf "
-                "hf_weights/ --max-steps <the checkpoint's step> --resume latest) and start the new run "
-                "from them with --init-hf hf_weights/ (optimizer state starts fresh)."
-            )
-
-        def tensors_of(prefix: str) -> dict[str, torch.Tensor]:
-            files = meta.get("groups", {}).get(prefix)
-            if not files:
-                raise ValueError(f"{path / 'meta.json'}: no files listed for {prefix!r}")
-            return read_tensors(path, files)
-
-        structure_file = path / f"{rank_prefix(self.rank)}.pt"
-        structure = read_structure(structure_file)
-        own = tensors_of(rank_prefix(self.rank))
-        rank_state = {}
-        for key, value in structure.items():
-            if key in meta["shared"]:
-                prefix = self.place.shared_prefix(key)
-                rank_state[key] = join(value, tensors_of(prefix), path / f"{prefix}-*.safetensors")
-            else:
-                rank_state[key] = join(value, own, structure_file)
-        return rank_state, meta
+        return load_rank_state(path, self.rank, self.world_size, self.place, expect)
 
     def restore(self, path: Path, expect: dict[str, Any], apply: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
         """A collective: :meth:`load` this rank's state and ``apply(rank_state)`` it, in writer rounds
@@ -445,4 +327,3 @@ class CheckpointManager:
 
         self._rounds.run(read, f"restoring checkpoint {path}")
         return out["meta"]
-

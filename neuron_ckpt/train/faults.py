@@ -134,8 +134,14 @@ def is_collective_failure(error: BaseException) -> bool:
     if isinstance(error, getattr(dist, "DistError", ())):
         return True
     text = str(error)
-    needles = ("Timed out", "timed out", "Application timeout", "Connection closed by peer",
-               "Connection reset by peer", "Broken pipe")  # the last ones: a peer that gave up first
+    needles = (
+        "Timed out",
+        "timed out",
+        "Application timeout",
+        "Connection closed by peer",
+        "Connection reset by peer",
+        "Broken pipe",
+    )  # the last ones: a peer that gave up first
     return isinstance(error, RuntimeError) and any(n in text for n in needles)
 
 
@@ -151,7 +157,7 @@ class StopSignals:
         self._first_at = 0.0
         self._previous: dict[int, Any] = {}
 
-    def __enter__(self) -> "StopSignals":
+    def __enter__(self) -> StopSignals:
         if threading.current_thread() is not threading.main_thread():
             return self  # signal.signal works in the main thread only; this fit cannot be signalled
         for s in self.signals:
@@ -214,7 +220,8 @@ class Coordinator:
         if timeout_s is None:
             timeout_s = runtime.collective_timeout_s()
         if timeout_s is None and self.store is not None:
-            timeout_s = self.store.timeout.total_seconds()  # the store shares init's timeout
+            # The store shares init's timeout. Store.timeout / .append exist in torch, not in its stubs.
+            timeout_s = self.store.timeout.total_seconds()  # type: ignore[attr-defined]  # see above
         self.timeout_s = timeout_s
         self.grace_s = min(60.0, max(3.0, 0.05 * (timeout_s or 0.0)))
 
@@ -226,19 +233,19 @@ class Coordinator:
     def diagnose(self, step: int, error: BaseException) -> CollectiveTimeoutError:
         """After a collective failed in ``step`` on this rank: which ranks stopped answering."""
         text = str(error).strip()
-        first = re.sub(r"^\[[^\]]*\]\s*", "", text.splitlines()[0]) if text else type(error).__name__  # gloo's [file:line]
-        head = (
-            f"rank {self.rank}: a collective in step {step} failed ({first}; collective timeout "
-            f"{self.timeout_s:g} s)" if self.timeout_s else f"rank {self.rank}: a collective in step {step} failed ({first})"
-        )  # fmt: skip
+        first = (
+            re.sub(r"^\[[^\]]*\]\s*", "", text.splitlines()[0]) if text else type(error).__name__
+        )  # gloo's [file:line]
+        timeout = f"; collective timeout {self.timeout_s:g} s" if self.timeout_s else ""
+        head = f"rank {self.rank}: a collective in step {step} failed ({first}{timeout})"
         if self.store is None or self.world_size == 1:
             return CollectiveTimeoutError(head, step)
         store, key = self.store, f"{self.prefix}/failed"
-        previous_timeout = store.timeout
+        previous_timeout = store.timeout  # type: ignore[attr-defined]  # in torch, not in its stubs
         silent, last = None, {}
         try:
             store.set_timeout(datetime.timedelta(seconds=max(5.0, self.grace_s)))
-            store.append(key, f"{self.rank},")
+            store.append(key, f"{self.rank},")  # type: ignore[attr-defined]  # in torch, not in its stubs
             deadline = time.monotonic() + self.grace_s
             while True:
                 reported = {int(r) for r in store.get(key).decode().split(",") if r}
@@ -259,7 +266,7 @@ class Coordinator:
         finally:
             try:
                 store.set_timeout(previous_timeout)
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001  best effort: the store may be the part that stopped
                 pass
         if not silent:
             return CollectiveTimeoutError(
@@ -267,10 +274,17 @@ class Coordinator:
                 "rank's error (network, or one rank's own error).",
                 step, [], {},
             )  # fmt: skip
-        def describe(r: int) -> str:
-            return f"rank {r} (last finished step {last[r]})" if last.get(r) is not None else f"rank {r} (no step finished)"
 
-        named = ", ".join(describe(r) for r in silent[:16]) + (f" and {len(silent) - 16} more" if len(silent) > 16 else "")
+        def describe(r: int) -> str:
+            return (
+                f"rank {r} (last finished step {last[r]})"
+                if last.get(r) is not None
+                else f"rank {r} (no step finished)"
+            )
+
+        named = ", ".join(describe(r) for r in silent[:16]) + (
+            f" and {len(silent) - 16} more" if len(silent) > 16 else ""
+        )
         return CollectiveTimeoutError(
             f"{head}. Not answering: {named}; {len(silent)} of {self.world_size} ranks did not report the "
             f"failure within {self.grace_s:g} s: frozen, dead or stuck outside a collective (its log, "

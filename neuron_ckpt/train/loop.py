@@ -35,8 +35,9 @@ from __future__ import annotations
 
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -44,10 +45,10 @@ from ..distributed import collectives, host, runtime
 from ..distributed.parallel_state import ParallelState, get_parallel_state
 from . import faults
 from .checkpoint import CheckpointManager
-from .state import TrainState
 from .metrics import MetricsWriter, StepRecord, device_peak_bytes, make_record
 from .pipeline_step import is_pipeline, pipeline_train_step
 from .schedule import LRSchedule
+from .state import TrainState
 
 
 def _xm():
@@ -78,7 +79,7 @@ def train_step(
         (loss * scale).backward()
         total = total + loss.detach().float() * scale
         runtime.step_boundary()  # XLA: one graph per micro-batch, so graph size does not grow with accumulation
-    grad_norm = optimizer.step()
+    grad_norm = cast(torch.Tensor, optimizer.step())  # a Zero1Optimizer's: the gradient norm
     return total, grad_norm
 
 
@@ -136,8 +137,14 @@ class SavePolicy:
 class _Logger:
     """Turns (loss, grad norm) tensors into :class:`StepRecord` s, timing the logged intervals."""
 
-    def __init__(self, options: FitOptions, metrics: MetricsWriter, world: int, tokens_seen: int,
-                 device: torch.device | None = None):
+    def __init__(
+        self,
+        options: FitOptions,
+        metrics: MetricsWriter,
+        world: int,
+        tokens_seen: int,
+        device: torch.device | None = None,
+    ):
         self.options, self.metrics, self.world, self.device = options, metrics, world, device
         self.tokens_seen = tokens_seen
         self.records: list[StepRecord] = []
@@ -204,7 +211,13 @@ def fit(
     # Run what building the model and optimizer (ZeRO-1's flattening of every parameter) or
     # loading a checkpoint left pending, so that step 1's graph is the steady-state step.
     runtime.step_boundary()
-    logger = _Logger(options, metrics, ps.tp_size * ps.dp_size * ps.pp_size, state.step * options.global_batch * options.seq_len, device)
+    logger = _Logger(
+        options,
+        metrics,
+        ps.tp_size * ps.dp_size * ps.pp_size,
+        state.step * options.global_batch * options.seq_len,
+        device,
+    )
     if options.graphs_only:
         checkpoints = None  # placeholder values: nothing worth saving
     coordinator = faults.Coordinator()
@@ -216,8 +229,9 @@ def fit(
             while state.step < options.max_steps:
                 current = state.step + 1  # the step being run, for error messages (its save included)
                 lr = schedule.apply(optimizer, state.step)
+                run_step: Callable[..., tuple[torch.Tensor, torch.Tensor]]
                 run_step = pipeline_train_step if is_pipeline(model) else train_step
-                loss, grad_norm = run_step(model, optimizer, next(batches), device)
+                loss, grad_norm = run_step(model, optimizer, next(batches), device)  # type: ignore[arg-type]  # torch types a module's attributes as Tensor | Module
                 state.step += 1
                 done = state.step
                 logger.step_done()
@@ -238,9 +252,11 @@ def fit(
                         logger.log(values, done, lr)  # raises NonFiniteError before writing anything
                 runtime.step_boundary()  # XLA: runs the closure, so a NaN raises here, before the save below
                 if interrupt and ps.dp.rank == 0 and ps.tp.rank == 0:
-                    faults.say(f"{signal.Signals(stop).name} received: stopping after step {done}"
-                               + (", saving a checkpoint first" if save else " (no checkpoint directory: nothing saved)"))
-                saved = state.save(checkpoints, meta or {}) if save else None
+                    faults.say(
+                        f"{signal.Signals(stop).name} received: stopping after step {done}"
+                        + (", saving a checkpoint first" if save else " (no checkpoint directory: nothing saved)")
+                    )
+                saved = state.save(checkpoints, meta or {}) if save and checkpoints is not None else None
                 if save:
                     logger.restart()
                 if interrupt:

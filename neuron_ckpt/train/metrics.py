@@ -124,7 +124,7 @@ def device_peak_bytes(device: torch.device) -> int | None:
 
     try:
         return runtime_peak(device)
-    except Exception:
+    except Exception:  # noqa: BLE001  a backend whose query fails must not fail the run
         return None
 
 
@@ -146,9 +146,9 @@ def drop_after_step(path: str | os.PathLike, step: int) -> int:
 
     For a resume from a checkpoint at ``step``: the interrupted run went on logging past its last
     checkpoint, and the resumed run logs those steps again. A torn last line (a kill mid-write)
-    and the summary of a run that ended after ``step`` are dropped too; other lines without a step are kept. The file is replaced atomically (a temporary
-    file, fsynced, renamed over it), so a kill here leaves the old file or the new one. No file:
-    nothing to do.
+    and the summary of a run that ended after ``step`` are dropped too; other lines without a step
+    are kept. The file is replaced atomically (a temporary file, fsynced, renamed over it), so a
+    kill here leaves the old file or the new one. No file: nothing to do.
     """
     path = Path(path)
     try:
@@ -167,8 +167,11 @@ def drop_after_step(path: str | os.PathLike, step: int) -> int:
             continue
         if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] > step:
             continue
-        if isinstance(record, dict) and record.get("kind") == "summary" and \
-                record.get("start_step", 0) + record.get("steps", 0) > step:
+        if (
+            isinstance(record, dict)
+            and record.get("kind") == "summary"
+            and record.get("start_step", 0) + record.get("steps", 0) > step
+        ):
             continue  # the summary of a run whose last steps are dropped
         kept.append(line)
     dropped = len(lines) - len(kept)
@@ -216,9 +219,7 @@ class MetricsWriter:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
-                raise ValueError(
-                    "--tensorboard-dir needs the tensorboard package: pip install tensorboard"
-                ) from None
+                raise ValueError("--tensorboard-dir needs the tensorboard package: pip install tensorboard") from None
             purge = resume_step + 1 if append and resume_step is not None else None
             self._tb = SummaryWriter(log_dir=str(tensorboard_dir), purge_step=purge)
 

@@ -22,6 +22,8 @@ every rank at the same step.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 
 from ..distributed import collectives
@@ -36,7 +38,7 @@ def is_pipeline(model: object) -> bool:
 def last_stage_loss(loss: torch.Tensor | None, parallel_state: ParallelState, device: torch.device) -> torch.Tensor:
     """The last stage's ``loss`` on every rank of its pipeline group (``None`` elsewhere)."""
     local = loss.detach().float() if loss is not None else torch.zeros((), dtype=torch.float32, device=device)
-    if parallel_state.pp_size == 1:
+    if parallel_state.pp is None or parallel_state.pp.size == 1:
         return local
     return collectives.all_reduce(local, parallel_state.pp)
 
@@ -57,5 +59,5 @@ def pipeline_train_step(
     ids = torch.cat(micro_batches).to(device)
     loss = pipe.step(ids, ids)
     loss = last_stage_loss(loss, pipe.parallel_state, device)
-    grad_norm = optimizer.step()
+    grad_norm = cast(torch.Tensor, optimizer.step())  # a Zero1Optimizer's: the gradient norm
     return loss, grad_norm

@@ -32,7 +32,7 @@ class Placement:
     pp_size: int = 1
 
     @classmethod
-    def of(cls, parallel_state: Any) -> "Placement":
+    def of(cls, parallel_state: Any) -> Placement:
         """From anything with ``tp_rank``, ``tp_size``, ``dp_rank``, ``dp_size`` (and ``pp_rank``,
         ``pp_size``: 0 and 1 when absent)."""
         ps = parallel_state

@@ -16,7 +16,7 @@ will never come.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from ..distributed import host, runtime
 

@@ -40,7 +40,9 @@ class LRSchedule:
         if not self.peak_lr > 0:
             raise ValueError(f"peak_lr must be > 0, got {self.peak_lr}")
         if self.warmup_steps < 0 or self.total_steps < 1:
-            raise ValueError(f"need warmup_steps >= 0 and total_steps >= 1, got {self.warmup_steps}, {self.total_steps}")
+            raise ValueError(
+                f"need warmup_steps >= 0 and total_steps >= 1, got {self.warmup_steps}, {self.total_steps}"
+            )
         if self.decay not in DECAYS:
             raise ValueError(f"decay must be one of {DECAYS}, got {self.decay!r}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:

@@ -50,7 +50,7 @@ class TrainState:
         streams) adds them as ``rng["model"]``."""
         rng = {"default": get_rng_state(), "tracker": self.rng_tracker.get_states()}
         if hasattr(self.model, "rng_state_dict"):
-            rng["model"] = self.model.rng_state_dict()
+            rng["model"] = self.model.rng_state_dict()  # type: ignore[operator]  # torch types a module's attributes as Tensor | Module
         return {
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
@@ -68,7 +68,9 @@ class TrainState:
         if missing:
             raise ValueError(f"TrainState.load_state_dict: no {missing} in the state (keys: {sorted(state)})")
         if (state["data"] is None) != (self.batches is None):
-            raise ValueError("TrainState.load_state_dict: the state and this TrainState disagree on having a batch order")
+            raise ValueError(
+                "TrainState.load_state_dict: the state and this TrainState disagree on having a batch order"
+            )
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         if self.batches is not None:
@@ -76,14 +78,16 @@ class TrainState:
         set_rng_state(state["rng"]["default"])
         self.rng_tracker.set_states(state["rng"]["tracker"])
         if hasattr(self.model, "load_rng_state_dict"):
-            self.model.load_rng_state_dict(state["rng"]["model"])
+            self.model.load_rng_state_dict(state["rng"]["model"])  # type: ignore[operator]  # torch types a module's attributes as Tensor | Module
         runtime.step_boundary(wait=True)
 
     def save(self, manager: CheckpointManager, meta: dict[str, Any]) -> Path:
         """A collective: checkpoint this state as step ``self.step`` (``meta`` goes to meta.json)."""
         return manager.save(self.step, self.state_dict(), meta)
 
-    def resume(self, manager: CheckpointManager, which: str, expect: dict[str, Any]) -> tuple[Path, dict[str, Any]] | None:
+    def resume(
+        self, manager: CheckpointManager, which: str, expect: dict[str, Any]
+    ) -> tuple[Path, dict[str, Any]] | None:
         """A collective: load checkpoint ``which`` (``"latest"`` or a path) into this state.
 
         Returns ``(path, meta)`` and sets ``step`` to ``meta["step"]`` (the steps done), or None

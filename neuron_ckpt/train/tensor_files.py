@@ -25,10 +25,11 @@ import hashlib
 import os
 import re
 from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Iterable, Iterator
+from typing import Any, BinaryIO
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -46,7 +47,7 @@ class TensorRef:
     key: str
 
 
-SAFE_GLOBALS = [RNGState, TensorRef]  # the only non-container classes a ``.pt`` file holds
+SAFE_GLOBALS: list[Any] = [RNGState, TensorRef]  # the only non-container classes a ``.pt`` file holds
 
 
 # ---- files and digests -------------------------------------------------------------------------
@@ -104,14 +105,15 @@ def group_files(names: Iterable[str], prefix: str) -> list[str] | None:
     found = sorted(n for n in names if (m := _GROUP.match(n)) and m.group(1) == prefix)
     if not found:
         return None
-    count = int(_GROUP.match(found[0]).group(3))
+    count = int(_GROUP.match(found[0]).group(3))  # type: ignore[union-attr]  # found: the names _GROUP matched
     want = [_group_file(prefix, i, count) for i in range(1, count + 1)]
     return want if found == want else None
 
 
 def _groups(tensors: list[tuple[str, torch.Tensor]], limit: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Consecutive runs of tensors of at most ``limit`` bytes (a larger tensor forms its own)."""
-    group, size = [], 0
+    group: list[tuple[str, torch.Tensor]] = []
+    size = 0
     for name, t in tensors:
         n = t.numel() * t.element_size()
         if group and size + n > limit:

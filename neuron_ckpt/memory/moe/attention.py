@@ -26,11 +26,12 @@ the shared cos/sin tables (outside the layer); Qwen3's per-head q/k norms are RM
 latent), ``kv_a_proj_with_mqa -> [latent | k_rot] -> kv_a_layernorm -> kv_b_proj``, RoPE on the
 rope parts, q and k concatenated into new tensors (``expand_kv`` writes k into ``new_empty``), v
 a slice of ``kv_b_proj``'s output. The up part (``q_b_proj``, ``kv_b_proj``) keeps the two
-latents; ``mla_up_proj`` keeps them and a copy of k_rot. torch's CPU flash kernel needs q, k and v of one head size; DeepSeek's differ
-(``qk_nope + qk_rope`` against ``v_head_dim``), so sdpa runs the math path: fp32 copies of q and
-k scaled, the fp32 probabilities and an fp32 copy of v, whatever the model's dtype. CUDA runs
-its memory-efficient kernel there, which keeps what the flash kernel keeps: ``sdpa-fused``
-prices that (the flash path's storages; on CPU measured where the head sizes are equal).
+latents; ``mla_up_proj`` keeps them and a copy of k_rot. torch's CPU flash kernel needs q, k and
+v of one head size; DeepSeek's differ (``qk_nope + qk_rope`` against ``v_head_dim``), so sdpa
+runs the math path: fp32 copies of q and k scaled, the fp32 probabilities and an fp32 copy of v,
+whatever the model's dtype. CUDA runs its memory-efficient kernel there, which keeps what the
+flash kernel keeps: ``sdpa-fused`` prices that (the flash path's storages; on CPU measured where
+the head sizes are equal).
 """
 
 from __future__ import annotations
@@ -69,8 +70,10 @@ def gqa(layer: LayerTensors, shape: MoEShape, setup: MoESetup, x: str) -> None:
     v = layer.save("v", w * T * g * d, split)  # v_proj's output, read through a strided view
     if setup.attention != "eager":
         if d > SDPA_GQA_MAX_HEAD_DIM:
-            raise ValueError(f"head_dim ({d}) > {SDPA_GQA_MAX_HEAD_DIM}: transformers' sdpa repeats k and v, "
-                             "which this model does not price; use attention='eager'")
+            raise ValueError(
+                f"head_dim ({d}) > {SDPA_GQA_MAX_HEAD_DIM}: transformers' sdpa repeats k and v, "
+                "which this model does not price; use attention='eager'"
+            )
         layer.keep(q, "attn.core")
         layer.keep(k, "attn.core")
         layer.keep(v, "attn.core")
@@ -92,6 +95,7 @@ def mla(layer: LayerTensors, shape: MoEShape, setup: MoESetup, x: str) -> None:
     """DeepSeek-V3's latent attention, reading the norm output ``x``; its ``core_attn`` and
     ``mla_up_proj`` units."""
     m, t = shape.mla, shape.split("attention", setup.tp)
+    assert m is not None  # a deepseek_v3 shape carries its MLA sizes (checked at construction)
     T, b, s, w = setup.tokens, setup.micro_batch, setup.seq_len, setup.width
     a, split = shape.heads // t, t > 1
     layer.keep(x, "attn.proj")  # q_a_proj (or q_proj) and kv_a_proj_with_mqa

@@ -61,7 +61,9 @@ def compare(shape: MoEShape, setup: MoESetup, choices=CHOICES, vocab: int = 128)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m neuron_ckpt.memory.moe.compare", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m neuron_ckpt.memory.moe.compare", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--config", required=True, help="an MoE config.json or preset (mixtral-8x7b, deepseek-v3)")
     parser.add_argument("--seq", type=int, required=True)
     parser.add_argument("--micro-batch", type=int, default=1)
@@ -73,12 +75,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     shape = one_layer_each(load_moe_config(args.config), args.experts)
     setup = MoESetup(args.seq, args.micro_batch, 1, args.dtype, args.attention, args.experts_impl)
-    print(f"{shape.name}: {'dense + MoE layer' if shape.dense_layers else 'one MoE layer'}, E={shape.experts}, "
-          f"s={setup.seq_len} b={setup.micro_batch} {setup.dtype} {setup.attention} {setup.experts}, TP 1")
+    print(
+        f"{shape.name}: {'dense + MoE layer' if shape.dense_layers else 'one MoE layer'}, E={shape.experts}, "
+        f"s={setup.seq_len} b={setup.micro_batch} {setup.dtype} {setup.attention} {setup.experts}, TP 1"
+    )
     print(f"{'kind':<6}{'recompute':<16}{'measured MiB':>14}{'analytic MiB':>14}{'equal':>7}{'forward s':>11}")
     for r in compare(shape, setup, args.choices.split(",")):
-        print(f"{r.kind:<6}{r.choice:<16}{r.measured / 2**20:>14.3f}{r.analytic / 2**20:>14.3f}"
-              f"{'yes' if r.measured == r.analytic else 'NO':>7}{r.seconds:>11.1f}", flush=True)
+        print(
+            f"{r.kind:<6}{r.choice:<16}{r.measured / 2**20:>14.3f}{r.analytic / 2**20:>14.3f}"
+            f"{'yes' if r.measured == r.analytic else 'NO':>7}{r.seconds:>11.1f}",
+            flush=True,
+        )
     return 0
 
 

@@ -69,8 +69,10 @@ def _problems(data: dict, family: str) -> list[str]:
     problems = []
     for key in (k for k in data if k not in valid):
         guess = difflib.get_close_matches(key, sorted(valid), n=1, cutoff=0.6)
-        problems.append(f"unknown key {key!r}" + (f" (did you mean {guess[0]!r}?)" if guess else
-                                                  f" (not a {CONFIG_CLASSES[family]} field)"))
+        problems.append(
+            f"unknown key {key!r}"
+            + (f" (did you mean {guess[0]!r}?)" if guess else f" (not a {CONFIG_CLASSES[family]} field)")
+        )
     for names in (*((n,) for n in _COMMON), *REQUIRED[family]):
         if not any(n in data for n in names):
             problems.append(f"missing key {names[0]!r} (transformers would use its default)")
@@ -90,11 +92,15 @@ def _unpriced(config, family: str) -> list[str]:
         problems.append(f"attention_dropout is {config.attention_dropout}: dropout masks are not priced; use 0.0")
     if getattr(config, "router_jitter_noise", 0):
         problems.append(f"router_jitter_noise is {config.router_jitter_noise}: the jitter's noise is not priced")
-    if getattr(config, "sliding_window", None) and (family == "mixtral" or getattr(config, "use_sliding_window", False)):
+    if getattr(config, "sliding_window", None) and (
+        family == "mixtral" or getattr(config, "use_sliding_window", False)
+    ):
         problems.append(f"sliding_window {config.sliding_window}: a windowed mask is not priced; use null")
     if family == "deepseek_v3" and config.num_key_value_heads != config.num_attention_heads:
-        problems.append(f"num_key_value_heads ({config.num_key_value_heads}) must equal num_attention_heads "
-                        f"({config.num_attention_heads}): transformers' MLA fails otherwise")
+        problems.append(
+            f"num_key_value_heads ({config.num_key_value_heads}) must equal num_attention_heads "
+            f"({config.num_attention_heads}): transformers' MLA fails otherwise"
+        )
     return problems
 
 
@@ -117,20 +123,28 @@ def _shape(config, family: str, name: str) -> MoEShape:
     if family == "mixtral":
         return MoEShape(**common, head_dim=head_dim, experts=config.num_local_experts, moe_ffn=config.intermediate_size)
     if family == "deepseek_v3":
-        mla = MLA(config.q_lora_rank, config.kv_lora_rank, config.qk_nope_head_dim, config.qk_rope_head_dim,
-                  config.v_head_dim)
+        mla = MLA(
+            config.q_lora_rank, config.kv_lora_rank, config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+        )
         return MoEShape(**common, head_dim=mla.qk_head_dim, experts=config.n_routed_experts,
                         moe_ffn=config.moe_intermediate_size,
                         shared_ffn=config.moe_intermediate_size * config.n_shared_experts,
                         norm_topk_prob=config.norm_topk_prob, n_group=config.n_group, topk_group=config.topk_group,
                         mla=mla)  # fmt: skip
     shared = config.shared_expert_intermediate_size if family == "qwen2_moe" else 0
-    return MoEShape(**common, head_dim=head_dim, experts=config.num_experts, moe_ffn=config.moe_intermediate_size,
-                    shared_ffn=shared, norm_topk_prob=config.norm_topk_prob)
+    return MoEShape(
+        **common,
+        head_dim=head_dim,
+        experts=config.num_experts,
+        moe_ffn=config.moe_intermediate_size,
+        shared_ffn=shared,
+        norm_topk_prob=config.norm_topk_prob,
+    )
 
 
-def moe_shape_from_dict(data: dict, source: str = "the model config", name: str = "",
-                        notices: list[str] | None = None) -> MoEShape:
+def moe_shape_from_dict(
+    data: dict, source: str = "the model config", name: str = "", notices: list[str] | None = None
+) -> MoEShape:
     """The :class:`MoEShape` of a parsed config.json, or one ``ValueError`` starting with ``source``
     listing every problem (module docstring). ``notices``: where the note about a dropped
     ``quantization_config`` goes; None: a warning."""
@@ -139,8 +153,10 @@ def moe_shape_from_dict(data: dict, source: str = "the model config", name: str 
         raise ValueError(f"{source}: model_type is {family!r}: this reads the MoE families {list(FAMILIES)}")
     data = dict(data)
     if data.pop("quantization_config", None) is not None:
-        notice = (f"{source}: quantization_config dropped: priced as Model(config) builds it, in the model's dtype "
-                  "(activations do not depend on how the weights are stored)")
+        notice = (
+            f"{source}: quantization_config dropped: priced as Model(config) builds it, in the model's dtype "
+            "(activations do not depend on how the weights are stored)"
+        )
         notices.append(notice) if notices is not None else warnings.warn(notice, stacklevel=2)
     problems = _problems(data, family)
     if problems:
@@ -148,9 +164,10 @@ def moe_shape_from_dict(data: dict, source: str = "the model config", name: str 
     known = {k: v for k, v in data.items() if k not in DEEPSEEK_REMOTE_KEYS or family != "deepseek_v3"}
     try:  # the class's own strict field checks (a string size, a float count)
         config = _config_class(family).from_dict(copy.deepcopy(known))
-    except Exception as exc:
-        raise ValueError(f"{source}: transformers.{CONFIG_CLASSES[family]} refuses it: {' '.join(str(exc).split())}") \
-            from None
+    except Exception as exc:  # noqa: BLE001  its checks raise many kinds; re-raised as one ValueError
+        raise ValueError(
+            f"{source}: transformers.{CONFIG_CLASSES[family]} refuses it: {' '.join(str(exc).split())}"
+        ) from None
     problems = _unpriced(config, family)
     if problems:
         raise ValueError(f"{source}: " + "; ".join(problems))
@@ -178,5 +195,11 @@ def load_moe_config(path_or_name: str | Path, notices: list[str] | None = None) 
     return moe_shape_from_dict(read_json_object(path), str(path), name, notices)
 
 
-__all__ = ["CONFIG_CLASSES", "DEEPSEEK_REMOTE_KEYS", "PRESET_NAMES", "config_path", "load_moe_config",
-           "moe_shape_from_dict"]
+__all__ = [
+    "CONFIG_CLASSES",
+    "DEEPSEEK_REMOTE_KEYS",
+    "PRESET_NAMES",
+    "config_path",
+    "load_moe_config",
+    "moe_shape_from_dict",
+]

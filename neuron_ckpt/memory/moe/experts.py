@@ -54,9 +54,11 @@ def replay_indices(shape: MoEShape, setup: MoESetup) -> tuple[ActivationTerm, ..
     T, k = setup.tokens, shape.top_k
     if shape.family != "deepseek_v3":
         return (ActivationTerm("replay.topk_indices", _INT64 * T * k, False),)
-    return (ActivationTerm("replay.group_top2_indices", _INT64 * T * shape.n_group * 2, False),
-            ActivationTerm("replay.top_groups_indices", _INT64 * T * shape.topk_group, False),
-            ActivationTerm("replay.topk_indices", _INT64 * T * k, False))
+    return (
+        ActivationTerm("replay.group_top2_indices", _INT64 * T * shape.n_group * 2, False),
+        ActivationTerm("replay.top_groups_indices", _INT64 * T * shape.topk_group, False),
+        ActivationTerm("replay.topk_indices", _INT64 * T * k, False),
+    )
 
 
 def router(layer: LayerTensors, shape: MoEShape, setup: MoESetup, x: str) -> None:

@@ -34,8 +34,8 @@ module a layer does not have changes nothing there, as ``apply_recompute`` skips
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable, Union
 
 from ...recompute import RecomputeConfig
 from ..terms import ActivationTerm
@@ -48,7 +48,7 @@ from .shape import MoESetup, MoEShape
 MODULES = ("core_attn", "norm", "mlp", "mlp_act", "moe", "moe_act", "shared_experts", "mla_up_proj")
 CHOICES = ("none", *MODULES, "full")
 KINDS = ("dense", "moe")
-Recompute = Union[str, Iterable[str], RecomputeConfig]
+Recompute = str | Iterable[str] | RecomputeConfig
 
 
 def layer_tensors(shape: MoEShape, setup: MoESetup, kind: str) -> LayerTensors:
@@ -87,16 +87,20 @@ def modules_of(recompute: Recompute) -> tuple[str, ...]:
         if recompute.distribute_saved_activations:
             raise ValueError("distribute_saved_activations is not modelled for transformers MoE layers")
         if recompute.granularity == "full" and (recompute.method, recompute.num_layers) != ("uniform", 1):
-            raise ValueError("recompute: full recompute is priced one layer per checkpoint (uniform, num_layers=1) "
-                             f"for MoE layers, got {recompute.method} {recompute.num_layers}")
+            raise ValueError(
+                "recompute: full recompute is priced one layer per checkpoint (uniform, num_layers=1) "
+                f"for MoE layers, got {recompute.method} {recompute.num_layers}"
+            )
         return {None: (), "full": ("full",)}.get(recompute.granularity, recompute.modules)
     names = recompute.split("+") if isinstance(recompute, str) else list(recompute)
     if names in (["none"], []):
         return ()
     for name in names:
         if name not in CHOICES or name == "none" or (name == "full" and len(names) > 1):
-            raise ValueError(f"recompute: {name!r} is not one of {list(CHOICES)} (several modules: "
-                             "'core_attn+norm' or a list; 'none' and 'full' alone)")
+            raise ValueError(
+                f"recompute: {name!r} is not one of {list(CHOICES)} (several modules: "
+                "'core_attn+norm' or a list; 'none' and 'full' alone)"
+            )
     return tuple(dict.fromkeys(names))
 
 
@@ -162,8 +166,10 @@ def applies(shape: MoEShape, kind: str, module: str) -> bool:
 def module_table(shape: MoEShape, setup: MoESetup) -> dict[str, dict[str, LayerMemory | None]]:
     """Each layer kind the model has, under each of :data:`CHOICES` (None where the module does
     not apply to that kind)."""
-    return {kind: {c: layer_memory(shape, setup, c, kind) if applies(shape, kind, c) else None for c in CHOICES}
-            for kind in shape.kinds}
+    return {
+        kind: {c: layer_memory(shape, setup, c, kind) if applies(shape, kind, c) else None for c in CHOICES}
+        for kind in shape.kinds
+    }
 
 
 def model_bytes(shape: MoEShape, setup: MoESetup, recompute: Recompute = "none") -> int:
@@ -174,5 +180,15 @@ def model_bytes(shape: MoEShape, setup: MoESetup, recompute: Recompute = "none")
     return dense * per_kind.get("dense", 0) + (shape.layers - dense) * per_kind.get("moe", 0)
 
 
-__all__ = ["CHOICES", "KINDS", "LayerMemory", "MODULES", "applies", "layer_memory", "layer_tensors", "model_bytes",
-           "module_table", "modules_of"]
+__all__ = [
+    "CHOICES",
+    "KINDS",
+    "LayerMemory",
+    "MODULES",
+    "applies",
+    "layer_memory",
+    "layer_tensors",
+    "model_bytes",
+    "module_table",
+    "modules_of",
+]

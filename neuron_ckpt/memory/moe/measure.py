@@ -16,6 +16,7 @@ parameters, the rotary tables, the position ids, the mask.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -34,15 +35,20 @@ def hf_config(shape: MoEShape, setup: MoESetup, layers: int | None = None, vocab
     import transformers
 
     L, v = layers or shape.layers, vocab or shape.vocab
-    common = dict(vocab_size=v, hidden_size=shape.hidden, num_hidden_layers=L, num_attention_heads=shape.heads,
-                  num_key_value_heads=shape.kv_heads, num_experts_per_tok=shape.top_k,
-                  max_position_embeddings=max(setup.seq_len, 128), use_cache=False, attention_dropout=0.0)  # fmt: skip
+    common: dict[str, Any] = dict(
+        vocab_size=v, hidden_size=shape.hidden, num_hidden_layers=L, num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads, num_experts_per_tok=shape.top_k,
+        max_position_embeddings=max(setup.seq_len, 128), use_cache=False, attention_dropout=0.0,
+    )  # fmt: skip
     dense = [i for i in shape.dense_layers if i < L]
+    config: transformers.PretrainedConfig
     if shape.family == "mixtral":
-        config = transformers.MixtralConfig(**common, head_dim=shape.head_dim, intermediate_size=shape.moe_ffn,
-                                            num_local_experts=shape.experts)
+        config = transformers.MixtralConfig(
+            **common, head_dim=shape.head_dim, intermediate_size=shape.moe_ffn, num_local_experts=shape.experts
+        )
     elif shape.family == "deepseek_v3":
         m = shape.mla
+        assert m is not None  # a deepseek_v3 shape carries its MLA sizes (checked at construction)
         config = transformers.DeepseekV3Config(
             **common, intermediate_size=shape.dense_ffn or 1, moe_intermediate_size=shape.moe_ffn,
             n_routed_experts=shape.experts, n_shared_experts=shape.shared_ffn // shape.moe_ffn,
@@ -53,13 +59,22 @@ def hf_config(shape: MoEShape, setup: MoESetup, layers: int | None = None, vocab
     else:
         cls = transformers.Qwen3MoeConfig if shape.family == "qwen3_moe" else transformers.Qwen2MoeConfig
         extra = {"shared_expert_intermediate_size": shape.shared_ffn} if shape.family == "qwen2_moe" else {}
-        config = cls(**common, **extra, intermediate_size=shape.dense_ffn or 1, moe_intermediate_size=shape.moe_ffn,
-                     num_experts=shape.experts, norm_topk_prob=shape.norm_topk_prob, mlp_only_layers=dense)
+        config = cls(
+            **common,
+            **extra,  # type: ignore[arg-type]  # a weight target always names its param
+            intermediate_size=shape.dense_ffn or 1,
+            moe_intermediate_size=shape.moe_ffn,
+            num_experts=shape.experts,
+            norm_topk_prob=shape.norm_topk_prob,
+            mlp_only_layers=dense,
+        )
         config.head_dim = shape.head_dim
     fused_only = setup.attention == "sdpa-fused" and shape.mla and shape.mla.qk_head_dim != shape.mla.v_head_dim
     if fused_only:
-        raise ValueError("attention 'sdpa-fused' with MLA head sizes that differ is not what torch runs on CPU "
-                         "(the math path); build it with 'sdpa'")
+        raise ValueError(
+            "attention 'sdpa-fused' with MLA head sizes that differ is not what torch runs on CPU "
+            "(the math path); build it with 'sdpa'"
+        )
     config._attn_implementation = "eager" if setup.attention == "eager" else "sdpa"
     return config
 
@@ -73,11 +88,17 @@ def recompute_config(recompute: Recompute) -> RecomputeConfig | None:
         return None
     if modules == ("full",):
         return RecomputeConfig.preset("full")
-    return RecomputeConfig(granularity="selective", modules=list(modules))
+    return RecomputeConfig(granularity="selective", modules=list(modules))  # type: ignore[arg-type]  # a list is fine: stored as a tuple
 
 
-def build_model(shape: MoEShape, setup: MoESetup, recompute: Recompute = "none", layers: int | None = None,
-                vocab: int | None = None, seed: int = 0):
+def build_model(
+    shape: MoEShape,
+    setup: MoESetup,
+    recompute: Recompute = "none",
+    layers: int | None = None,
+    vocab: int | None = None,
+    seed: int = 0,
+):
     """The ``*ForCausalLM`` of ``shape`` (``layers`` of them), split over TP and recomputing as told."""
     import transformers
 
@@ -136,9 +157,12 @@ def measure_layers(model, setup: MoESetup, seed: int = 0, backward: bool = True)
     inner = model.model
     layers = list(inner.layers)
     scopes = {LAYER_SCOPE.format(i): layer for i, layer in enumerate(layers)} | {FINAL_NORM_SCOPE: inner.norm}
+
     # Each layer gets these shared tensors (the values the forward made itself), which the recorder
     # knows to leave out: a checkpoint keeping the mask would count it in the first layer only.
-    share = lambda module, args, kwargs: (args, {**kwargs, **shared})  # noqa: E731
+    def share(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return args, {**kwargs, **shared}
+
     handles = [layer.register_forward_pre_hook(share, with_kwargs=True) for layer in layers]
     mask = shared["attention_mask"]
     excluded = [position_ids, *shared["position_embeddings"], *([mask] if torch.is_tensor(mask) else [])]
@@ -152,8 +176,10 @@ def measure_layers(model, setup: MoESetup, seed: int = 0, backward: bool = True)
     by_scope = rec.bytes_by_scope()
     per_layer = [by_scope.pop(LAYER_SCOPE.format(i), 0) for i in range(len(layers))]
     by_scope.pop(FINAL_NORM_SCOPE, None)
-    storages = sorted(((s.scope, str(s.dtype).removeprefix("torch."), s.shape, s.nbytes) for s in rec.storages),
-                      key=lambda row: -row[3])
+    storages = sorted(
+        ((s.scope, str(s.dtype).removeprefix("torch."), s.shape, s.nbytes) for s in rec.storages),
+        key=lambda row: -row[3],
+    )
     if backward:
         hidden.float().square().mean().backward()
     return Measured(per_layer, sum(by_scope.values()), storages)

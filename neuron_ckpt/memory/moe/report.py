@@ -17,7 +17,7 @@ import json
 from dataclasses import asdict
 
 from .config import load_moe_config
-from .layer import CHOICES, module_table
+from .layer import CHOICES, LayerMemory, module_table
 from .shape import ATTENTION, EXPERTS, MoESetup, MoEShape
 
 MIB, GIB = 1 << 20, 1 << 30
@@ -36,27 +36,49 @@ def check_options(args: argparse.Namespace) -> None:
         flags = ", ".join("--" + name.replace("_", "-") for name in given)
         raise ValueError(f"--config gives the model and prints every recompute module: drop {flags}")
     if args.attention is not None and args.attention not in ATTENTION:
-        raise ValueError(f"--attention with --config is transformers' implementation, one of {ATTENTION}, "
-                         f"got {args.attention!r}")
+        raise ValueError(
+            f"--attention with --config is transformers' implementation, one of {ATTENTION}, got {args.attention!r}"
+        )
 
 
 def setup_from_args(args: argparse.Namespace) -> MoESetup:
-    return MoESetup(args.seq, args.micro_batch, args.tp, args.dtype, args.attention or "sdpa",
-                    args.experts or "grouped_mm", args.sequence_parallel)
+    return MoESetup(
+        args.seq,
+        args.micro_batch,
+        args.tp,
+        args.dtype,
+        args.attention or "sdpa",
+        args.experts or "grouped_mm",
+        args.sequence_parallel,
+    )
 
 
 def _describe(shape: MoEShape) -> str:
     dense = len(shape.dense_layers)
-    attention = (f"MLA q_lora={shape.mla.q_lora_rank} kv_lora={shape.mla.kv_lora_rank} "
-                 f"qk={shape.mla.qk_nope_head_dim}+{shape.mla.qk_rope_head_dim} v={shape.mla.v_head_dim}"
-                 if shape.mla else f"g={shape.kv_heads} d={shape.head_dim}")
-    parts = [f"h={shape.hidden}", f"L={shape.layers} ({dense} dense, {shape.layers - dense} MoE)", f"a={shape.heads}",
-             attention, f"E={shape.experts} k={shape.top_k} F={shape.moe_ffn}"]
+    attention = (
+        f"MLA q_lora={shape.mla.q_lora_rank} kv_lora={shape.mla.kv_lora_rank} "
+        f"qk={shape.mla.qk_nope_head_dim}+{shape.mla.qk_rope_head_dim} v={shape.mla.v_head_dim}"
+        if shape.mla
+        else f"g={shape.kv_heads} d={shape.head_dim}"
+    )
+    parts = [
+        f"h={shape.hidden}",
+        f"L={shape.layers} ({dense} dense, {shape.layers - dense} MoE)",
+        f"a={shape.heads}",
+        attention,
+        f"E={shape.experts} k={shape.top_k} F={shape.moe_ffn}",
+    ]
     if shape.shared_ffn:
         parts.append(f"shared={shape.shared_ffn}")
     if dense:
         parts.append(f"dense ffn={shape.dense_ffn}")
     return " ".join(parts)
+
+
+def _known(memory: LayerMemory | None) -> LayerMemory:
+    """The "none" column: every layer kind has it (only a module a kind lacks is None)."""
+    assert memory is not None
+    return memory
 
 
 def build_report(shape: MoEShape, setup: MoESetup, source: str = "", notices: list[str] | None = None) -> dict:
@@ -67,7 +89,7 @@ def build_report(shape: MoEShape, setup: MoESetup, source: str = "", notices: li
     dense, moe = len(shape.dense_layers), shape.layers - len(shape.dense_layers)
 
     def stack(choice: str) -> int:  # a module a kind lacks leaves those layers as they are
-        per_kind = {kind: (row[choice] or row["none"]).nbytes for kind, row in table.items()}
+        per_kind = {kind: _known(row[choice] or row["none"]).nbytes for kind, row in table.items()}
         return dense * per_kind.get("dense", 0) + moe * per_kind.get("moe", 0)
 
     return {
@@ -82,7 +104,7 @@ def build_report(shape: MoEShape, setup: MoESetup, source: str = "", notices: li
         "outside_autograd_bytes": {kind: {c: None if m is None else m.nbytes - m.autograd_bytes
                                           for c, m in row.items()} for kind, row in table.items()},
         "layers_total_bytes": {c: stack(c) for c in CHOICES},
-        "breakdown": {kind: [asdict(t) for t in row["none"].terms] for kind, row in table.items()},
+        "breakdown": {kind: [asdict(t) for t in _known(row["none"]).terms] for kind, row in table.items()},
         "notices": list(notices or ()),
     }  # fmt: skip
 
@@ -91,20 +113,31 @@ def format_report(report: dict) -> str:
     """The table of :func:`build_report`'s dict: MiB per layer per rank by kind, GiB for all layers."""
     s, kinds = report["spec"], list(report["per_layer_bytes"])
     title = f"{s['name'] or s['family']} ({s['family']}): {s['description']}"
-    lines = [*report["notices"], title,
-             f"s={s['seq_len']} b={s['micro_batch']} {s['dtype']}, t={s['tp']} (the model's TP plan, "
-             f"{'' if s['sequence_parallel'] else 'no '}sequence parallel), {s['attention']} attention, "
-             f"{s['experts']} experts",
-             "activations per layer per rank (analytic), MiB; '-': the module is not in that layer", "",
-             f"{'recompute':<16}" + "".join(f"{k + ' layer':>14}" for k in kinds) + f"{'all layers GiB':>16}"]
+    lines = [
+        *report["notices"],
+        title,
+        (
+            f"s={s['seq_len']} b={s['micro_batch']} {s['dtype']}, t={s['tp']} (the model's TP plan, "
+            f"{'' if s['sequence_parallel'] else 'no '}sequence parallel), {s['attention']} attention, "
+            f"{s['experts']} experts"
+        ),
+        "activations per layer per rank (analytic), MiB; '-': the module is not in that layer",
+        "",
+        f"{'recompute':<16}" + "".join(f"{k + ' layer':>14}" for k in kinds) + f"{'all layers GiB':>16}",
+    ]
     for choice in CHOICES:
         cells = [report["per_layer_bytes"][k][choice] for k in kinds]
-        lines.append(f"{choice:<16}" + "".join(f"{'-' if c is None else f'{c / MIB:.3f}':>14}" for c in cells)
-                     + f"{report['layers_total_bytes'][choice] / GIB:>16.3f}")
+        lines.append(
+            f"{choice:<16}"
+            + "".join(f"{'-' if c is None else f'{c / MIB:.3f}':>14}" for c in cells)
+            + f"{report['layers_total_bytes'][choice] / GIB:>16.3f}"
+        )
     outside = {k: v for k, v in report["outside_autograd_bytes"].get("moe", {}).items() if v}
     if outside:
-        lines.append("(moe and full on an MoE layer include the routing replay's indices, held outside autograd: "
-                     f"{next(iter(outside.values())) / MIB:.3f} MiB)")
+        lines.append(
+            "(moe and full on an MoE layer include the routing replay's indices, held outside autograd: "
+            f"{next(iter(outside.values())) / MIB:.3f} MiB)"
+        )
     for kind in kinds:
         terms = report["breakdown"][kind]
         total = sum(t["nbytes"] for t in terms)

@@ -24,8 +24,8 @@ autograd (the routing replay's recorded expert indices): :attr:`Unit.outside`.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable
 
 from ..terms import ActivationTerm
 
@@ -84,13 +84,20 @@ class LayerTensors:
         self.saved[name].keepers.update(keepers)
         return name
 
-    def unit(self, module: str, region: Iterable[str], inputs: Iterable[str], discards: Iterable[str] = (),
-             outside: Iterable[ActivationTerm] = ()) -> None:
+    def unit(
+        self,
+        module: str,
+        region: Iterable[str],
+        inputs: Iterable[str],
+        discards: Iterable[str] = (),
+        outside: Iterable[ActivationTerm] = (),
+    ) -> None:
         for name in (*inputs, *discards):
             if name not in self.saved:
                 raise AssertionError(f"unit {module!r} names an unknown storage {name!r}")
         self.units.setdefault(module, []).append(
-            Unit(module, tuple(region), tuple(inputs), tuple(discards), tuple(outside)))
+            Unit(module, tuple(region), tuple(inputs), tuple(discards), tuple(outside))
+        )
 
     def kept(self, modules: Iterable[str]) -> tuple[list[ActivationTerm], list[ActivationTerm]]:
         """What the layer keeps with ``modules`` recomputed (those it has; the others skipped):

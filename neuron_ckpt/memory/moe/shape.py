@@ -106,8 +106,19 @@ class MoEShape:
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
             raise ValueError(f"family must be one of {FAMILIES}, got {self.family!r}")
-        for name in ("hidden", "layers", "heads", "kv_heads", "head_dim", "experts", "top_k", "moe_ffn", "vocab",
-                     "n_group", "topk_group"):
+        for name in (
+            "hidden",
+            "layers",
+            "heads",
+            "kv_heads",
+            "head_dim",
+            "experts",
+            "top_k",
+            "moe_ffn",
+            "vocab",
+            "n_group",
+            "topk_group",
+        ):
             require_positive_int(name, getattr(self, name))
         for name in ("dense_ffn", "shared_ffn"):
             value = getattr(self, name)
@@ -130,14 +141,20 @@ class MoEShape:
             if self.kv_heads != self.heads:  # transformers 5.24's MLA fails otherwise
                 raise ValueError(f"kv_heads must equal heads ({self.heads}) for deepseek_v3, got {self.kv_heads}")
             if self.experts % self.n_group or not self.topk_group <= self.n_group:
-                raise ValueError(f"n_group ({self.n_group}) must divide experts ({self.experts}) and topk_group "
-                                 f"({self.topk_group}) be at most n_group")
+                raise ValueError(
+                    f"n_group ({self.n_group}) must divide experts ({self.experts}) and topk_group "
+                    f"({self.topk_group}) be at most n_group"
+                )
             if self.top_k > self.topk_group * self.experts // self.n_group:
-                raise ValueError(f"top_k ({self.top_k}) is more than the topk_group ({self.topk_group}) groups of "
-                                 f"{self.experts // self.n_group} experts hold")
+                raise ValueError(
+                    f"top_k ({self.top_k}) is more than the topk_group ({self.topk_group}) groups of "
+                    f"{self.experts // self.n_group} experts hold"
+                )
         if (self.family in ("qwen2_moe", "deepseek_v3")) != (self.shared_ffn > 0):
-            raise ValueError(f"shared_ffn: {self.family} {'needs' if self.family in ('qwen2_moe', 'deepseek_v3') else 'has no'}"
-                             f" shared experts, got shared_ffn={self.shared_ffn}")
+            raise ValueError(
+                f"shared_ffn: {self.family} {'needs' if self.family in ('qwen2_moe', 'deepseek_v3') else 'has no'}"
+                f" shared experts, got shared_ffn={self.shared_ffn}"
+            )
 
     def is_dense(self, layer: int) -> bool:
         """Whether layer ``layer`` runs a dense MLP rather than an MoE block."""
@@ -154,12 +171,21 @@ class MoEShape:
 
     def valid_tp(self, tp: int) -> str | None:
         """Why ``tp`` cannot split this model as its plan says (None when it can)."""
-        checks = [(self.moe_ffn % tp == 0, f"tp ({tp}) must divide the experts' ffn ({self.moe_ffn})"),
-                  (not self.dense_layers or self.dense_ffn % tp == 0, f"tp ({tp}) must divide dense_ffn ({self.dense_ffn})")]
+        checks = [
+            (self.moe_ffn % tp == 0, f"tp ({tp}) must divide the experts' ffn ({self.moe_ffn})"),
+            (not self.dense_layers or self.dense_ffn % tp == 0, f"tp ({tp}) must divide dense_ffn ({self.dense_ffn})"),
+        ]
         if self.split("attention", tp) > 1:
-            checks += [(self.heads % tp == 0, f"tp ({tp}) must divide heads ({self.heads})"),
-                       (self.kv_heads % tp == 0, f"tp ({tp}) must divide kv_heads ({self.kv_heads}): transformers' "
-                                                 "colwise k/v projections split whole heads")]
+            checks += [
+                (self.heads % tp == 0, f"tp ({tp}) must divide heads ({self.heads})"),
+                (
+                    self.kv_heads % tp == 0,
+                    (
+                        f"tp ({tp}) must divide kv_heads ({self.kv_heads}): transformers' "
+                        "colwise k/v projections split whole heads"
+                    ),
+                ),
+            ]
         if self.split("shared", tp) > 1:
             checks.append((self.shared_ffn % tp == 0, f"tp ({tp}) must divide shared_ffn ({self.shared_ffn})"))
         return next((why for ok, why in checks if not ok), None)
@@ -197,8 +223,10 @@ class MoESetup:
         if not isinstance(self.sequence_parallel, bool):
             raise ValueError(f"sequence_parallel must be a bool, got {self.sequence_parallel!r}")
         if self.sequence_parallel and self.seq_len % self.tp:
-            raise ValueError(f"seq_len ({self.seq_len}) must be a multiple of tp ({self.tp}) when sequence_parallel "
-                             "is True (each rank holds s/t tokens)")
+            raise ValueError(
+                f"seq_len ({self.seq_len}) must be a multiple of tp ({self.tp}) when sequence_parallel "
+                "is True (each rank holds s/t tokens)"
+            )
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"dtype must be one of {tuple(DTYPE_BYTES)}, got {self.dtype!r}")
         if self.attention not in ATTENTION:

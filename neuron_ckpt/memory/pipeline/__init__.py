@@ -19,5 +19,16 @@ from .schedule import SCHEDULES, closed_form_in_flight, peak_in_flight, rank_ord
 from .stage_budget import StageBudget, stage_budgets
 from .stage_planner import PipelinePlan, StagePlan, plan_pipeline, smallest_pp
 
-__all__ = ["SCHEDULES", "PipelinePlan", "PipelineSetup", "StageBudget", "StagePlan", "closed_form_in_flight",
-           "peak_in_flight", "plan_pipeline", "rank_order", "smallest_pp", "stage_budgets"]
+__all__ = [
+    "SCHEDULES",
+    "PipelinePlan",
+    "PipelineSetup",
+    "StageBudget",
+    "StagePlan",
+    "closed_form_in_flight",
+    "peak_in_flight",
+    "plan_pipeline",
+    "rank_order",
+    "smallest_pp",
+    "stage_budgets",
+]

@@ -51,12 +51,16 @@ class PipelineSetup:
             if layers is None or not all(is_int(n) and n >= 0 for n in layers):
                 raise ValueError(f"stage_layers must be a tuple of ints >= 0, got {self.stage_layers!r}")
             if len(layers) != self.stages:
-                raise ValueError(f"stage_layers: need one count per virtual stage (pp x virtual_stages = "
-                                 f"{self.stages}), got {len(layers)}")
+                raise ValueError(
+                    f"stage_layers: need one count per virtual stage (pp x virtual_stages = "
+                    f"{self.stages}), got {len(layers)}"
+                )
             empty = [k for k, n in enumerate(layers) if n == 0 and 0 < k < self.stages - 1]
             if empty:
-                raise ValueError(f"stage_layers: stage {empty[0]} has no layers; only the first and the last "
-                                 "stage may (they hold the embedding, the head)")
+                raise ValueError(
+                    f"stage_layers: stage {empty[0]} has no layers; only the first and the last "
+                    "stage may (they hold the embedding, the head)"
+                )
             object.__setattr__(self, "stage_layers", layers)
 
     @property
@@ -73,8 +77,10 @@ class PipelineSetup:
         cut does not add up, or the model has fewer layers than middle stages)."""
         if self.stage_layers is None:
             if layers < self.stages:
-                raise ValueError(f"pp x virtual_stages ({self.stages}) is more than the model's {layers} layers: "
-                                 "every stage needs one")
+                raise ValueError(
+                    f"pp x virtual_stages ({self.stages}) is more than the model's {layers} layers: "
+                    "every stage needs one"
+                )
             from ...pipeline.cut import cut_layers
 
             return cut_layers(layers, self.pp, self.virtual_stages).layers_per_stage

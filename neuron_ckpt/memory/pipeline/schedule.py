@@ -59,13 +59,17 @@ def check_schedule(schedule: str, pp: int, microbatches: int, virtual_stages: in
             raise ValueError(f"virtual_stages must be >= 2 for the interleaved schedule, got {virtual_stages}")
         rounds = max(1, microbatches // pp)
         if microbatches % rounds:
-            raise ValueError(f"microbatches ({microbatches}) must be a multiple of the number of rounds "
-                             f"max(1, m // pp) = {rounds} for torch's interleaved 1F1B")
+            raise ValueError(
+                f"microbatches ({microbatches}) must be a multiple of the number of rounds "
+                f"max(1, m // pp) = {rounds} for torch's interleaved 1F1B"
+            )
     elif virtual_stages != 1:
         raise ValueError(f"virtual_stages ({virtual_stages}) > 1 needs schedule 'interleaved', got {schedule!r}")
     if schedule == "1f1b" and microbatches < pp:
-        raise ValueError(f"microbatches ({microbatches}) must be >= pp ({pp}) for torch's 1F1B (Schedule1F1B "
-                         "refuses fewer); use gpipe")
+        raise ValueError(
+            f"microbatches ({microbatches}) must be >= pp ({pp}) for torch's 1F1B (Schedule1F1B "
+            "refuses fewer); use gpipe"
+        )
 
 
 def rank_order(schedule: str, pp: int, microbatches: int, rank: int, virtual_stages: int = 1) -> list[Action]:
@@ -128,8 +132,9 @@ def holdings(order: list[Action]) -> list[dict[int, int]]:
     for action in order:
         held[action.stage] = held.get(action.stage, 0) + (1 if action.kind == "F" else -1)
         if held[action.stage] < 0:
-            raise ValueError(f"order: backward of micro-batch {action.microbatch} on stage {action.stage} "
-                             "before its forward")
+            raise ValueError(
+                f"order: backward of micro-batch {action.microbatch} on stage {action.stage} before its forward"
+            )
         states.append(dict(held))
     return states
 
@@ -156,5 +161,13 @@ def closed_form_in_flight(schedule: str, pp: int, microbatches: int, rank: int, 
     return min(2 * (pp - rank - 1) + (v - 1) * pp + 1, m * v)
 
 
-__all__ = ["SCHEDULES", "Action", "InFlight", "check_schedule", "closed_form_in_flight", "holdings",
-           "peak_in_flight", "rank_order"]
+__all__ = [
+    "SCHEDULES",
+    "Action",
+    "InFlight",
+    "check_schedule",
+    "closed_form_in_flight",
+    "holdings",
+    "peak_in_flight",
+    "rank_order",
+]

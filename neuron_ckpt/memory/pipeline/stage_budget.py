@@ -33,8 +33,9 @@ Not counted: the last stage's outputs kept for ``step(return_outputs=True)`` (``
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Sequence
+from typing import Any
 
 from ...recompute import RecomputeConfig
 from ..analytic import rotary_terms, stack_peak
@@ -104,8 +105,10 @@ class Moments:
                 backward.append((tuple(held), j))
                 held[j] -= 1
         backward_by_chunk = [[s for s, k in backward if k == j] for j in range(pipeline.virtual_stages)]
-        return Moments(tuple(_undominated(forward)),
-                       tuple((s, j) for j, states in enumerate(backward_by_chunk) for s in _undominated(states)))
+        return Moments(
+            tuple(_undominated(forward)),
+            tuple((s, j) for j, states in enumerate(backward_by_chunk) for s in _undominated(states)),
+        )
 
 
 def _undominated(states: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
@@ -149,10 +152,13 @@ def hold(chunks: Sequence[ChunkBytes], moments: Moments, constant: int = 0) -> H
         return constant + sum(n * (c.kept + (c.held - c.shared if with_runtime else 0)) for n, c in zip(counts, chunks))
 
     at = max(moments.forward, key=live)
-    peak = max([live(s) for s in moments.forward] +
-               [live(s) - chunks[j].kept + chunks[j].peak for s, j in moments.backward])
-    saved_peak = max([live(s, False) for s in moments.forward] +
-                     [live(s, False) - chunks[j].kept + chunks[j].peak for s, j in moments.backward])
+    peak = max(
+        [live(s) for s in moments.forward] + [live(s) - chunks[j].kept + chunks[j].peak for s, j in moments.backward]
+    )
+    saved_peak = max(
+        [live(s, False) for s in moments.forward]
+        + [live(s, False) - chunks[j].kept + chunks[j].peak for s, j in moments.backward]
+    )
     saved = live(at, False)
     return Held(at, saved, live(at) - saved, peak, saved_peak)
 
@@ -177,8 +183,11 @@ class RankModel:
         # torch cuts the batch into micro-batches as views (tensor_split); at t = 1 the embedding
         # keeps its ids as they come, so every micro-batch keeps the one [m b, s] storage.
         first = any(c.first for c in self.chunks)
-        self.batch_ids = pipeline.microbatches * self.embed if first and torch_buffers and (
-            model.kind == "llama" and setup.tp == 1) else 0
+        self.batch_ids = (
+            pipeline.microbatches * self.embed
+            if first and torch_buffers and (model.kind == "llama" and setup.tp == 1)
+            else 0
+        )
         self.rope = sum(t.nbytes for t in rotary_terms(model, setup)) if model.kind == "llama" else 0
         self.after = sum(i.nbytes for i in self.after_items)
         s, b, t = setup.seq_len, setup.micro_batch, setup.tp
@@ -227,34 +236,60 @@ class RankModel:
         items = list(self.static) + _layer_items(flat, counts)
         first = [n[c.stage] for c in self.chunks if c.first]
         if self.batch_ids:
-            items.append(LineItem("act: embedding", self.batch_ids, "activations",
-                                  "ids of the whole batch: torch's micro-batches are views of it"))
+            items.append(
+                LineItem(
+                    "act: embedding",
+                    self.batch_ids,
+                    "activations",
+                    "ids of the whole batch: torch's micro-batches are views of it",
+                )
+            )
         elif first:
             what = "dropout mask" if self.model.kind == "gpt" else "ids, shard mask"
             items.append(LineItem("act: embedding", self.embed * first[0], "activations", what))
         if self.rope:
             with_layers = sum(n[c.stage] for c in self.chunks if c.layers)
-            items.append(LineItem("act: rotary", self.rope * with_layers, "activations",
-                                  "cos/sin tables, made by each stage per micro-batch"))
+            items.append(
+                LineItem(
+                    "act: rotary",
+                    self.rope * with_layers,
+                    "activations",
+                    "cos/sin tables, made by each stage per micro-batch",
+                )
+            )
         last = [n[c.stage] for c in self.chunks if c.last]
         if last:
             items += [LineItem(i.name, i.nbytes * last[0], i.category, i.note) for i in self.after_items]
         if self.pipeline.buffers == "torch":
             shared = sum(k * b.shared for k, b in zip(held.counts, bytes_))
-            items.append(LineItem("pipeline: receive buffers", self.buffers - shared, "pipeline",
-                                  f"torch PipelineStage: {self.pipeline.microbatches} per micro-batch for the input "
-                                  "and the output's gradient, kept; in-flight inputs counted with the layers"))
-            items.append(LineItem("pipeline: outputs in flight", sum(k * b.held for k, b in zip(held.counts, bytes_)),
-                                  "pipeline", "each in-flight micro-batch's stage output (the last stage's: its "
-                                  "logits), held until its backward"))
+            items.append(
+                LineItem(
+                    "pipeline: receive buffers",
+                    self.buffers - shared,
+                    "pipeline",
+                    f"torch PipelineStage: {self.pipeline.microbatches} per micro-batch for the input "
+                    "and the output's gradient, kept; in-flight inputs counted with the layers",
+                )
+            )
+            items.append(
+                LineItem(
+                    "pipeline: outputs in flight",
+                    sum(k * b.held for k, b in zip(held.counts, bytes_)),
+                    "pipeline",
+                    "each in-flight micro-batch's stage output (the last stage's: its logits), held until its backward",
+                )
+            )
         kept = held.saved + held.runtime
         extra, why = self.parts.workspace(kept, held.peak)
         items.append(LineItem("peak workspace", extra, "workspace", why if extra else "nothing on top of what is kept"))
         ins = ", ".join(f"stage {c.stage}: {n[c.stage]}" for c in self.chunks)
-        notes = (f"micro-batches in flight at the rank's most ({self.pipeline.schedule}, m={self.pipeline.microbatches}):"
-                 f" {ins}",)
-        budget = MemoryBudget(self.model, self.setup, tuple(o.name for o in flat), tuple(items), notes,
-                              held.saved_peak)
+        notes = (
+            (
+                "micro-batches in flight at the rank's most "
+                f"({self.pipeline.schedule}, m={self.pipeline.microbatches}): {ins}"
+            ),
+        )
+        budget = MemoryBudget(self.model, self.setup, tuple(o.name for o in flat), tuple(items), notes, held.saved_peak)
         return StageBudget(self.rank, tuple(self.chunks), held.counts, budget, tuple(flat))
 
 
@@ -301,8 +336,10 @@ class StageBudget:
         return {
             "stage": self.rank,
             "layers": self.layers,
-            "virtual_stages": [{"stage": c.stage, "layers": c.layers, "first_layer": c.first_layer,
-                                "microbatches_in_flight": k} for c, k in zip(self.chunks, self.in_flight)],
+            "virtual_stages": [
+                {"stage": c.stage, "layers": c.layers, "first_layer": c.first_layer, "microbatches_in_flight": k}
+                for c, k in zip(self.chunks, self.in_flight)
+            ],
             "microbatches_in_flight": self.microbatches_in_flight,
             "activation_bytes": self.activation_bytes,
             "activation_peak_bytes": self.budget.activation_peak_bytes,
@@ -312,8 +349,13 @@ class StageBudget:
         }
 
 
-def split_options(model: ModelShape, setup: TrainingSetup, pipeline: PipelineSetup, layers: Layers,
-                  options: dict[str, LayerOption] | None = None) -> list[list[list[LayerOption]]]:
+def split_options(
+    model: ModelShape,
+    setup: TrainingSetup,
+    pipeline: PipelineSetup,
+    layers: Layers,
+    options: dict[str, LayerOption] | None = None,
+) -> list[list[list[LayerOption]]]:
     """Each rank's layer options, one list per local chunk, for ``layers`` as
     :func:`~..budget.memory_budget` takes it: a name or one entry per layer of the whole model; a
     :class:`RecomputeConfig` applies within each virtual stage (grouped and block full recompute
@@ -325,17 +367,33 @@ def split_options(model: ModelShape, setup: TrainingSetup, pipeline: PipelineSet
     else:
         flat = per_layer_options(model, setup, layers, options)
         starts = pipeline.first_layers(model.layers)
-        per_stage = [flat[a:a + n] for a, n in zip(starts, counts)]
+        per_stage = [flat[a : a + n] for a, n in zip(starts, counts)]
     return [[per_stage[k] for k in pipeline.rank_stages(rank)] for rank in range(pipeline.pp)]
 
 
-def stage_budgets(model: ModelShape, setup: TrainingSetup, pipeline: PipelineSetup, layers: Layers = "none",
-                  options: dict[str, LayerOption] | None = None) -> list[StageBudget]:
+def stage_budgets(
+    model: ModelShape,
+    setup: TrainingSetup,
+    pipeline: PipelineSetup,
+    layers: Layers = "none",
+    options: dict[str, LayerOption] | None = None,
+) -> list[StageBudget]:
     """Every pipeline rank's :class:`StageBudget` with ``layers`` recompute (:func:`split_options`).
     ``setup.microbatches_in_flight`` is not used: the schedule decides."""
     per_rank = split_options(model, setup, pipeline, layers, options)
     return [RankModel(model, setup, pipeline, rank).budget(per_rank[rank]) for rank in range(pipeline.pp)]
 
 
-__all__ = ["Chunk", "ChunkBytes", "Held", "Moments", "RankModel", "StageBudget", "hold", "rank_chunks",
-           "rank_parameters", "split_options", "stage_budgets"]
+__all__ = [
+    "Chunk",
+    "ChunkBytes",
+    "Held",
+    "Moments",
+    "RankModel",
+    "StageBudget",
+    "hold",
+    "rank_chunks",
+    "rank_parameters",
+    "split_options",
+    "stage_budgets",
+]

@@ -70,7 +70,7 @@ class StagePlan:
         per layer (None: no recompute)."""
         out, at = [], 0
         for chunk in self.budget.chunks:
-            options = self.budget.options[at:at + chunk.layers]
+            options = self.budget.options[at : at + chunk.layers]
             out.append([o.recompute if o.recompute.enabled else None for o in options])
             at += chunk.layers
         return out
@@ -107,20 +107,24 @@ class PipelinePlan:
             return f"every stage fits in {self.limit_bytes / GIB:.2f} GiB per device"
         worst = max(over, key=lambda s: s.budget.total_bytes)
         p = self.pipeline
-        text = (f"nothing fits in {self.limit_bytes / GIB:.2f} GiB per device on stage"
-                f"{'s' if len(over) > 1 else ''} {', '.join(str(s.budget.rank) for s in over)} of pp={p.pp} "
-                f"(stage {worst.budget.rank} needs {worst.budget.total_bytes / GIB:.2f} GiB with the least memory: "
-                f"{worst.describe()})")
+        text = (
+            f"nothing fits in {self.limit_bytes / GIB:.2f} GiB per device on stage"
+            f"{'s' if len(over) > 1 else ''} {', '.join(str(s.budget.rank) for s in over)} of pp={p.pp} "
+            f"(stage {worst.budget.rank} needs {worst.budget.total_bytes / GIB:.2f} GiB with the least memory: "
+            f"{worst.describe()})"
+        )
         if self.smallest_pp is not None:
-            return text + (f"; would fit: pp={self.smallest_pp} (the smallest pipeline degree that fits, "
-                           f"{p.schedule}, m={p.microbatches}, the default cut)")
+            return text + (
+                f"; would fit: pp={self.smallest_pp} (the smallest pipeline degree that fits, "
+                f"{p.schedule}, m={p.microbatches}, the default cut)"
+            )
         return text + f"; no pipeline degree above {p.pp} fits ({p.schedule}, m={p.microbatches})"
 
     def recompute(self) -> list[list[Any]]:
         """One entry per virtual stage, in stage order: the per-layer list of its layers' recompute
         (None: none), which :func:`neuron_ckpt.pipeline.apply_pipeline_recompute` takes as a
         per-stage plan."""
-        by_stage = {}
+        by_stage: dict[int, list[Any]] = {}
         for stage in self.stages:
             by_stage.update(zip((c.stage for c in stage.budget.chunks), stage.recompute()))
         return [by_stage[k] for k in range(self.pipeline.stages)]
@@ -135,8 +139,9 @@ class PipelinePlan:
         }  # fmt: skip
 
 
-def _assign(rank: RankModel, counts: dict[str, int], options: dict[str, LayerOption],
-            weights: list[int]) -> list[list[tuple[LayerOption, int]]]:
+def _assign(
+    rank: RankModel, counts: dict[str, int], options: dict[str, LayerOption], weights: list[int]
+) -> list[list[tuple[LayerOption, int]]]:
     """Runs of options per local chunk: the layers keeping least to the chunks with the most in
     flight, each chunk's runs in the order that keeps its backward peak lowest."""
     pool = sorted(((options[n], k) for n, k in counts.items() if k), key=lambda r: r[0].saved_bytes)
@@ -171,6 +176,7 @@ def _search(rank: RankModel, options: dict[str, LayerOption], limit: int, first_
             best = (cost, total, runs)
             if first_fit:
                 break
+    assert least is not None  # there is at least one choice of runs
     return (best[2] if best else None), least[2]
 
 
@@ -198,16 +204,18 @@ def _all_fit(model: ModelShape, setup: TrainingSetup, pipeline: PipelineSetup, l
     return True
 
 
-def smallest_pp(model: ModelShape, setup: TrainingSetup, pipeline: PipelineSetup, limit: int,
-                allowed: tuple[str, ...] | None = None) -> int | None:
+def smallest_pp(
+    model: ModelShape, setup: TrainingSetup, pipeline: PipelineSetup, limit: int, allowed: tuple[str, ...] | None = None
+) -> int | None:
     """The smallest pipeline degree above ``pipeline.pp`` at which every rank fits ``limit`` bytes
     (same schedule, micro-batches and virtual stages, the default cut); None when none up to one
     layer per stage does. Degrees the schedule refuses (1F1B with fewer micro-batches) are skipped."""
     options = _offered(model, setup, allowed)
     for pp in range(pipeline.pp + 1, model.layers // pipeline.virtual_stages + 1):
         try:
-            candidate = PipelineSetup(pp, pipeline.microbatches, pipeline.schedule, pipeline.virtual_stages,
-                                      None, pipeline.buffers)
+            candidate = PipelineSetup(
+                pp, pipeline.microbatches, pipeline.schedule, pipeline.virtual_stages, None, pipeline.buffers
+            )
         except ValueError:
             continue
         if _all_fit(model, setup, candidate, limit, options):
@@ -216,8 +224,12 @@ def smallest_pp(model: ModelShape, setup: TrainingSetup, pipeline: PipelineSetup
 
 
 def plan_pipeline(
-    model: ModelShape, setup: TrainingSetup, pipeline: PipelineSetup, device_memory: float | int | str | None,
-    reserve_gib: float | None = None, allowed: tuple[str, ...] | None = None,
+    model: ModelShape,
+    setup: TrainingSetup,
+    pipeline: PipelineSetup,
+    device_memory: float | int | str | None,
+    reserve_gib: float | None = None,
+    allowed: tuple[str, ...] | None = None,
 ) -> PipelinePlan:
     """Each rank's cheapest per-layer recompute that fits ``device_memory`` (GiB, a preset such
     as ``"trn1"``, or None to detect) less ``reserve_gib`` (default: 10% of the device, as

@@ -62,8 +62,10 @@ class MemoryReading:
 
     def core(self, index: int) -> dict[str, int]:
         if index not in self.cores:
-            raise ReadError(f"{self.path}: NeuronCore {index} is not in the report "
-                            f"(cores: {', '.join(map(str, sorted(self.cores))) or 'none'})")
+            raise ReadError(
+                f"{self.path}: NeuronCore {index} is not in the report "
+                f"(cores: {', '.join(map(str, sorted(self.cores))) or 'none'})"
+            )
         return self.cores[index]
 
 

@@ -29,8 +29,10 @@ from . import MemoryReading, ReadError, byte_count
 KINDS = ("peak", "current")
 STATES = ("active_allocated", "active_pending_free", "active_awaiting_free", "inactive")
 CATEGORIES = ("allocated", "active", "requested", "reserved")
-_STEPS = {"requested": {"alloc": 1, "free_requested": -1},
-          "reserved": {"segment_alloc": 1, "segment_map": 1, "segment_free": -1, "segment_unmap": -1}}
+_STEPS = {
+    "requested": {"alloc": 1, "free_requested": -1},
+    "reserved": {"segment_alloc": 1, "segment_map": 1, "segment_free": -1, "segment_unmap": -1},
+}
 _ACTIONS = {"free_completed", "oom", "snapshot"}.union(*_STEPS.values())
 
 
@@ -51,7 +53,7 @@ def _load(path: Path) -> dict:
         raise ReadError(f"{path}: cannot read it ({exc})") from None
     except _NeedsClass as exc:
         raise ReadError(f"{path}: refused: the pickle needs {exc} (a snapshot needs no class; none is run)") from None
-    except Exception as exc:  # bytes that are not a pickle raise many kinds of error
+    except Exception as exc:  # noqa: BLE001  bytes that are not a pickle raise many kinds of error
         raise ReadError(f"{path}: not a pickle ({type(exc).__name__}: {exc})") from None
     if not isinstance(data, dict) or not isinstance(data.get("segments"), list):
         raise ReadError(f"{path}: not a memory snapshot (no 'segments' list)")
@@ -64,8 +66,9 @@ def _current(segments: list, path: Path, notes: list[str]) -> dict[int, dict[str
         where = f"{path}: segment {i}"
         if not isinstance(seg, dict) or not isinstance(seg.get("blocks"), list):
             raise ReadError(f"{where}: malformed segment (no 'blocks' list)")
-        values = devices.setdefault(byte_count(seg, "device", where) if "device" in seg else 0,
-                                    dict.fromkeys(CATEGORIES, 0))
+        values = devices.setdefault(
+            byte_count(seg, "device", where) if "device" in seg else 0, dict.fromkeys(CATEGORIES, 0)
+        )
         total = byte_count(seg, "total_size", where)
         values["reserved"] += total
         for j, block in enumerate(seg["blocks"]):
@@ -108,7 +111,8 @@ def read(path: str | Path, kind: str = "peak") -> MemoryReading:
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     path = Path(path)
-    data, notes = _load(path), []
+    data = _load(path)
+    notes: list[str] = []
     devices = _current(data["segments"], path, notes)
     traces = data.get("device_traces", [])
     if not isinstance(traces, list) or not all(isinstance(t, list) for t in traces):
@@ -122,8 +126,11 @@ def read(path: str | Path, kind: str = "peak") -> MemoryReading:
             trace = traces[device] if device < len(traces) else []
             where = f"{path}: device_traces[{device}]"
             devices[device] = {name: _peak(trace, values[name], name, where) for name in _STEPS}
-            notes.append(f"device {device}: peak over {len(trace)} trace entries (the recorder keeps the last "
-                         "max_entries)" if trace else f"device {device}: no history recorded, so peak = current")
+            notes.append(
+                f"device {device}: peak over {len(trace)} trace entries (the recorder keeps the last max_entries)"
+                if trace
+                else f"device {device}: no history recorded, so peak = current"
+            )
     return MemoryReading("cuda-snapshot", str(path), kind, dict(sorted(devices.items())), notes=tuple(notes))
 
 

@@ -67,14 +67,17 @@ def source_of(path: str | Path) -> str:
                 kind = None
         if kind is not None:
             return kind
-        raise ReadError(f"{path}: JSON of no known report (neuron-monitor, sysfs snapshot, def.json, memory_stats, "
-                        f"recorder)")
+        raise ReadError(
+            f"{path}: JSON of no known report (neuron-monitor, sysfs snapshot, def.json, memory_stats, recorder)"
+        )
     if "neuroncore_memory_usage_" in text:
         return "prometheus"
     if re.search(r"^allocation \d+: size \d+", text, re.MULTILINE):
         return "xla_buffers"
-    raise ReadError(f"{path}: not a memory report this tool reads (neuron-monitor, Prometheus, sysfs, NEFF, XLA "
-                    f"buffer assignment, CUDA snapshot or memory_stats, recorder)")
+    raise ReadError(
+        f"{path}: not a memory report this tool reads (neuron-monitor, Prometheus, sysfs, NEFF, XLA "
+        f"buffer assignment, CUDA snapshot or memory_stats, recorder)"
+    )
 
 
 def read_any(path: str | Path, source: str | None = None, **options) -> MemoryReading:

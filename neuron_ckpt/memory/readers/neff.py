@@ -62,8 +62,10 @@ def _subgraph(data: bytes, where: str, notes: list[str]) -> dict[str, int]:
     if not extents:
         notes.append(f"{where}: no virtual var, so no scratchpad (0 bytes)")
     for category in sorted(set(extents) - {MAIN}):
-        notes.append(f"{where}: virtual vars in area {category[len('scratchpad_'):]!r} are kept apart as "
-                     f"{category!r}; how the runtime allocates that area is unconfirmed")
+        notes.append(
+            f"{where}: virtual vars in area {category[len('scratchpad_') :]!r} are kept apart as "
+            f"{category!r}; how the runtime allocates that area is unconfirmed"
+        )
     return {MAIN: extents.pop(MAIN, 0), **extents, **sums}
 
 
@@ -82,10 +84,11 @@ def _from_neff(path: Path) -> dict[int, tuple[str, bytes]]:
             for member in archive.getmembers():
                 match = _MEMBER.fullmatch(member.name)
                 if match and member.isfile():
-                    found[int(match.group(1))] = (member.name, archive.extractfile(member).read())
+                    found[int(match.group(1))] = (member.name, archive.extractfile(member).read())  # type: ignore[union-attr]  # a file member: never None
     except (tarfile.TarError, EOFError, OSError, zlib.error) as exc:  # tarfile's message has several lines
-        raise ReadError(f"{path}: not a NEFF (no tar archive after a {HEADER_BYTES}-byte header: "
-                        f"{' '.join(str(exc).split())})") from None
+        raise ReadError(
+            f"{path}: not a NEFF (no tar archive after a {HEADER_BYTES}-byte header: {' '.join(str(exc).split())})"
+        ) from None
     return found
 
 

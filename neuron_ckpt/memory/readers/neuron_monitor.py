@@ -48,8 +48,9 @@ def _add_runtime(runtime: object, sample: dict[int, dict[str, int]], where: str)
     memory = _at(runtime, ("report", "memory_used"), f"{where}: {who}")
     if isinstance(memory, dict) and memory.get("error"):
         raise ReadError(f"{where}: neuron-monitor reported an error in memory_used for {who}: {memory['error']}")
-    per_core = _at(memory, ("neuron_runtime_used_bytes", "usage_breakdown", "neuroncore_memory_usage"),
-                   f"{where}: {who}")
+    per_core = _at(
+        memory, ("neuron_runtime_used_bytes", "usage_breakdown", "neuroncore_memory_usage"), f"{where}: {who}"
+    )
     if not isinstance(per_core, dict):
         raise ReadError(f"{where}: {who}: neuroncore_memory_usage is {per_core!r}, not an object")
     for key, categories in per_core.items():
@@ -87,8 +88,11 @@ def read(path: str | Path, tag: str | None = None) -> MemoryReading:
         runtimes = report["neuron_runtime_data"] or []
         if not isinstance(runtimes, list):
             raise ReadError(f"{where}: neuron_runtime_data is {type(runtimes).__name__}, not a list")
-        mine = [r for r in runtimes if tag is None or re.fullmatch(tag, str(
-            r.get("neuron_runtime_tag", "") if isinstance(r, dict) else ""))]
+        mine = [
+            r
+            for r in runtimes
+            if tag is None or re.fullmatch(tag, str(r.get("neuron_runtime_tag", "") if isinstance(r, dict) else ""))
+        ]
         sample: dict[int, dict[str, int]] = {}
         for runtime in mine:
             _add_runtime(runtime, sample, where)
@@ -100,10 +104,13 @@ def read(path: str | Path, tag: str | None = None) -> MemoryReading:
     if not samples:
         which = f" for tag {tag!r}" if tag is not None else ""
         raise ReadError(f"{path}: no memory samples{which} (an empty file, or no runtime reported memory)")
-    note = (f"largest of {samples} samples per category, each the sum over its runtimes (at most {most} in one); "
-            f"a transient shorter than neuron-monitor's period can be missed")
-    return MemoryReading("neuron-monitor", str(path), "peak", dict(sorted(cores.items())), samples,
-                         SCRATCHPAD_PAGE_BYTES, (note,))
+    note = (
+        f"largest of {samples} samples per category, each the sum over its runtimes (at most {most} in one); "
+        f"a transient shorter than neuron-monitor's period can be missed"
+    )
+    return MemoryReading(
+        "neuron-monitor", str(path), "peak", dict(sorted(cores.items())), samples, SCRATCHPAD_PAGE_BYTES, (note,)
+    )
 
 
 __all__ = ["read"]

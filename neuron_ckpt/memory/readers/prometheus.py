@@ -46,16 +46,22 @@ class _Scrapes:
     :meth:`close` checks the open scrape against the one before it and keeps its sums."""
 
     def __init__(self, path: Path):
-        self.path, self.closed, self.previous = path, [], set()
-        self.start, self.seen, self.memory, self.sums = 1, set(), set(), {}
+        self.path = path
+        self.closed: list[dict[tuple[int, str], int]] = []
+        self.previous: set[str] = set()
+        self.start = 1
+        self.seen: set[str] = set()
+        self.memory: set[str] = set()
+        self.sums: dict[tuple[int, str], int] = {}
 
     def close(self, next_line: int) -> None:
         if self.sums:
             where = f"{self.path}: the scrape from line {self.start}"
             lost = self.previous - self.memory
             if lost:
-                raise ReadError(f"{where} lacks {len(lost)} memory series the scrape before it had (cut short?), "
-                                f"e.g. {min(lost)}")
+                raise ReadError(
+                    f"{where} lacks {len(lost)} memory series the scrape before it had (cut short?), e.g. {min(lost)}"
+                )
             for core in sorted({c for c, _ in self.sums}):
                 missing = [c for c in NEURON_CATEGORIES if (core, c) not in self.sums]
                 if missing:
@@ -84,7 +90,7 @@ def read(path: str | Path, tag: str | None = None) -> MemoryReading:
         if series in scrapes.seen:
             scrapes.close(number)
         scrapes.seen.add(series)
-        category = name[len(PREFIX):] if name.startswith(PREFIX) else None
+        category = name[len(PREFIX) :] if name.startswith(PREFIX) else None
         if category not in NEURON_CATEGORIES:
             continue  # other metrics, and CloudWatch's neuroncore_memory_usage_total
         labels = _labels(match.group("labels") or "", where)
@@ -108,12 +114,18 @@ def read(path: str | Path, tag: str | None = None) -> MemoryReading:
         raise ReadError(f"{path}: no {PREFIX}* samples{which}: not the Neuron exporter's output")
     cores: dict[int, dict[str, int]] = {}
     for sums in scrapes.closed:
-        for (core, category), value in sums.items():
-            peak = cores.setdefault(core, dict.fromkeys(NEURON_CATEGORIES, 0))
-            peak[category] = max(peak[category], value)
+        for (index, kind), value in sums.items():
+            peak = cores.setdefault(index, dict.fromkeys(NEURON_CATEGORIES, 0))
+            peak[kind] = max(peak[kind], value)
     count = len(scrapes.closed)
-    return MemoryReading("prometheus", str(path), "peak" if count > 1 else "current", dict(sorted(cores.items())),
-                         count, SCRATCHPAD_PAGE_BYTES)
+    return MemoryReading(
+        "prometheus",
+        str(path),
+        "peak" if count > 1 else "current",
+        dict(sorted(cores.items())),
+        count,
+        SCRATCHPAD_PAGE_BYTES,
+    )
 
 
 __all__ = ["PREFIX", "read"]

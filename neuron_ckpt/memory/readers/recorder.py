@@ -14,8 +14,9 @@ kept when it exited, so a peak of the saved activations, not of the whole device
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, cast
 
 from ...files import write_atomic
 from . import MemoryReading, ReadError
@@ -44,7 +45,8 @@ def write(path: str | Path, per_rank: Sequence[SavedTensorRecorder | int]) -> No
         if isinstance(item, int) and not isinstance(item, bool) and item >= 0:
             ranks.append({"rank": rank, "saved_bytes": item, "by_scope": {}})
         elif hasattr(item, "bytes_by_scope"):  # a SavedTensorRecorder (measure imports torch; this does not)
-            ranks.append({"rank": rank, "saved_bytes": item.total_bytes, "by_scope": item.bytes_by_scope()})
+            recorder = cast("SavedTensorRecorder", item)
+            ranks.append({"rank": rank, "saved_bytes": recorder.total_bytes, "by_scope": recorder.bytes_by_scope()})
         else:
             raise ValueError(f"rank {rank}: expected a SavedTensorRecorder or a byte count, got {item!r}")
     if not ranks:

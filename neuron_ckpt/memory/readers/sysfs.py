@@ -81,8 +81,10 @@ def snapshot(root: str | Path) -> dict[str, dict[str, dict[str, int]]]:
         raise ReadError(f"{root}: no neuron<d>/neuron_core<c>/{_DEVICE_MEM} counters under it")
     if {k: v.keys() for k, v in totals.items()} != {k: v.keys() for k, v in peaks.items()}:
         raise ReadError(f"{root}: NeuronCores or categories changed while the tree was read")
-    return {key: {name: {"total": totals[key][name], "peak": peaks[key][name]} for name in values}
-            for key, values in totals.items()}
+    return {
+        key: {name: {"total": totals[key][name], "peak": peaks[key][name]} for name in values}
+        for key, values in totals.items()
+    }
 
 
 def merge_max(a: dict, b: dict) -> dict:
@@ -92,8 +94,13 @@ def merge_max(a: dict, b: dict) -> dict:
     Snapshots of different cores or categories are an error."""
     if a.keys() != b.keys() or any(a[k].keys() != b[k].keys() for k in a):
         raise ReadError("sysfs snapshots of different NeuronCores or categories cannot be merged")
-    return {key: {name: {"total": max(a[key][name]["total"], b[key][name]["total"]), "peak": b[key][name]["peak"]}
-                  for name in b[key]} for key in b}
+    return {
+        key: {
+            name: {"total": max(a[key][name]["total"], b[key][name]["total"]), "peak": b[key][name]["peak"]}
+            for name in b[key]
+        }
+        for key in b
+    }
 
 
 def read(path: str | Path, kind: str = "peak") -> MemoryReading:
@@ -109,19 +116,21 @@ def read(path: str | Path, kind: str = "peak") -> MemoryReading:
         raise ReadError(f"{path}: no neuron<d>/neuron_core<c>/{_DEVICE_MEM} counters under it")
     per_device: dict[int, set[int]] = {}
     for key in found:
-        device, core = map(int, _CORE.fullmatch(key).groups())
+        device, core = map(int, _CORE.fullmatch(key).groups())  # type: ignore[union-attr]  # the keys matched _CORE
         per_device.setdefault(device, set()).add(core)
     widths = {len(cores) for cores in per_device.values()}
     if len(widths) != 1 or any(cores != set(range(len(cores))) for cores in per_device.values()):
-        raise ReadError(f"{path}: devices have different or gapped NeuronCore sets: "
-                        f"{ {d: sorted(c) for d, c in sorted(per_device.items())} }")
+        raise ReadError(
+            f"{path}: devices have different or gapped NeuronCore sets: "
+            f"{ {d: sorted(c) for d, c in sorted(per_device.items())} }"
+        )
     width = widths.pop()
     cores = {}
     for key, values in found.items():
         missing = [c for c in NEURON_CATEGORIES if c not in values]
         if missing:
             raise ReadError(f"{path}: {key} lacks {', '.join(map(repr, missing))}")
-        device, core = map(int, _CORE.fullmatch(key).groups())
+        device, core = map(int, _CORE.fullmatch(key).groups())  # type: ignore[union-attr]  # the keys matched _CORE
         cores[device * width + core] = values
     return MemoryReading("sysfs", str(path), kind, dict(sorted(cores.items())), 1, SCRATCHPAD_PAGE_BYTES)
 

@@ -59,7 +59,7 @@ def _peak(lines: list[str], path: Path, notes: list[str]) -> int | None:
         notes.append(f"{path}: no live ranges (HloLiveRange) in the dump, so no live_at_peak")
         return None
     cumulative = 0
-    for line in lines[start + 1:]:
+    for line in lines[start + 1 :]:
         found = _CUMULATIVE.fullmatch(line)
         if found:
             cumulative = int(found.group(1))
@@ -71,8 +71,9 @@ def _peak(lines: list[str], path: Path, notes: list[str]) -> int | None:
         if total != cumulative:
             raise ReadError(f"{path}: peak usage {total} bytes, but the live values at the peak sum to {cumulative}")
         return total
-    raise ReadError(f"{path}: the live ranges at the peak end without 'Stack trace breakdown for peak usage' "
-                    "(truncated?)")
+    raise ReadError(
+        f"{path}: the live ranges at the peak end without 'Stack trace breakdown for peak usage' (truncated?)"
+    )
 
 
 def read(path: str | Path) -> MemoryReading:
@@ -96,16 +97,17 @@ def read(path: str | Path) -> MemoryReading:
                 raise ReadError(f"{path}:{number}: expected 'allocation {count}: size N...:', got {line[:80]!r}")
             values[_category(flags)] += size
             count += 1
-        elif _TOTAL.match(line):
-            total = int(_TOTAL.match(line).group(1))
+        elif matched := _TOTAL.match(line):
+            total = int(matched.group(1))
             break
     if count == 0:
         raise ReadError(f"{path}: no 'allocation N: size S' lines")
     if total is None:
         raise ReadError(f"{path}: no 'Total bytes used' line after {count} allocations (truncated?)")
     if sum(values.values()) != total:
-        raise ReadError(f"{path}: the {count} allocations sum to {sum(values.values())} bytes, but 'Total bytes "
-                        f"used' says {total}")
+        raise ReadError(
+            f"{path}: the {count} allocations sum to {sum(values.values())} bytes, but 'Total bytes used' says {total}"
+        )
     notes: list[str] = []
     if values["temp"] == 0:
         notes.append(f"{path}: no temporary allocation (every value fits in parameter or output buffers)")

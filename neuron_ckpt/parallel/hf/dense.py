@@ -8,7 +8,8 @@ the module and sums its parameters' gradients over the group; ``replicate`` keep
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
+from typing import Any, cast
 
 import torch
 
@@ -49,14 +50,22 @@ def _check_linear(model: torch.nn.Module, target: Target, t: int) -> None:
 
 def _apply_linear(target: Target, split: Split) -> None:
     """Swap the ``nn.Linear`` for our layer holding this rank's slice of its weights."""
-    module, state = target.module, split.state
+    module, state = cast(torch.nn.Linear, target.module), split.state  # the plan targets an nn.Linear here
     t, r = state.tp_size, state.tp_rank
     w = module.weight
     column, flag = LINEAR_STYLES[target.style]
-    kwargs = dict(bias=module.bias is not None, dtype=w.dtype, device="meta", parallel_state=state, init_method=no_init)
+    new: torch.nn.Module
+    kwargs: dict[str, Any] = dict(
+        bias=module.bias is not None, dtype=w.dtype, device="meta", parallel_state=state, init_method=no_init
+    )
     if column:
         keeps_split = split.loss_head == target.name
-        new = ColumnParallelLinear(module.in_features, module.out_features, gather_output=flag and not keeps_split, **kwargs)
+        new = ColumnParallelLinear(
+            module.in_features,
+            module.out_features,
+            gather_output=flag and not keeps_split,
+            **kwargs,
+        )
         take(new, "weight", w, 0, t, r)
         if module.bias is not None:
             take(new, "bias", module.bias, 0, t, r)
@@ -75,7 +84,9 @@ def _check_embedding(model: torch.nn.Module, target: Target, t: int) -> None:
             f"{where}: needs a torch.nn.Embedding (or one that only scales by embed_scale), got {type(module).__name__}"
         )
     if module.num_embeddings % t:
-        raise ValueError(f"{where}: num_embeddings={module.num_embeddings} is not divisible by the tensor-parallel size {t}")
+        raise ValueError(
+            f"{where}: num_embeddings={module.num_embeddings} is not divisible by the tensor-parallel size {t}"
+        )
     if module.max_norm is not None or module.scale_grad_by_freq or module.sparse:
         raise ValueError(f"{where}: max_norm, scale_grad_by_freq and sparse are not supported")
 
@@ -83,13 +94,15 @@ def _check_embedding(model: torch.nn.Module, target: Target, t: int) -> None:
 def _plain_embedding(module: torch.nn.Embedding) -> bool:
     """``nn.Embedding`` itself, or transformers' ``*ScaledWordEmbedding`` (lookup times ``embed_scale``)."""
     return type(module) is torch.nn.Embedding or (
-        type(module).__name__.endswith("ScaledWordEmbedding") and isinstance(getattr(module, "embed_scale", None), torch.Tensor)
+        type(module).__name__.endswith("ScaledWordEmbedding")
+        and isinstance(getattr(module, "embed_scale", None), torch.Tensor)
     )
 
 
 def _apply_embedding(target: Target, split: Split) -> None:
-    new = HFVocabParallelEmbedding(target.module, split.state)
-    take(new, "weight", target.module.weight, 0, split.state.tp_size, split.state.tp_rank)
+    module = cast(torch.nn.Embedding, target.module)  # the plan targets an nn.Embedding here
+    new = HFVocabParallelEmbedding(module, split.state)
+    take(new, "weight", module.weight, 0, split.state.tp_size, split.state.tp_rank)
     swap(split.model, target.name, new)
 
 

@@ -3,9 +3,10 @@
 transformers (5.x) holds a layer's experts as 3-D parameters, one matrix per expert:
 ``gate_up_proj`` ``[E, 2i, h]`` (the gate's ``i`` rows, then the up projection's) and
 ``down_proj`` ``[E, h, i]``; transposed experts hold ``[E, h, 2i]`` and ``[E, i, h]`` (Aria's
-class says so with ``is_transposed``; Llama 4's, without the attribute, by its shapes). Rank ``r`` keeps rows ``[r i/t, (r+1) i/t)`` of the gate and the same rows of
-up, and the same columns of down, so ``act(gate) * up`` and the down projection run on this
-rank's ``i/t`` features, and each rank's output is a partial sum of the layer's output:
+class says so with ``is_transposed``; Llama 4's, without the attribute, by its shapes). Rank ``r``
+keeps rows ``[r i/t, (r+1) i/t)`` of the gate and the same rows of up, and the same columns of
+down, so ``act(gate) * up`` and the down projection run on this rank's ``i/t`` features, and each
+rank's output is a partial sum of the layer's output:
 
 ==============================================  ===============================================
 plan entry                                      becomes
@@ -55,7 +56,10 @@ def _layout(experts: torch.nn.Module, name: str) -> tuple[int, int]:
     """(dim, stride) of the intermediate size in the experts' weight ``name``."""
     transposed = getattr(experts, "is_transposed", None)
     if transposed is None:  # an undecorated class (Llama 4): the whole shapes tell, gate_up's h meets down's h
-        up, down = _whole_shape(experts, "gate_up_proj") or _whole_shape(experts, "up_proj"), _whole_shape(experts, "down_proj")
+        up, down = (
+            _whole_shape(experts, "gate_up_proj") or _whole_shape(experts, "up_proj"),
+            _whole_shape(experts, "down_proj"),
+        )
         transposed = up is not None and down is not None and up[1] == down[2] and up[2] != down[1]
     if name == "down_proj":
         return (1 if transposed else 2), 1
@@ -71,7 +75,7 @@ def _whole_shape(experts: torch.nn.Module, name: str) -> tuple[int, ...] | None:
 
 def _check_weight(model: torch.nn.Module, target: Target, t: int) -> None:
     experts, name, where = target.module, target.param, target.where
-    weight = getattr(experts, name)
+    weight = getattr(experts, name)  # type: ignore[arg-type]  # a weight target always names its param
     if name not in WEIGHTS or weight.dim() != 3:
         raise ValueError(
             f"{where}: needs a 3-D expert weight ({', '.join(WEIGHTS)} of an experts module), "
@@ -93,10 +97,10 @@ def _check_weight(model: torch.nn.Module, target: Target, t: int) -> None:
 
 def _apply_weight(target: Target, split: Split) -> None:
     experts, name = target.module, target.param
-    dim, stride = _layout(experts, name)
-    full = getattr(experts, name)
+    dim, stride = _layout(experts, name)  # type: ignore[arg-type]  # a weight target always names its param
+    full = getattr(experts, name)  # type: ignore[arg-type]  # a weight target always names its param
     t = split.state.tp_size
-    take(experts, name, full, dim, t, split.state.tp_rank, stride)
+    take(experts, name, full, dim, t, split.state.tp_rank, stride)  # type: ignore[arg-type]  # a weight target always names its param
     size = full.shape[dim] // stride
     for attribute in SIZE_ATTRIBUTES:
         if getattr(experts, attribute, None) == size:
@@ -107,7 +111,9 @@ def _check_experts(model: torch.nn.Module, target: Target, t: int) -> None:
     experts, where = target.module, target.where
     weights = [n for n in WEIGHTS if isinstance(getattr(experts, n, None), torch.nn.Parameter)]
     if not weights:
-        raise ValueError(f"{where}: needs an experts module holding 3-D {' / '.join(WEIGHTS)}, got {type(experts).__name__}")
+        raise ValueError(
+            f"{where}: needs an experts module holding 3-D {' / '.join(WEIGHTS)}, got {type(experts).__name__}"
+        )
     others = [n for n, _ in experts.named_parameters(recurse=False) if n not in weights]
     if others or getattr(experts, "has_bias", False):
         raise ValueError(
@@ -120,7 +126,7 @@ def _check_experts(model: torch.nn.Module, target: Target, t: int) -> None:
 
 def check_experts_plan(model: torch.nn.Module, targets: list[Target], t: int) -> None:
     """A split expert weight's module sums the partial outputs, and that module splits all its weights."""
-    split = {}
+    split: dict[str, set[str]] = {}
     for target in targets:
         if target.param is not None and target.param in WEIGHTS:
             split.setdefault(target.name.rpartition(".")[0], set()).add(target.param)

@@ -3,7 +3,8 @@ is computed on the split logits (never gathering ``[b, s, v]``)."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -35,9 +36,13 @@ def vocab_parallel_loss(state: ParallelState) -> Callable[..., torch.Tensor]:
         if shift_labels is None:
             shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
         reduction = "sum" if num_items_in_batch is not None else "mean"
-        out = vocab_parallel_cross_entropy(logits.float(), shift_labels.to(logits.device), ignore_index, reduction, state.tp)
+        out = vocab_parallel_cross_entropy(
+            logits.float(), shift_labels.to(logits.device), ignore_index, reduction, state.tp
+        )
         if num_items_in_batch is not None:
-            out = out / (num_items_in_batch.to(out.device) if torch.is_tensor(num_items_in_batch) else num_items_in_batch)
+            out = out / (
+                num_items_in_batch.to(out.device) if torch.is_tensor(num_items_in_batch) else num_items_in_batch
+            )
         return out
 
     return loss

@@ -23,7 +23,7 @@ def _attention(model: torch.nn.Module, target: Target) -> torch.nn.Module:
 
 def _rope_dim(model: torch.nn.Module, target: Target) -> int | None:
     config = getattr(model, "config", None)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = config.get_text_config() if config is not None and hasattr(config, "get_text_config") else config
     return getattr(_attention(model, target), "qk_rope_head_dim", getattr(text, "qk_rope_head_dim", None))
 
 
@@ -33,10 +33,14 @@ def _check(model: torch.nn.Module, target: Target, t: int) -> None:
         raise ValueError(f"{where}: needs a torch.nn.Linear, got {type(module).__name__}")
     rope = _rope_dim(model, target)
     if not isinstance(rope, int) or not 0 < rope < module.out_features:
-        raise ValueError(f"{where}: needs qk_rope_head_dim (the attention's or the config's) below out_features, got {rope}")
+        raise ValueError(
+            f"{where}: needs qk_rope_head_dim (the attention's or the config's) below out_features, got {rope}"
+        )
     heads = getattr(_attention(model, target), "num_heads", None)
     if not isinstance(heads, int) or heads % t:
-        raise ValueError(f"{where}: num_heads={heads} of its attention is not divisible by the tensor-parallel size {t}")
+        raise ValueError(
+            f"{where}: num_heads={heads} of its attention is not divisible by the tensor-parallel size {t}"
+        )
 
 
 def _apply(target: Target, split: Split) -> None:

@@ -5,7 +5,7 @@ weights, the vocabulary-parallel loss, attention dropout on split heads)."""
 from __future__ import annotations
 
 import re
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -73,7 +73,7 @@ def apply_tensor_parallel(
     for lm_head, embedding in tied:
         model.get_submodule(lm_head).weight = model.get_submodule(embedding).weight
     if head is not None:
-        model.loss_function = vocab_parallel_loss(state)
+        model.loss_function = vocab_parallel_loss(state)  # type: ignore[assignment]  # torch types a module's attributes as Tensor | Module
     if sequence is not None:
         apply_sequence_parallel(model, sequence, state)
     return model
@@ -106,7 +106,9 @@ def _resolve(model: torch.nn.Module, plan: dict[str, str]) -> list[Target]:
 
 def _style(target: Target) -> Style:
     if target.param is None and target.style not in STYLES:
-        raise ValueError(f"{target.where}: neuron_ckpt maps this style on parameters (3-D expert weights), not on a module")
+        raise ValueError(
+            f"{target.where}: neuron_ckpt maps this style on parameters (3-D expert weights), not on a module"
+        )
     if target.param is not None and target.style not in PARAMETER_STYLES:
         raise ValueError(f"{target.where}: neuron_ckpt maps this style on modules, not on a parameter")
     return (STYLES if target.param is None else PARAMETER_STYLES)[target.style]

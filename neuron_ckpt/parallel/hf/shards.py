@@ -31,7 +31,7 @@ def take(module: torch.nn.Module, name: str, full: torch.Tensor, dim: int, t: in
     param = torch.nn.Parameter(shard_of(full.detach(), dim, t, r, stride).clone(), requires_grad=full.requires_grad)
     set_tensor_parallel_attributes(param, partition_dim=dim)
     if stride > 1:
-        param.partition_stride = stride
+        param.partition_stride = stride  # type: ignore[attr-defined]  # a marker torch does not declare
     setattr(module, name, param)
     shapes = module.__dict__.setdefault("_full_shapes", {})
     shapes[name] = (tuple(full.shape), dim, t, r, stride)

@@ -8,8 +8,8 @@ makes the change. A new style is one entry in a table (``dense.DENSE_STYLES``,
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
