@@ -32,6 +32,7 @@ import torch
 
 from . import hf_conversion
 from .llama_args import LlamaArgs
+from .parallel_model import ParallelModel
 
 CONFIG_NAME = "config.json"
 SAFE_WEIGHTS_NAME = "model.safetensors"
@@ -231,7 +232,7 @@ def _index(rng: tuple[int, int, int] | None) -> tuple[slice, ...]:
     return (slice(None),) * dim + (slice(start, stop),)
 
 
-def load_hf_checkpoint(model: torch.nn.Module, path: str | Path) -> None:
+def load_hf_checkpoint(model: ParallelModel, path: str | Path) -> None:
     """Copy this rank's slices of the ``transformers`` checkpoint at ``path`` into ``model``.
 
     ``path``: a ``save_pretrained`` directory or one weights file (see the module docstring).
@@ -245,13 +246,13 @@ def load_hf_checkpoint(model: torch.nn.Module, path: str | Path) -> None:
         check_hf_config(model.args, hf_config, str(_config_path(path)))
     entries, loaded = _scan(weight_files(path))
     expected = hf_conversion.check_hf_shapes(model, {k: e.shape for k, e in entries.items()}, f"checkpoint {path}")
-    tp = model.parallel_state.tp  # type: ignore[union-attr]  # torch types a module's attributes as Tensor | Module
+    tp = model.parallel_state.tp
     files = list(dict.fromkeys(e.file for e in entries.values()))
     order = sorted(expected, key=lambda k: files.index(entries[k].file))  # file by file, model order within
     with torch.no_grad():
         for key in order:
             p = expected[key][1]
-            piece = _read(entries[key].file, key, _index(hf_conversion.shard_range(p, tp.rank, tp.size)), loaded)  # type: ignore[arg-type, union-attr]  # torch types a module's attributes as Tensor | Module
+            piece = _read(entries[key].file, key, _index(hf_conversion.shard_range(p, tp.rank, tp.size)), loaded)
             p.copy_(piece.to(dtype=p.dtype).to(device=p.device))  # cast on the host: no graph on XLA
             del piece  # (and its file mapping, before the next tensor)
 

@@ -29,6 +29,7 @@ import torch
 
 from ..distributed import collectives as C
 from ..parallel.params import is_tensor_parallel
+from .parallel_model import ParallelModel
 
 _RENAMES = (
     ("self_attn.qkv.q_weight", "self_attn.q_proj.weight"),
@@ -110,17 +111,17 @@ TIED_HEAD_KEY = "lm_head.weight"
 TIED_TABLE_KEY = "model.embed_tokens.weight"
 
 
-def expected_hf_keys(model: torch.nn.Module) -> dict[str, tuple[str, torch.nn.Parameter]]:
+def expected_hf_keys(model: ParallelModel) -> dict[str, tuple[str, torch.nn.Parameter]]:
     """``transformers`` key -> (our name, parameter); a tied head's weight once, as the embedding."""
     return {to_hf_name(name): (name, p) for name, p in model.named_parameters()}
 
 
-def _tied(model: torch.nn.Module) -> bool:
+def _tied(model: ParallelModel) -> bool:
     return bool(getattr(getattr(model, "args", None), "tie_word_embeddings", False))
 
 
 def check_hf_shapes(
-    model: torch.nn.Module, shapes: Mapping[str, tuple[int, ...]], what: str = "state dict"
+    model: ParallelModel, shapes: Mapping[str, tuple[int, ...]], what: str = "state dict"
 ) -> dict[str, tuple[str, torch.nn.Parameter]]:
     """Check a checkpoint's keys and full shapes against ``model``; returns :func:`expected_hf_keys`.
 
@@ -128,7 +129,7 @@ def check_hf_shapes(
     Raises ``KeyError`` listing every missing and unexpected key, then ``ValueError`` listing
     every shape mismatch: the caller writes no parameter before this returns.
     """
-    tp_size = model.parallel_state.tp.size  # type: ignore[union-attr]  # torch types a module's attributes as Tensor | Module
+    tp_size = model.parallel_state.tp.size
     expected = expected_hf_keys(model)
     given = {k for k in shapes if not k.endswith(_IGNORED_SUFFIXES)}
     if _tied(model) and TIED_HEAD_KEY in given:  # the same tensor as the table: checked, not loaded
@@ -141,12 +142,12 @@ def check_hf_shapes(
     missing, unexpected = sorted(set(expected) - given), sorted(given - set(expected))
     if missing or unexpected:
         raise KeyError(
-            f"{what} does not match the model ({model.args.num_hidden_layers} layers): "  # type: ignore[union-attr]  # torch types a module's attributes as Tensor | Module
+            f"{what} does not match the model ({model.args.num_hidden_layers} layers): "
             f"missing keys {missing or 'none'}; unexpected keys {unexpected or 'none'}"
         )
     wrong = []
     for key, (_, p) in expected.items():
-        want = full_shape(p, tp_size)  # type: ignore[arg-type]  # torch types a module's attributes as Tensor | Module
+        want = full_shape(p, tp_size)
         if tuple(shapes[key]) != want:
             wrong.append(f"{key}: checkpoint {tuple(shapes[key])}, model expects {want}")
     if wrong:
@@ -154,13 +155,13 @@ def check_hf_shapes(
     return expected
 
 
-def load_hf_state_dict(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
+def load_hf_state_dict(model: ParallelModel, state_dict: dict[str, torch.Tensor]) -> None:
     """Copy each rank's shard of a full ``transformers`` state dict into ``model``.
 
     Raises ``KeyError`` listing missing and unexpected keys, ``ValueError`` listing every shape
     mismatch, before any parameter is written.
     """
-    tp = model.parallel_state.tp  # type: ignore[union-attr]  # torch types a module's attributes as Tensor | Module
+    tp = model.parallel_state.tp
     expected = check_hf_shapes(model, {k: tuple(v.shape) for k, v in state_dict.items()}, "state dict")
     head = state_dict.get(TIED_HEAD_KEY) if _tied(model) else None
     if head is not None and not torch.equal(head, state_dict[TIED_TABLE_KEY]):
@@ -170,16 +171,16 @@ def load_hf_state_dict(model: torch.nn.Module, state_dict: dict[str, torch.Tenso
         )
     with torch.no_grad():
         for key, (_, p) in expected.items():
-            p.copy_(shard(state_dict[key], p, tp.rank, tp.size).to(device=p.device, dtype=p.dtype))  # type: ignore[arg-type, union-attr]  # torch types a module's attributes as Tensor | Module
+            p.copy_(shard(state_dict[key], p, tp.rank, tp.size).to(device=p.device, dtype=p.dtype))
 
 
-def hf_state_dict(model: torch.nn.Module, grads: bool = False) -> dict[str, torch.Tensor]:
+def hf_state_dict(model: ParallelModel, grads: bool = False) -> dict[str, torch.Tensor]:
     """The full ``transformers`` state dict (or gradients) on CPU, gathered over TP on every rank.
 
     Holds the whole model on every rank's host: for checkpoints of real models use
     :func:`neuron_ckpt.models.hf_export.save_hf_checkpoint` (one layer at a time, rank 0 only).
     """
-    tp = model.parallel_state.tp  # type: ignore[union-attr]  # torch types a module's attributes as Tensor | Module
+    tp = model.parallel_state.tp
     out = {}
     for name, p in model.named_parameters():
         local = p.detach()

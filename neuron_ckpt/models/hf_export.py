@@ -52,6 +52,7 @@ from . import hf_conversion
 from .hf_checkpoint import CONFIG_NAME, SAFE_INDEX_NAME, SAFE_WEIGHTS_NAME, check_hf_config
 from .hf_export_groups import export_groups, to_rank0
 from .llama_args import LlamaArgs
+from .parallel_model import ParallelModel
 
 # Rank 0 holds one shard on the host before writing it: 2 GB keeps that small beside 32 ranks'
 # memory (transformers' save_pretrained default is larger); from_pretrained reads any size.
@@ -166,7 +167,7 @@ def _replace_dir(tmp: Path, directory: Path) -> None:
 
 
 def save_hf_checkpoint(
-    model: torch.nn.Module,
+    model: ParallelModel,
     directory: str | Path,
     config: Any = None,
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
@@ -182,19 +183,19 @@ def save_hf_checkpoint(
     global rank 0, None elsewhere. Raises the same error on every rank when the location is not
     writable (before any gather) or a write failed.
     """
-    config = model.args.to_hf() if config is None else config  # type: ignore[operator, union-attr]  # torch types a module's attributes as Tensor | Module
+    config = model.args.to_hf() if config is None else config
     check_hf_config(model.args, config, "the config given")
     state = model.parallel_state
-    tp = state.tp  # type: ignore[union-attr]  # torch types a module's attributes as Tensor | Module
+    tp = state.tp
     groups = export_groups(model, dtype)  # every stage's, in order, under pipeline parallelism
     entries = [e for group in groups for e in group.entries]
     total = sum(_nbytes(d, s) for _, d, s in entries)
     directory = check_writable(directory, required_bytes=total + (1 << 20))
 
     writer = rank() == 0
-    if writer and (tp.rank != 0 or state.dp.rank != 0):  # type: ignore[union-attr]  # torch types a module's attributes as Tensor | Module
-        raise RuntimeError(f"global rank 0 is TP rank {tp.rank}, DP rank {state.dp.rank}: expected 0, 0")  # type: ignore[union-attr]  # torch types a module's attributes as Tensor | Module
-    gathers = runtime.is_xla() or state.dp.rank == 0  # type: ignore[union-attr]  # torch types a module's attributes as Tensor | Module; see the module docstring
+    if writer and (tp.rank != 0 or state.dp.rank != 0):
+        raise RuntimeError(f"global rank 0 is TP rank {tp.rank}, DP rank {state.dp.rank}: expected 0, 0")
+    gathers = runtime.is_xla() or state.dp.rank == 0  # see the module docstring
     shards = _plan(entries, parse_size(max_shard_size))
     names = _shard_names(len(shards))
     shard_of = {e[0]: i for i, shard in enumerate(shards) for e in shard}
@@ -214,7 +215,7 @@ def save_hf_checkpoint(
                     full = [(key, hf_conversion.gather(p.detach(), p, tp)) for key, p in group.params]
                     full = [(key, t if dtype is None else t.to(dtype)) for key, t in full]
                 runtime.step_boundary()  # XLA: the layer's gathers as one graph, on every rank
-            if state.pp_size > 1:  # type: ignore[operator, union-attr]  # torch types a module's attributes as Tensor | Module
+            if state.pp_size > 1:
                 full = to_rank0(group, full, runtime.get_runtime().device)
             if writer and error is None:
                 try:
