@@ -242,6 +242,9 @@ def test_resume_with_pp_continues_exactly_and_another_pp_is_refused(world, run_f
     pp1 = [a for a in pp1 if a not in ("--pp-schedule", "interleaved")]
     message = _run(world, 4, train_error, pp1 + ckpt + ["--resume", "latest"])[0]
     assert "pp_size: checkpoint 2, this run 1" in message and "--init-hf" in message and "\n" not in message
+    one_f_one_b = [a for a in argv if a not in ("--pp-schedule", "interleaved")]  # 2 stages of 2 layers, not 4 of 1
+    message = _run(world, 4, train_error, one_f_one_b + ckpt + ["--resume", "latest"])[0]
+    assert "stage_layers: checkpoint [1, 1, 1, 1], this run [2, 2]" in message and "\n" not in message
 
 
 def test_pipeline_options_are_refused_in_one_line(capsys):
