@@ -45,6 +45,7 @@ from neuron_ckpt.models import LlamaForCausalLM, save_hf_checkpoint
 from neuron_ckpt.optim import Zero1Optimizer
 from neuron_ckpt.pipeline import LlamaPipeline, LlamaStage, PipelineConfig, apply_pipeline_recompute, check_tied_weights
 from neuron_ckpt.recompute import RecomputeConfig
+from neuron_ckpt.pipeline.hf_checkpoint import load_pipeline_hf_checkpoint
 from neuron_ckpt.pipeline.xla import XLA_REFUSAL
 
 from .helpers import TINY, patched, rel_max
@@ -146,6 +147,29 @@ def test_hf_export_of_a_pipeline_loads_into_transformers(world, tmp_path):
         ours, theirs = whole(ids).transpose(0, 1), hf(ids).logits  # [b, s, v]
     assert rel_max(theirs, ours) < TOL
     assert hf.config.tie_word_embeddings and hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
+
+
+def _load_shallow(path: str) -> str:
+    """A 4-layer pipeline (PP 2) loading a 2-layer model's weights file: the message each rank raises."""
+    nc.initialize_model_parallel(pipeline_parallel_size=2)
+    pipe = LlamaPipeline(config(), PipelineConfig("GPipe", 2), MB, SEQ)
+    before = {k: v.clone() for k, v in pipe.state_dict().items()}
+    try:
+        load_pipeline_hf_checkpoint(pipe, path)
+    except KeyError as e:
+        assert all(torch.equal(v, before[k]) for k, v in pipe.state_dict().items())  # nothing written
+        return str(e)
+    return ""
+
+
+def test_init_hf_of_another_depth_is_refused_on_every_stage(world, tmp_path):
+    """Stage 0 holds layers 0-1, which the 2-layer file has: it refuses too, since the keys are
+    checked against the whole model (load_hf_slices, the code load_hf_checkpoint runs)."""
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config(layers=2)).save_pretrained(tmp_path, safe_serialization=True)
+    messages = _run(world, 2, _load_shallow, str(tmp_path / "model.safetensors"))
+    for message in messages:
+        assert "does not match the model (4 layers)" in message and "model.layers.3.mlp.up_proj.weight" in message
 
 
 # ---------------------------------------------------------------------------------------------

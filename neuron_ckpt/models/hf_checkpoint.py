@@ -241,17 +241,27 @@ def load_hf_checkpoint(model: ParallelModel, path: str | Path) -> None:
     parameter: ``ValueError`` for a config mismatch, ``KeyError`` for missing/unexpected keys,
     ``ValueError`` listing every shape mismatch.
     """
+    local = {key: p for key, (_, p) in hf_conversion.expected_hf_keys(model).items()}
+    load_hf_slices(model.args, model.parallel_state.tp, local, set(local), path)
+
+
+def load_hf_slices(
+    args: LlamaArgs, tp: Any, local: dict[str, torch.nn.Parameter], whole: set[str], path: str | Path
+) -> None:
+    """:func:`load_hf_checkpoint` for a rank that holds part of the model (a pipeline's stages):
+    ``local`` maps ``transformers`` keys to this rank's parameters (``tp``: their tensor-parallel
+    group), ``whole`` is every key of the model, against which the checkpoint's keys are checked."""
     hf_config = read_hf_config(path, notices=[])  # compared only; hf_config_for gave its notices
     if hf_config is not None:
-        check_hf_config(model.args, hf_config, str(_config_path(path)))
+        check_hf_config(args, hf_config, str(_config_path(path)))
     entries, loaded = _scan(weight_files(path))
-    expected = hf_conversion.check_hf_shapes(model, {k: e.shape for k, e in entries.items()}, f"checkpoint {path}")
-    tp = model.parallel_state.tp
+    shapes = {k: e.shape for k, e in entries.items()}
+    hf_conversion.check_keys_and_shapes(local, whole, args, tp.size, shapes, f"checkpoint {path}")
     files = list(dict.fromkeys(e.file for e in entries.values()))
-    order = sorted(expected, key=lambda k: files.index(entries[k].file))  # file by file, model order within
+    order = sorted(local, key=lambda k: files.index(entries[k].file))  # file by file, model order within
     with torch.no_grad():
         for key in order:
-            p = expected[key][1]
+            p = local[key]
             piece = _read(entries[key].file, key, _index(hf_conversion.shard_range(p, tp.rank, tp.size)), loaded)
             p.copy_(piece.to(dtype=p.dtype).to(device=p.device))  # cast on the host: no graph on XLA
             del piece  # (and its file mapping, before the next tensor)

@@ -24,6 +24,7 @@ one gathering a layer at a time on rank 0.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -129,30 +130,47 @@ def check_hf_shapes(
     Raises ``KeyError`` listing every missing and unexpected key, then ``ValueError`` listing
     every shape mismatch: the caller writes no parameter before this returns.
     """
-    tp_size = model.parallel_state.tp.size
     expected = expected_hf_keys(model)
+    local = {key: p for key, (_, p) in expected.items()}
+    check_keys_and_shapes(local, set(local), model.args, model.parallel_state.tp.size, shapes, what)
+    return expected
+
+
+def check_keys_and_shapes(
+    local: Mapping[str, torch.nn.Parameter],
+    whole: set[str],
+    args: Any,
+    tp_size: int,
+    shapes: Mapping[str, tuple[int, ...]],
+    what: str,
+) -> None:
+    """:func:`check_hf_shapes` for a rank that holds part of the model: the checkpoint's keys
+    against ``whole`` (every key of the model, a pipeline's other stages included), the shapes of
+    ``local`` (key -> this rank's parameter) against its full shapes. Raises as
+    :func:`check_hf_shapes` does."""
     given = {k for k in shapes if not k.endswith(_IGNORED_SUFFIXES)}
-    if _tied(model) and TIED_HEAD_KEY in given:  # the same tensor as the table: checked, not loaded
+    if (
+        getattr(args, "tie_word_embeddings", False) and TIED_HEAD_KEY in given
+    ):  # the table's values: checked, not loaded
         given.discard(TIED_HEAD_KEY)
         if TIED_TABLE_KEY in shapes and tuple(shapes[TIED_HEAD_KEY]) != tuple(shapes[TIED_TABLE_KEY]):
             raise ValueError(
                 f"{what}: tie_word_embeddings is true but {TIED_HEAD_KEY} {tuple(shapes[TIED_HEAD_KEY])} "
                 f"has not the shape of {TIED_TABLE_KEY} {tuple(shapes[TIED_TABLE_KEY])}"
             )
-    missing, unexpected = sorted(set(expected) - given), sorted(given - set(expected))
+    missing, unexpected = sorted(whole - given), sorted(given - whole)
     if missing or unexpected:
         raise KeyError(
-            f"{what} does not match the model ({model.args.num_hidden_layers} layers): "
+            f"{what} does not match the model ({args.num_hidden_layers} layers): "
             f"missing keys {missing or 'none'}; unexpected keys {unexpected or 'none'}"
         )
     wrong = []
-    for key, (_, p) in expected.items():
+    for key, p in local.items():
         want = full_shape(p, tp_size)
         if tuple(shapes[key]) != want:
             wrong.append(f"{key}: checkpoint {tuple(shapes[key])}, model expects {want}")
     if wrong:
         raise ValueError(f"shape mismatch between the {what} and the model config:\n  " + "\n  ".join(wrong))
-    return expected
 
 
 def load_hf_state_dict(model: ParallelModel, state_dict: dict[str, torch.Tensor]) -> None:
