@@ -1,11 +1,8 @@
-"""Parallel state: the tensor-, data- and pipeline-parallel groups of this rank, as one object.
+"""Parallel state: this rank's groups in every parallel dimension (TP, CP, EP, DP, PP), as one object.
 
-Rank layout, as NxD and Megatron lay it out: tensor-parallel ranks are contiguous (a TP group sits
-inside a node), then data parallel, then pipeline parallel outermost::
-
-    rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank
-
-With world size 8, ``tensor_parallel_size=2`` (and ``pipeline_parallel_size=1``, the default)::
+The layout (which ranks form which group) is :func:`~neuron_ckpt.distributed.layout.parallel_layout`'s:
+TP contiguous, then CP, then DP, then PP outermost, and the expert grid (expert TP, EP, expert DP)
+over each pipeline stage. With world size 8, ``tensor_parallel_size=2``::
 
     TP groups: [0,1] [2,3] [4,5] [6,7]      DP groups: [0,2,4,6] [1,3,5,7]
 
@@ -14,12 +11,21 @@ With world size 8, ``tensor_parallel_size=2, pipeline_parallel_size=2``::
     TP groups: [0,1] [2,3] [4,5] [6,7]      DP groups: [0,2] [1,3] [4,6] [5,7]
     PP groups: [0,4] [1,5] [2,6] [3,7]      embedding groups: the same (first and last stage)
 
-A PP group is one (dp, tp) column: the ranks that hold the same TP shard of the same replica, one
-per stage, so a stage's activation chunk (its TP rank's piece under sequence parallel) goes to the
-same TP rank of the next stage. The embedding group is the first and last rank of each PP group:
-the stages that hold the input embedding and the LM head, whose gradients a tied model sums
-(:mod:`neuron_ckpt.pipeline.tied`). :func:`parallel_layout` gives every group as rank lists
-without creating any.
+With world size 8, ``tensor_parallel_size=2, context_parallel_size=2``::
+
+    TP groups: [0,1] [2,3] [4,5] [6,7]      CP groups: [0,2] [1,3] [4,6] [5,7]
+    DP groups: [0,4] [1,5] [2,6] [3,7]      DP x CP groups: [0,2,4,6] [1,3,5,7]
+
+With world size 8, ``tensor_parallel_size=2, expert_model_parallel_size=4``::
+
+    EP groups: [0,1,2,3] [4,5,6,7]          expert DP groups: [0,4] [1,5] [2,6] [3,7]
+
+A PP group is one (dp, cp, tp) column: the ranks that hold the same TP shard of the same replica,
+one per stage, so a stage's activation chunk goes to the same TP rank of the next stage. The
+embedding group is the first and last rank of each PP group: the stages that hold the input
+embedding and the LM head, whose gradients a tied model sums (:mod:`neuron_ckpt.pipeline.tied`).
+A kind whose rank lists equal another's shares its communicator (no new process group): without
+CP, ``dp_cp`` is ``dp``; without EP, ``edp`` is ``dp_cp`` and ``etp`` is ``tp``.
 """
 
 from __future__ import annotations
@@ -31,7 +37,9 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ..checks import require_positive_int
 from . import runtime
+from .layout import ParallelLayout, parallel_layout
 
 
 class Group:
@@ -144,17 +152,29 @@ def release_process_groups() -> int:
 
 @dataclass(frozen=True)
 class ParallelState:
-    """This rank's place in the tensor-parallel x data-parallel x pipeline-parallel grid.
+    """This rank's place in every parallel dimension (the module docstring names the groups).
 
     ``pp`` and ``embedding`` are None without pipeline parallelism (a state built by hand with
     ``ParallelState(tp, dp)``): one stage, ``pp_size`` 1. ``embedding`` is also None on a rank of
-    a middle stage (it holds neither the embedding nor the head).
+    a middle stage (it holds neither the embedding nor the head). ``cp`` is None without context
+    parallelism and ``ep`` None without expert parallelism (size 1). ``dp_cp``, ``edp`` and
+    ``etp`` left None are filled with what they are without CP and EP: ``dp``, ``dp_cp``, ``tp``.
     """
 
     tp: Group
     dp: Group
     pp: Group | None = None
     embedding: Group | None = None
+    cp: Group | None = None
+    dp_cp: Group = None  # type: ignore[assignment]  # None: dp, set in __post_init__
+    ep: Group | None = None
+    edp: Group = None  # type: ignore[assignment]  # None: dp_cp, set in __post_init__
+    etp: Group = None  # type: ignore[assignment]  # None: tp, set in __post_init__
+
+    def __post_init__(self) -> None:
+        for name, default in (("dp_cp", "dp"), ("edp", "dp_cp"), ("etp", "tp")):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, getattr(self, default))
 
     @property
     def pp_size(self) -> int:
@@ -190,6 +210,22 @@ class ParallelState:
     def dp_rank(self) -> int:
         return self.dp.rank
 
+    @property
+    def cp_size(self) -> int:
+        return self.cp.size if self.cp is not None else 1
+
+    @property
+    def cp_rank(self) -> int:
+        return self.cp.rank if self.cp is not None else 0
+
+    @property
+    def ep_size(self) -> int:
+        return self.ep.size if self.ep is not None else 1
+
+    @property
+    def ep_rank(self) -> int:
+        return self.ep.rank if self.ep is not None else 0
+
 
 _STATE: ParallelState | None = None
 
@@ -217,75 +253,80 @@ def _new_groups(all_groups: list[list[int]], rank: int) -> Group | None:
     return mine
 
 
-@dataclass(frozen=True)
-class ParallelLayout:
-    """Every group of each kind as rank lists (see the module docstring for the layout)."""
+def initialize_model_parallel(
+    tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
+    *,
+    context_parallel_size: int = 1,
+    expert_model_parallel_size: int = 1,
+    expert_tensor_parallel_size: int | None = None,
+) -> ParallelState:
+    """Create this world's groups in every parallel dimension, as
+    :func:`~neuron_ckpt.distributed.layout.parallel_layout` lays them out (TP contiguous, then
+    CP, then DP, then PP outermost; experts over ``expert_model_parallel_size`` ranks of each
+    stage), and return this rank's :class:`ParallelState`.
 
-    tp: tuple[tuple[int, ...], ...]
-    dp: tuple[tuple[int, ...], ...]
-    pp: tuple[tuple[int, ...], ...]
-    embedding: tuple[tuple[int, ...], ...]
-
-
-def _positive(name: str, value) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-
-
-def parallel_layout(world_size: int, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1) -> ParallelLayout:
-    """The groups of a world of ``world_size`` ranks: TP contiguous, then DP, then PP.
-
-    Pure (creates no process group); raises a one-line ValueError when the sizes do not fit.
-    """
-    _positive("world_size", world_size)
-    _positive("tensor_parallel_size", tensor_parallel_size)
-    _positive("pipeline_parallel_size", pipeline_parallel_size)
-    t, p = tensor_parallel_size, pipeline_parallel_size
-    if world_size % (t * p):
-        allowed = [d for d in range(1, world_size + 1) if world_size % d == 0]
-        sizes = f"tensor_parallel_size={t}" + (f" x pipeline_parallel_size={p} = {t * p}" if p > 1 else "")
-        raise ValueError(f"{sizes} does not divide the world size {world_size}; allowed: {allowed}")
-    d = world_size // (t * p)
-
-    def rank(pp: int, dp: int, tp: int) -> int:
-        return pp * d * t + dp * t + tp
-
-    tp = tuple(tuple(rank(i, j, k) for k in range(t)) for i in range(p) for j in range(d))
-    dp = tuple(tuple(rank(i, j, k) for j in range(d)) for i in range(p) for k in range(t))
-    pp = tuple(tuple(rank(i, j, k) for i in range(p)) for j in range(d) for k in range(t))
-    embedding = tuple(tuple(sorted({g[0], g[-1]})) for g in pp)
-    return ParallelLayout(tp, dp, pp, embedding)
-
-
-def initialize_model_parallel(tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1) -> ParallelState:
-    """Lay the world out as tensor-parallel groups of ``tensor_parallel_size`` contiguous ranks,
-    ``pipeline_parallel_size`` pipeline stages outermost, and data parallel in between.
-
-    ``pipeline_parallel_size=1`` (the default) is the layout without pipeline parallelism, group
-    for group. Initialises torch.distributed with :func:`neuron_ckpt.init_distributed` if that has
-    not happened yet.
+    Sizes of 1 (the defaults) give the layout without that dimension, group for group, and no new
+    communicator. Every size is checked before any group is created. Initialises
+    torch.distributed with :func:`neuron_ckpt.init_distributed` if that has not happened yet.
     """
     global _STATE
-    _positive("tensor_parallel_size", tensor_parallel_size)
-    _positive("pipeline_parallel_size", pipeline_parallel_size)
+    sizes = {
+        "tensor_parallel_size": tensor_parallel_size,
+        "pipeline_parallel_size": pipeline_parallel_size,
+        "context_parallel_size": context_parallel_size,
+        "expert_model_parallel_size": expert_model_parallel_size,
+    }
+    for name, value in sizes.items():
+        require_positive_int(name, value)
     rt = runtime.init_distributed() if not dist.is_initialized() else runtime.get_runtime()
-    layout = parallel_layout(rt.world_size, tensor_parallel_size, pipeline_parallel_size)
+    layout = parallel_layout(
+        rt.world_size,
+        tensor_parallel_size,
+        pipeline_parallel_size,
+        context_parallel_size=context_parallel_size,
+        expert_model_parallel_size=expert_model_parallel_size,
+        expert_tensor_parallel_size=expert_tensor_parallel_size,
+    )
     if _STATE is not None:
-        if (_STATE.tp_size, _STATE.pp_size) != (tensor_parallel_size, pipeline_parallel_size):
+        now = {
+            "tensor_parallel_size": _STATE.tp_size,
+            "pipeline_parallel_size": _STATE.pp_size,
+            "context_parallel_size": _STATE.cp_size,
+            "expert_model_parallel_size": _STATE.ep_size,
+        }
+        if now != sizes:
+            held = ", ".join(f"{k}={v}" for k, v in now.items())
             raise ValueError(
-                f"model parallel already initialised with tensor_parallel_size={_STATE.tp_size}, "
-                f"pipeline_parallel_size={_STATE.pp_size}; call destroy_model_parallel() before changing it"
+                f"model parallel already initialised with {held}; call destroy_model_parallel() before changing it"
             )
         return _STATE
-    tp, dp = (_new_groups([list(g) for g in getattr(layout, name)], rt.rank) for name in ("tp", "dp"))
+    _STATE = _create_groups(layout, rt.rank)
+    return _STATE
+
+
+def _create_groups(layout: ParallelLayout, rank: int) -> ParallelState:
+    """Create every group of ``layout`` (every rank the same calls, in the same order) and return
+    this rank's state. A kind whose rank lists equal an earlier kind's reuses its communicator;
+    PP, CP and EP of size 1 are None (no group at all)."""
+    made: dict[tuple[tuple[int, ...], ...], Group | None] = {}
+
+    def groups(lists: tuple[tuple[int, ...], ...]) -> Group | None:
+        if lists not in made:
+            made[lists] = _new_groups([list(g) for g in lists], rank)
+        return made[lists]
+
+    tp, dp = groups(layout.tp), groups(layout.dp)
     assert tp is not None and dp is not None  # every rank is in one TP and one DP group
     pp = embedding = None
-    if pipeline_parallel_size > 1:  # without PP no new communicator (and no new process group)
-        pp = _new_groups([list(g) for g in layout.pp], rt.rank)
-        # At p = 2 the embedding groups are the PP groups: the same communicators serve both.
-        embedding = pp if layout.embedding == layout.pp else _new_groups([list(g) for g in layout.embedding], rt.rank)
-    _STATE = ParallelState(tp, dp, pp, embedding)
-    return _STATE
+    if layout.pipeline_parallel_size > 1:
+        pp = groups(layout.pp)
+        embedding = groups(layout.embedding)  # at p = 2 the PP groups themselves
+    cp = groups(layout.cp) if layout.context_parallel_size > 1 else None
+    ep = groups(layout.ep) if layout.expert_model_parallel_size > 1 else None
+    dp_cp, edp, etp = groups(layout.dp_cp), groups(layout.edp), groups(layout.etp)
+    assert dp_cp is not None and edp is not None and etp is not None  # every rank is in one of each
+    return ParallelState(tp, dp, pp, embedding, cp=cp, dp_cp=dp_cp, ep=ep, edp=edp, etp=etp)
 
 
 def get_parallel_state() -> ParallelState:
