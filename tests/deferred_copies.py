@@ -4,12 +4,14 @@ Copies run only when something waits for them (an accelerator may run a queued c
 before that, so a program correct here is correct for any timing): a reload runs when the compute
 side waits for it, and it first runs the copies it was told to wait for (and nothing else). What
 has not been written reads as 0xFF bytes (NaN in every float dtype). The copy to host reads its
-source through a weak reference: the engine must keep the source until that copy has run
-(``release(source, after=event)``); a source it let go is read as freed memory, 0xFF.
+source through a weak reference: the engine must keep the source until that copy has run (it
+asks ``done(event)``, never true before a wait, or waits for it); a source it let go is read as
+freed memory, 0xFF.
 
 So: a reload that does not wait for its own copy to host reads 0xFF (edge b); a consumer that does
 not wait for the reload reads 0xFF (edge c); a source released before its copy ran is read as 0xFF
 (edge d). :class:`MissingEdge` drops one edge on purpose, to show the tests catch each.
+``waits`` counts the waits, ``freed_reads`` the copies that found their source gone.
 """
 
 from __future__ import annotations
@@ -36,8 +38,8 @@ class Event:
 
 class DeferredCopies:
     def __init__(self) -> None:
-        self.held: list[tuple[torch.Tensor, Event]] = []  # sources kept until their copy ran
-        self.freed_reads = 0  # copies to host that found their source released
+        self.freed_reads = 0  # copies to host that found their source let go
+        self.waits = 0
 
     def offload(self, source: torch.Tensor):
         host = torch.full((source.numel(),), POISON, dtype=torch.uint8)
@@ -52,23 +54,23 @@ class DeferredCopies:
 
         return host, Event(copy, [])
 
-    def release(self, source: torch.Tensor, after) -> None:
-        if after is not None and not after.done:
-            self.held.append((source, after))
+    def done(self, event) -> bool:
+        return event is None or event.done
 
     def reload(self, host: torch.Tensor, device: torch.device, after):
         dest = torch.full((host.numel(),), POISON, dtype=torch.uint8, device=device)
         return dest, Event(lambda: dest.copy_(host), [after] if after is not None else [])
 
     def wait(self, event) -> None:
+        self.waits += 1
         if event is not None:
             event.complete()
-        self.held = [(s, e) for s, e in self.held if not e.done]
 
 
 class MissingEdge(DeferredCopies):
     """:class:`DeferredCopies` with one edge dropped: ``"b"`` (a reload does not wait for its copy to
-    host), ``"c"`` (the consumer does not wait for the reload), ``"d"`` (the source is let go at once)."""
+        host), ``"c"`` (the consumer does not wait for the reload), ``"d"`` (every copy says it is done:
+    the source is let go at once)."""
 
     def __init__(self, edge: str):
         super().__init__()
@@ -81,6 +83,5 @@ class MissingEdge(DeferredCopies):
         if self.edge != "c":
             super().wait(event)
 
-    def release(self, source, after) -> None:
-        if self.edge != "d":
-            super().release(source, after)
+    def done(self, event) -> bool:
+        return self.edge == "d" or super().done(event)

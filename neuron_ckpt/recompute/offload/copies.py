@@ -10,9 +10,12 @@ The four edges, each one line of :class:`StreamCopies` (the peers' bugs in brack
     for the work queued on the compute stream when it is issued (its device buffer may reuse a
     block that work frees: DeepSpeed #8186, axolotl #3833);
 (c) the compute stream waits for the reload before anything reads it;
-(d) the device storage is not freed or reused before its copy to host has completed
-    (``record_stream``: the caching allocator keeps the block until the copy stream is past it;
-    torchtune #1867).
+(d) the device storage is let go only once its copy to host has completed: when the copy's event
+    says so, or after the compute stream waits for it (then the block is freed in the compute
+    stream's order, so the next kernels may reuse it at once; TransformerEngine's way, rather than
+    ``record_stream``, whose deferred free the allocator sees only when the host asks; torchtune
+    #1867 freed too early). The engine (:mod:`.engine`) decides when: as soon as a copy is done,
+    and at the latest when the layer after next starts its forward.
 
 Where there are no streams the copies run at once (:class:`SyncCopies`, CPU tensors): every edge
 holds trivially and nothing overlaps. tests/test_offload.py runs the engine against a backend that
@@ -36,8 +39,8 @@ class Copies(Protocol):
         stream so far (edge a); returns the buffer and the copy's event."""
         ...
 
-    def release(self, source: torch.Tensor, after: Any) -> None:
-        """``source``'s storage may be freed and reused once ``after`` has completed (edge d)."""
+    def done(self, event: Any) -> bool:
+        """Whether ``event`` has completed (without waiting)."""
         ...
 
     def reload(self, host: torch.Tensor, device: torch.device, after: Any) -> tuple[torch.Tensor, Any]:
@@ -59,8 +62,8 @@ class SyncCopies:
     def offload(self, source: torch.Tensor) -> tuple[torch.Tensor, Any]:
         return source.to("cpu", copy=True), None
 
-    def release(self, source: torch.Tensor, after: Any) -> None:
-        pass
+    def done(self, event: Any) -> bool:
+        return True
 
     def reload(self, host: torch.Tensor, device: torch.device, after: Any) -> tuple[torch.Tensor, Any]:
         return host.to(device, copy=True), None
@@ -72,7 +75,7 @@ class SyncCopies:
 class StreamCopies:
     """Copies on two side streams of an accelerator (``torch.Stream`` / ``torch.Event`` through
     ``torch.accelerator``: CUDA; TorchNeuron's ``neuron`` device has ``torch.neuron.Stream`` and
-    ``record_stream`` too, unverified on hardware), into pinned host memory where the device's host
+    ``record_stream``, unverified on hardware), into pinned host memory where the device's host
     allocator pins (CUDA), pageable memory otherwise."""
 
     def __init__(self, device: torch.device):
@@ -99,8 +102,8 @@ class StreamCopies:
             host.copy_(source, non_blocking=True)
         return host, self.d2h.record_event()
 
-    def release(self, source: torch.Tensor, after: Any) -> None:
-        source.record_stream(self.d2h)  # (d): the allocator keeps the block until d2h is past the copy
+    def done(self, event: Any) -> bool:
+        return event.query()
 
     def reload(self, host: torch.Tensor, device: torch.device, after: Any) -> tuple[torch.Tensor, Any]:
         compute = self._compute()

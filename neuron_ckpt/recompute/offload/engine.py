@@ -17,8 +17,13 @@ the graph after backward, kept for a ``retain_graph`` backward), and the reloade
 as long as an unpacked view uses it: the copy drops its own reference once every handle of it has
 been unpacked (a second backward reloads again).
 
-The device storage is released to the allocator behind its copy (edge d of :mod:`.copies`); the
-device memory is actually freed once nothing else holds the storage. What else may hold it (a
+The device storage is held until its copy to host has completed (edge d of :mod:`.copies`): it
+is let go as soon as the copy's event says so (:meth:`Offloader.poll`, at every group's and
+layer's end), and at the latest when the second offloading layer after it starts its forward,
+after the compute stream waits for the copy (:meth:`Offloader.settle`: what a copy slower than a
+layer's compute costs, and the bound on what is in flight: the offloaded bytes of the layer
+running and the one before it). The device memory is actually freed once nothing else holds the
+storage. What else may hold it (a
 tensor a module keeps in the forward's locals until it returns, the same storage saved by a
 module that is not offloaded, a parameter) is why parameters and the layer's buffers are never
 offloaded, and why a storage also kept on the device costs host memory and a copy for nothing.
@@ -40,13 +45,15 @@ from .copies import Copies
 @dataclass
 class OffloadStats:
     """What offload moved since the last :meth:`reset`: ``bytes`` by unit (``"3.mlp"``; each storage
-    counted once, in the first unit that saved it), copies to host, reloads, and how many reloads a
-    prefetch started before backward needed them (the rest ran at the moment of use)."""
+    counted once, in the first unit that saved it), copies to host, reloads, how many reloads a
+    prefetch started before backward needed them (the rest ran at the moment of use), and how many
+    copies to host the compute stream had to wait for (``settled``: not done one layer later)."""
 
     bytes: dict[str, int] = field(default_factory=dict)
     copies: int = 0
     reloads: int = 0
     prefetched: int = 0
+    settled: int = 0
 
     @property
     def total_bytes(self) -> int:
@@ -54,7 +61,7 @@ class OffloadStats:
 
     def reset(self) -> None:
         self.bytes.clear()
-        self.copies = self.reloads = self.prefetched = 0
+        self.copies = self.reloads = self.prefetched = self.settled = 0
 
 
 class HostCopy:
@@ -66,7 +73,7 @@ class HostCopy:
         source = torch.empty(0, dtype=torch.uint8, device=device).set_(storage)  # the whole storage, as bytes
         self.nbytes = source.numel()
         self.host, self.offloaded = copies.offload(source)
-        copies.release(source, after=self.offloaded)
+        self.source: torch.Tensor | None = source  # held until the copy to host has completed (edge d)
         self.handles = 0  # saved tensors viewing it
         self.reloaded: torch.Tensor | None = None
         self.reload_event: Any = None
@@ -75,7 +82,22 @@ class HostCopy:
     def is_copy_of(self, storage: torch.UntypedStorage, version: int) -> bool:
         return not self.ref.expired() and self.ref.cdata == storage._cdata and self.version == version
 
+    def release(self, stats: OffloadStats, force: bool) -> bool:
+        """Let the device storage go if its copy to host has completed; with ``force``, make the
+        compute stream wait for the copy first (the storage is then freed in that stream's order).
+        Whether it is let go."""
+        if self.source is None:
+            return True
+        if not force and not self.copies.done(self.offloaded):
+            return False
+        if force and not self.copies.done(self.offloaded):
+            self.copies.wait(self.offloaded)
+            stats.settled += 1
+        self.source = None
+        return True
+
     def start_reload(self, stats: OffloadStats, prefetch: bool) -> None:
+        self.release(stats, force=True)  # never the source and its reload at once
         if self.reloaded is None:
             self.reloaded, self.reload_event = self.copies.reload(self.host, self.device, after=self.offloaded)
             self.unpacks_left = self.handles
@@ -105,6 +127,18 @@ class LayerRun:
     def reload(self, stats: OffloadStats, prefetch: bool) -> None:
         for copy in self.copies.values():
             copy.start_reload(stats, prefetch)
+
+    def settle(self, stats: OffloadStats) -> None:
+        """Let go of every device storage this run and the runs before it still hold, waiting for
+        their copies on the compute stream where they are not done."""
+        run: LayerRun | None = self
+        while run is not None:
+            held = [c for c in run.copies.values() if c.source is not None]
+            if not held:
+                break  # the runs before were settled when this one was
+            for copy in held:
+                copy.release(stats, force=True)
+            run = run.previous() if run.previous is not None else None
 
     def nearest(self) -> weakref.ref | None:
         """The run a later layer's backward should prefetch: this one if it offloaded anything."""
@@ -137,6 +171,11 @@ class Offloader:
         self.copies_for = copies_for
         self.stats = OffloadStats()
         self._copies: weakref.WeakValueDictionary[tuple[str, int], HostCopy] = weakref.WeakValueDictionary()
+        self._held: list[HostCopy] = []  # copies whose device storage is still held
+
+    def poll(self) -> None:
+        """Let go of every device storage whose copy to host has completed."""
+        self._held = [c for c in self._held if not c.release(self.stats, force=False)]
 
     def pack(self, t: torch.Tensor, run: LayerRun, unit: str) -> Handle | None:
         """A handle for ``t``, or None where it stays as it is (see :meth:`offloadable`)."""
@@ -148,6 +187,7 @@ class Offloader:
         if copy is None or not copy.is_copy_of(storage, t._version):
             copy = HostCopy(self.copies_for(t.device), storage, t.device, t._version)
             self._copies[key] = copy
+            self._held.append(copy)
             self.stats.copies += 1
             self.stats.bytes[unit] = self.stats.bytes.get(unit, 0) + copy.nbytes
         run.copies.setdefault(id(copy), copy)

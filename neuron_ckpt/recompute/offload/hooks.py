@@ -13,6 +13,12 @@ A group is off (the forward runs as without offload) without grad, in eval mode 
 False), inside an activation checkpoint (ours or torch's: nothing there is kept), under
 ``torch.compile``, and outside a layer's run.
 
+**Copies in flight.** When a layer's forward starts, the device storages of the offloading layers
+before the previous one are let go, the compute stream first waiting for any copy to host not yet
+done (:meth:`~.engine.LayerRun.settle`); every group's and layer's end lets go of those whose copy
+is done. So at most the offloaded bytes of two layers (the one running, the one before) are held
+on the device for a copy, and a copy gets a whole layer's compute to finish in.
+
 **Prefetch.** Each layer's forward hook puts a hook on the layer's output: when backward reaches
 that output (the layer's backward is about to start), it starts the reloads of this layer (if a
 prefetch has not already) and of the nearest earlier layer that offloaded anything, so that
@@ -76,6 +82,7 @@ class Group:
         hooks = self._entered.pop()
         if hooks is not None:
             hooks.__exit__(None, None, None)
+            self.offloader.poll()
 
     def pack(self, run: LayerRun, outer: tuple[Any, Any] | None, t: torch.Tensor) -> Any:
         scope = DISCARD_SCOPE.get()
@@ -137,6 +144,12 @@ class LayerHooks:
             return
         first = args[0] if args and torch.is_tensor(args[0]) else None
         previous = first.__dict__.get(_PREVIOUS) if first is not None else None
+        before = previous() if previous is not None else None
+        if before is not None and before.previous is not None:  # the window: two offloading layers in flight
+            older = before.previous()
+            if older is not None:
+                older.settle(self.offloader.stats)
+        self.offloader.poll()
         excluded = {t.untyped_storage().data_ptr() for t in (*self.layer.parameters(), *self.layer.buffers())}
         run = LayerRun(self.index, previous, excluded)
         self._runs.append((run, _RUN.set(run)))
@@ -151,6 +164,7 @@ class LayerHooks:
         if self.group is not None:
             self.group.exit()
         _RUN.reset(token)
+        self.offloader.poll()
         out = next((t for t in pytree.tree_leaves(output) if torch.is_tensor(t)), None)
         if out is None or not out.requires_grad:
             return
