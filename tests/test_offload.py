@@ -10,6 +10,8 @@ these tests every time, not once in a while on a GPU; ``MissingEdge`` drops each
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -399,3 +401,26 @@ def test_train_py_with_offload_trains_the_same_losses(world, tmp_path):
     offloaded = world(2).run(run_train, common + ["--offload-modules", "core_attn,mlp"])[0]
     assert len(plain["losses"]) == 2 and offloaded["losses"] == plain["losses"]
     assert offloaded["offloaded_bytes"] > 0 and "offloaded_bytes" not in plain
+
+
+# ---------------------------------------------------------------------------------------------
+# The benchmark (scripts/bench_offload.py, a stage of scripts/device_report.py): its plumbing.
+
+
+def test_benchmark_figures_at_a_tiny_shape():
+    from .helpers import REPO
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        from bench_offload import measure, render
+    finally:
+        sys.path.remove(str(REPO / "scripts"))
+    nc.initialize_model_parallel(1)
+    nc.model_parallel_manual_seed(0)
+    ids = torch.randint(0, 64, (1, S), generator=torch.Generator().manual_seed(1))
+    r = measure(_args(0.0), torch.device("cpu"), torch.float32, ids, "mlp", "selective", "explicit", 1, 0)
+    kept = r["kept_bytes"]
+    assert r["offloaded_bytes_per_step"] == kept["plain"] - kept["offload"] > 0
+    assert r["reloads_per_step"] == r["prefetched_per_step"] == r["copies_per_step"] > 0
+    assert 0 <= r["hidden_fraction"] <= 1 and r["copies_alone_s"] > 0
+    assert "CPU: the copies are host-to-host" in render(r)
