@@ -336,6 +336,27 @@ def test_transformers_llama_offloads_its_attention_function_bit_exact():
         assert model.config._attn_implementation == "eager"
 
 
+@pytest.mark.parametrize(
+    "recompute",
+    [
+        RecomputeConfig(offload_modules=["moe"]),
+        RecomputeConfig(offload_modules=["shared_experts", "norm"]),
+        RecomputeConfig("selective", modules=["moe"], offload_modules=["moe"]),
+    ],  # fmt: skip
+    ids=["moe", "shared_experts + norm", "moe recomputed and offloaded"],
+)
+def test_transformers_moe_blocks_offload_bit_exact(recompute):
+    pytest.importorskip("transformers")
+    from .test_hf_moe_recompute import assert_equal, reference, step, tiny
+
+    model = tiny("qwen2_moe")
+    apply_recompute(model, recompute)
+    with copies_override(DeferredCopies()):
+        got = step(model)
+    assert_equal(got, reference("qwen2_moe", "grouped_mm"))
+    assert offload_stats(model).total_bytes > 0 and offload_stats(model).reloads == offload_stats(model).copies
+
+
 # ---------------------------------------------------------------------------------------------
 # TP 2 + sequence parallel (gloo, world 2): selective and full recompute.
 
