@@ -124,7 +124,7 @@ def install(
             for module in unit.module.modules():
                 module.__dict__[FUNCTION_GROUP] = group
             continue
-        for holder in holders(unit.module):
+        for holder in {id(h): h for h in holders(unit.module)}.values():  # held twice: one wrapper, once
             holder.__dict__[_HOOKS] = _ModuleHooks(group, holder)
     return offloader
 
