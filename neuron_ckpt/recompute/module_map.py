@@ -159,14 +159,16 @@ def selected_modules(
     ]
 
 
-def check_every_name_matched(requested: set[str], matched: set[str], patterns: Patterns, model: str) -> None:
+def check_every_name_matched(
+    requested: set[str], matched: set[str], patterns: Patterns, model: str, field: str = "modules"
+) -> None:
     """A selective name that no layer of ``model`` has is an error (a typo never silently turns
     recompute off); one that only some layers have (``moe`` beside DeepSeek's dense first layers)
     applies where it matches."""
     for name in [n for n in MODULES if n in requested - matched]:
         meaning = _MEANING.get(name, "") if patterns[name] is DEFAULT_MODULE_MAP[name] else ""
         raise ValueError(
-            f"modules: {name!r} matched no submodule of any layer of {model} with pattern {patterns[name]!r}"
+            f"{field}: {name!r} matched no submodule of any layer of {model} with pattern {patterns[name]!r}"
             f"{meaning}; pass module_map={{{name!r}: <attribute name or class>}}"
         )
 

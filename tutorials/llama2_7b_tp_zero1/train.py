@@ -39,6 +39,7 @@ from neuron_ckpt.models.llama_args import PARAMETER_SHAPE_FIELDS
 from neuron_ckpt.optim import Zero1Optimizer
 from neuron_ckpt.pipeline import PipelineConfig
 from neuron_ckpt.pipeline.xla import refuse_on_xla
+from neuron_ckpt.recompute.offload import offload_stats
 from neuron_ckpt.train import (
     CheckpointManager,
     Interrupted,
@@ -245,7 +246,8 @@ def main(argv: list[str] | None = None) -> dict:
             f"world {rt.world_size} ({rt.backend}) = TP {parallel.tp_size} x DP {parallel.dp_size}"
             + (f" x PP {parallel.pp_size} ({cfg.pp_schedule}, stages of {list(model.cut.layers_per_stage)} layers)"
                if pipeline else "") + " | "
-            f"sequence parallel {cfg.sequence_parallel} | recompute {cfg.recompute} | dtype {dtype} | "
+            f"sequence parallel {cfg.sequence_parallel} | recompute {cfg.recompute} | "
+            + (f"offload {cfg.offload_modules} | " if cfg.offload_modules else "") + f"dtype {dtype} | "
             f"seq {seq_len} | micro-batch {cfg.micro_batch_size} x accum {grad_accum} x DP {parallel.dp_size} = "
             f"global batch {cfg.global_batch_size} | params/rank {n_params / 1e6:.2f} M | "
             f"{fpt / 1e9:.3f} GFLOP/token | peak {peak} TFLOP/s per rank ({device_kind}) | recipe {cfg.recipe}"
@@ -287,6 +289,8 @@ def main(argv: list[str] | None = None) -> dict:
         summary["predicted_peak_bytes"] = predicted
         if plan is not None:
             summary["recompute_plan"] = plan.counts
+        if cfg.offload_modules and not pipeline:
+            summary["offloaded_bytes"] = offload_stats(model).total_bytes  # this rank, every step
         if records:
             metrics.write_summary({k: v for k, v in summary.items() if k != "losses"})
     finally:

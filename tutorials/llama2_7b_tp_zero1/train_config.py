@@ -4,6 +4,7 @@ when it is built (before any process group or file is touched); :func:`parse_arg
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from dataclasses import dataclass, field, fields
 from typing import Optional
 
@@ -59,6 +60,11 @@ class TrainConfig:
         None, "full recompute: group size (uniform) / layers recomputed (block); with --pp > 1 per stage (Megatron's)"
     )
     recompute_modules: str = opt("core_attn", "selective recompute: comma-separated modules (core_attn,mlp,mlp_act,norm)")
+    offload_modules: str = opt(
+        "", "activation offload: comma-separated modules whose kept activations go to host memory during the step, "
+        "copied beside the compute (layer,core_attn,mlp,mlp_act,norm; every layer but the last; with --recompute full "
+        "only layer); CUDA copies on side streams, on CPU the mechanics only; not on XLA (docs/offload.md)"
+    )
     attention: Optional[str] = opt(
         None, "core attention: flash (a fused kernel, no s x s tensor: torch SDPA's flash on CPU/CUDA, NxD's NKI kernel "
         "on trn1) or explicit (softmax(QK^T) written out); default: flash where the device has a kernel for the "
@@ -183,10 +189,18 @@ class TrainConfig:
                 raise ValueError(f"{flag(name)} {getattr(self, name)} applies only with {needed}; this run would "
                                  f"ignore it: drop it or add {needed}")
         self._check_pipeline()
+        if self.offload_modules:
+            refused = [("--recompute auto", self.recompute == "auto", "the planner does not weigh offload yet"),
+                       ("--compile", self.compile, "offload's hooks run eagerly; compiled graphs keep what they keep"),
+                       ("--backend xla", self.backend == "xla", "XLA (trn1) has no streams and no host placement")]
+            for option, given_, why in refused:
+                if given_:
+                    raise ValueError(f"--offload-modules {self.offload_modules} does not combine with {option}: {why}")
         try:  # the recompute options' own checks (method and layer count, module names), now
             self._recompute = self._build_recompute()
         except (ValueError, TypeError) as e:
-            raise ValueError(f"--recompute {self.recompute}: {e}") from None
+            offload = f" --offload-modules {self.offload_modules}" if self.offload_modules else ""
+            raise ValueError(f"--recompute {self.recompute}{offload}: {e}") from None
 
     def _check_pipeline(self) -> None:
         """What --pp > 1 does not combine with, refused before any process starts work."""
@@ -214,12 +228,14 @@ class TrainConfig:
     def _build_recompute(self) -> RecomputeConfig | None:
         if self.recompute == "auto":
             return None
+        offload = tuple(m for m in self.offload_modules.split(",") if m)
         if self.recompute == "selective":
             modules = tuple(m for m in self.recompute_modules.split(",") if m)
-            return RecomputeConfig(granularity="selective", modules=modules)
+            return RecomputeConfig(granularity="selective", modules=modules, offload_modules=offload)
         if self.recompute == "full" and (self.recompute_method, self.recompute_num_layers) != (None, None):
-            return RecomputeConfig(granularity="full", method=self.recompute_method, num_layers=self.recompute_num_layers)
-        return RecomputeConfig.preset(self.recompute)
+            return RecomputeConfig(granularity="full", method=self.recompute_method,
+                                   num_layers=self.recompute_num_layers, offload_modules=offload)
+        return dataclasses.replace(RecomputeConfig.preset(self.recompute), offload_modules=offload)
 
     def recompute_config(self) -> RecomputeConfig | None:
         """The fixed choice, built and checked at construction; None for ``auto``, planned per layer
