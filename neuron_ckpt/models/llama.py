@@ -8,6 +8,12 @@ Data flow of one forward, ``t`` = tensor-parallel size (activations sequence-fir
                 -> down (row) + residual
     RMSNorm -> lm_head (column) -> vocab-parallel logits [s, b, v/t] -> vocab-parallel CE
 
+Under context parallelism (``parallel_state.cp``, ``c`` ranks) every CP rank takes the whole
+``[b, s]`` ids and labels, shifts the labels to next-token targets, and keeps its ``s/c`` tokens
+(two chunks of the ``2c``, causal load balance) of ids, targets and RoPE positions; ``s`` above is
+then ``s/c`` everywhere, and core attention all-gathers keys and values over CP
+(:mod:`neuron_ckpt.parallel.context_parallel`, docs/context_parallel.md).
+
 Module and parameter names mirror ``transformers`` (``embed_tokens``, ``layers.N.self_attn``,
 ``mlp.gate_proj``...) so the conversion in :mod:`.hf_conversion` is a short table; the only
 structural difference is the fused ``self_attn.qkv`` (``q_weight``/``k_weight``/``v_weight``).
@@ -100,10 +106,13 @@ class LlamaOptions:
 
 @dataclass
 class CausalLMOutput:
-    """``loss``: mean cross entropy over the non-ignored next-token targets (None without labels).
+    """``loss``: mean cross entropy over the non-ignored next-token targets (None without labels);
+    under context parallelism this CP rank's share, scaled so that the CP ranks' mean is that mean
+    (:meth:`LlamaForCausalLM._loss`).
 
-    ``logits``: ``[s, b, v/t]`` vocab-parallel and sequence-first (``"local"``), ``[b, s, v]``
-    gathered like ``transformers`` (``"full"``), or None.
+    ``logits``: ``[s, b, v/t]`` vocab-parallel and sequence-first (``"local"``; under context
+    parallelism this rank's ``s/c`` tokens in the order it holds them), ``[b, s, v]`` gathered
+    like ``transformers`` (``"full"``), or None.
     """
 
     loss: torch.Tensor | None
@@ -206,7 +215,8 @@ class LlamaDecoderLayer(torch.nn.Module):
 
 
 class LlamaForCausalLM(torch.nn.Module):
-    """A Llama model, tensor parallel over the TP group of ``parallel_state``.
+    """A Llama model, tensor parallel over the TP group of ``parallel_state`` (and context
+    parallel over its CP group, when it has one).
 
     Args:
         config: a :class:`LlamaArgs`, or a ``transformers.LlamaConfig`` (read with
