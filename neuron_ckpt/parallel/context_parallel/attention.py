@@ -54,6 +54,8 @@ def chunk_mask(rows: int, keys: int, seq_len: int, dtype: torch.dtype, device: t
     to its end): a view of one ``[rows, seq_len]`` tensor per process, shared by every chunk and
     layer (as :func:`~neuron_ckpt.parallel.attention.causal_mask` is), since the ops that use it
     keep it for backward."""
+    if torch.compiler.is_compiling():  # dynamo would trace through the cache and warn
+        return _lower_right.__wrapped__(rows, seq_len, dtype, torch.device(device))[:, seq_len - keys :]
     return _lower_right(rows, seq_len, dtype, torch.device(device))[:, seq_len - keys :]
 
 

@@ -69,10 +69,11 @@ class regathered:
     def __init__(self, gathered: torch.Tensor, local: torch.Tensor, rebuild: Callable[[torch.Tensor], torch.Tensor]):
         self.root = _root(gathered)
         self.version = self.root._version
-        self.local, self.rebuild = local.detach(), rebuild
+        self.local: torch.Tensor | None = local.detach()
+        self.rebuild = rebuild
         self.hooks: Any = None
         self.outer: tuple[Callable, Callable] | None = None
-        self.kept: Any = None
+        self.kept: Any = None  # the local rows as the outer hooks packed them, at the first note
         self.pending = 0  # notes not yet unpacked
         self.cached: torch.Tensor | None = None
 
@@ -92,8 +93,6 @@ class regathered:
         if outer is not None and getattr(outer[0], "__module__", "") == "torch.utils.checkpoint":
             return self  # torch's own non-reentrant checkpoint keeps nothing of the block
         self.outer = outer
-        self.kept = outer[0](self.local) if outer is not None else self.local
-        self.local = None  # type: ignore[assignment]  # kept through the outer hooks now
         self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self.hooks.__enter__()
         return self
@@ -106,6 +105,9 @@ class regathered:
     def _pack(self, t: torch.Tensor) -> Any:
         root = _root(t)
         if root is self.root and root._version == self.version:
+            if self.local is not None:  # the first note: keep the local rows (through the outer hooks)
+                self.kept = self.outer[0](self.local) if self.outer is not None else self.local
+                self.local = None
             self.pending += 1
             return _Note(self, t, root)
         return self.outer[0](t) if self.outer is not None else t
