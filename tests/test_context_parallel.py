@@ -19,6 +19,7 @@ from neuron_ckpt.distributed import collectives as C
 from neuron_ckpt.distributed.traffic import count_collectives
 from neuron_ckpt.memory import SavedTensorRecorder
 from neuron_ckpt.models import LlamaForCausalLM
+from neuron_ckpt.optim import Zero1Optimizer
 from neuron_ckpt.parallel import CoreAttention
 from neuron_ckpt.parallel.context_parallel import check_sequence, positions, regathered, shard, unshard
 from neuron_ckpt.recompute import RecomputeConfig, apply_recompute
@@ -181,6 +182,30 @@ def test_dropout_streams_per_cp_rank_and_recompute_replays_them(world):
     # tp-cp-dp order at TP 2 x CP 2: rank = cp_rank * 2 + tp_rank; seed 5 + 2718 + tp_rank + 2 cp_rank.
     assert [o["seed"] for o in out] == [5 + 2718 + r for r in range(WORLD)]
     assert all(o["replayed"] and o["loss"][0] == o["loss"][1] for o in out), out
+
+
+def _zero1_step() -> list[torch.Tensor]:
+    """One ZeRO-1 AdamW step of our Llama at TP 2 + SP x CP 2: this rank's parameters after it."""
+    ps = nc.initialize_model_parallel(2, context_parallel_size=2)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_config(), True, "flash", parallel_state=ps)
+    opt = Zero1Optimizer(model.parameters(), torch.optim.AdamW, parallel_state=ps, lr=1e-2)
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    model(ids, labels=ids).loss.backward()
+    opt.step()
+    params = [p.detach().clone() for p in model.parameters()]
+    del model, opt
+    nc.destroy_model_parallel()
+    return params
+
+
+def test_weights_stay_replicated_over_cp_after_a_zero1_step(world):
+    """ZeRO-1 shards over DP x CP and all-gathers the update over it: the CP ranks of a TP rank
+    (ranks r and r + 2 at TP 2) hold the same parameters, bit for bit."""
+    out = world(WORLD).run(_zero1_step)
+    for tp_rank in (0, 1):
+        assert all(torch.equal(a, b) for a, b in zip(out[tp_rank], out[tp_rank + 2]))
+    assert not all(torch.equal(a, b) for a, b in zip(out[0], out[1]))  # TP shards differ
 
 
 # --- the tutorial ------------------------------------------------------------------------------
