@@ -13,12 +13,19 @@ scatter_to_sequence_parallel_region    split (dim 0)        all-gather (dim 0)
 gather_from_sequence_parallel_region   all-gather (dim 0)   reduce-scatter (dim 0)
 reduce_scatter_to_sequence_parallel_   reduce-scatter (0)   all-gather (dim 0)
 region
+gather_from_context_parallel_region    all-gather (dim 0)   reduce-scatter (dim 0)
 =====================================  ===================  =====================
 
 Sequence-parallel activations are ``[s, b, h]``: the sequence is dim 0 (the sequence functions
 take ``dim=1`` for transformers' ``[b, s, h]``). All functions take the
 group explicitly (a :class:`~neuron_ckpt.distributed.parallel_state.Group`); ``None`` means the
-tensor-parallel group of the current parallel state.
+tensor-parallel group of the current parallel state (the context-parallel group for the context
+function).
+
+The context-parallel pair is the sequence-parallel one over the CP group: each CP rank holds its
+share of the sequence's keys and values, attention needs all of them, and each rank's gradient of
+the gathered tensor is partial (its own queries' share), so backward sums over CP and keeps this
+rank's rows (:mod:`neuron_ckpt.parallel.context_parallel`).
 
 The backwards that communicate are once-differentiable: their collectives keep no autograd
 history, so a double backward through them would silently drop terms; it raises instead.
@@ -35,6 +42,15 @@ from .parallel_state import Group, get_parallel_state
 
 def _tp(group: Group | None) -> Group:
     return group if group is not None else get_parallel_state().tp
+
+
+def _cp(group: Group | None) -> Group:
+    if group is not None:
+        return group
+    cp = get_parallel_state().cp
+    if cp is None:
+        raise ValueError("gather_from_context_parallel_region: context parallelism is off (context_parallel_size 1)")
+    return cp
 
 
 class _CopyToRegion(torch.autograd.Function):
@@ -155,3 +171,16 @@ def reduce_scatter_to_sequence_parallel_region(
 ) -> torch.Tensor:
     """``[s, b, h]`` partial sums ``-> [s/t, b, h]`` summed (along ``dim``); the gradient is all-gathered."""
     return _ReduceScatter.apply(x, dim, _tp(group))
+
+
+def gather_from_context_parallel_region(
+    x: torch.Tensor, group: Group | None = None, dim: int = 0, partial_grad: bool = True
+) -> torch.Tensor:
+    """This CP rank's rows ``-> every CP rank's rows`` along ``dim``, in CP rank order.
+
+    ``partial_grad`` (the usual case, K and V for attention): each rank's gradient of the gathered
+    tensor is a partial sum, so backward reduce-scatters it; ``False``: every rank holds the whole
+    gradient (a replicated consumer, e.g. gathered logits) and backward keeps this rank's rows.
+    """
+    fn = _GatherReduceScatterBack if partial_grad else _GatherSplitBack
+    return fn.apply(x, dim, _cp(group))

@@ -8,6 +8,12 @@ Data flow of one forward, ``t`` = tensor-parallel size (activations sequence-fir
                 -> down (row) + residual
     RMSNorm -> lm_head (column) -> vocab-parallel logits [s, b, v/t] -> vocab-parallel CE
 
+Under context parallelism (``parallel_state.cp``, ``c`` ranks) every CP rank takes the whole
+``[b, s]`` ids and labels, shifts the labels to next-token targets, and keeps its ``s/c`` tokens
+(two chunks of the ``2c``, causal load balance) of ids, targets and RoPE positions; ``s`` above is
+then ``s/c`` everywhere, and core attention all-gathers keys and values over CP
+(:mod:`neuron_ckpt.parallel.context_parallel`, docs/context_parallel.md).
+
 Module and parameter names mirror ``transformers`` (``embed_tokens``, ``layers.N.self_attn``,
 ``mlp.gate_proj``...) so the conversion in :mod:`.hf_conversion` is a short table; the only
 structural difference is the fused ``self_attn.qkv`` (``q_weight``/``k_weight``/``v_weight``).
@@ -35,7 +41,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..distributed.mappings import gather_from_tensor_parallel_region
+from ..distributed import collectives
+from ..distributed.mappings import gather_from_context_parallel_region, gather_from_tensor_parallel_region
 from ..distributed.parallel_state import ParallelState, get_parallel_state
 from ..parallel import (
     ColumnParallelLinear,
@@ -46,6 +53,7 @@ from ..parallel import (
     VocabParallelEmbedding,
     vocab_parallel_cross_entropy,
 )
+from ..parallel import context_parallel as cp_split
 from ..parallel.attention import ATTENTION
 from ..parallel.fused_ops import swiglu
 from ..parallel.init import normal_init
@@ -98,10 +106,13 @@ class LlamaOptions:
 
 @dataclass
 class CausalLMOutput:
-    """``loss``: mean cross entropy over the non-ignored next-token targets (None without labels).
+    """``loss``: mean cross entropy over the non-ignored next-token targets (None without labels);
+    under context parallelism this CP rank's share, scaled so that the CP ranks' mean is that mean
+    (:meth:`LlamaForCausalLM._loss`).
 
-    ``logits``: ``[s, b, v/t]`` vocab-parallel and sequence-first (``"local"``), ``[b, s, v]``
-    gathered like ``transformers`` (``"full"``), or None.
+    ``logits``: ``[s, b, v/t]`` vocab-parallel and sequence-first (``"local"``; under context
+    parallelism this rank's ``s/c`` tokens in the order it holds them), ``[b, s, v]`` gathered
+    like ``transformers`` (``"full"``), or None.
     """
 
     loss: torch.Tensor | None
@@ -125,6 +136,7 @@ class LlamaAttention(torch.nn.Module):
             attention_dropout=float(args.attention_dropout),
             softmax_in_fp32=True,
             implementation=options.attention_implementation,
+            context_parallel_group=options.parallel_state.cp,
         )
         self.o_proj = RowParallelLinear(
             args.num_attention_heads * self.head_dim, args.hidden_size, input_is_parallel=True, **linear
@@ -203,7 +215,8 @@ class LlamaDecoderLayer(torch.nn.Module):
 
 
 class LlamaForCausalLM(torch.nn.Module):
-    """A Llama model, tensor parallel over the TP group of ``parallel_state``.
+    """A Llama model, tensor parallel over the TP group of ``parallel_state`` (and context
+    parallel over its CP group, when it has one).
 
     Args:
         config: a :class:`LlamaArgs`, or a ``transformers.LlamaConfig`` (read with
@@ -270,20 +283,45 @@ class LlamaForCausalLM(torch.nn.Module):
             raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
         if labels is not None and labels.shape != input_ids.shape:
             raise ValueError(f"labels shape {tuple(labels.shape)} must equal input_ids shape {tuple(input_ids.shape)}")
+        ps = self.parallel_state
         ids = input_ids.t()  # [s, b]
+        s = ids.shape[0]
+        # Next-token targets on the whole sequence, before any context-parallel split.
+        target = F.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:].t() if labels is not None else None
+        positions = None
+        if ps.cp is not None:  # this rank's two chunks of ids, targets and positions (parallel.context_parallel)
+            cp_split.check_sequence(s, ps.cp_size, ps.tp_size, self.options.sequence_parallel)
+            ids = cp_split.shard(ids, 0, ps.cp)
+            target = cp_split.shard(target, 0, ps.cp) if target is not None else None
+            positions = cp_split.positions(s, ps.cp_size, ps.cp_rank, ids.device)
         hidden = self.embed_tokens(ids)
-        cos, sin = self.rotary(ids.shape[0], hidden.dtype, hidden.device)
+        cos, sin = self.rotary(s, hidden.dtype, hidden.device, positions)
         hidden = run_layers(self.layers, hidden, cos, sin)
-        logits = self.lm_head(self.norm(hidden))  # [s, b, v/t]
+        logits = self.lm_head(self.norm(hidden))  # [s/c, b, v/t]
         loss = None
-        if labels is not None:
-            target = F.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:].t()  # [s, b], next token
-            loss = vocab_parallel_cross_entropy(logits, target, IGNORE_INDEX, group=self.parallel_state.tp)
+        if target is not None:
+            loss = self._loss(logits, target)
         if return_logits is None:
             return_logits = "local" if labels is None else None
         if return_logits == "full":
-            logits = gather_from_tensor_parallel_region(logits, self.parallel_state.tp).transpose(0, 1)
+            logits = gather_from_tensor_parallel_region(logits, ps.tp)
+            if ps.cp is not None:
+                logits = gather_from_context_parallel_region(logits, ps.cp, partial_grad=False)
+                logits = cp_split.unshard(logits, 0, ps.cp_size)
+            logits = logits.transpose(0, 1)
         return CausalLMOutput(loss=loss, logits=logits if return_logits else None)
+
+    def _loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The mean cross entropy over the non-ignored targets. Under context parallelism each CP
+        rank holds some of them: its loss is ``c x`` (its summed loss) / (the count over CP), so the
+        CP ranks' mean is the token mean over the whole sequence however the targets fall (never a
+        mean of per-rank means), and the mean over DP x CP of the gradients (ZeRO-1's) is its gradient."""
+        ps = self.parallel_state
+        if ps.cp is None:
+            return vocab_parallel_cross_entropy(logits, target, IGNORE_INDEX, group=ps.tp)
+        total = vocab_parallel_cross_entropy(logits, target, IGNORE_INDEX, reduction="sum", group=ps.tp)
+        count = collectives.all_reduce((target != IGNORE_INDEX).sum().to(total.dtype), ps.cp)
+        return total * (ps.cp_size / count)
 
     @property
     def tied(self) -> bool:

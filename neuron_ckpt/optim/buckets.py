@@ -67,7 +67,7 @@ def bucket_numel(cap_mb: float | None, dtype: torch.dtype, dp: int, padded: int)
 @torch.no_grad()
 def cut_buckets(flat: FlatLayout, ps: ParallelState, cap_mb: float | None, reduce_dtype: torch.dtype) -> list[Bucket]:
     """``flat`` cut at ``cap_mb`` (counted in ``reduce_dtype``), masters read from the parameters."""
-    dp, r = ps.dp_size, ps.dp_rank
+    dp, r = ps.dp_cp.size, ps.dp_cp.rank  # DP x CP: the weights are replicated over CP too
     step = bucket_numel(cap_mb, reduce_dtype, dp, flat.padded)
     values: list[torch.Tensor | None] = [p.detach() for p in flat.params]
     buckets = []

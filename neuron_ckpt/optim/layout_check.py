@@ -1,7 +1,7 @@
 """What a saved ZeRO-1 state must match to load: its layout version, and the layout it describes.
 
-``Zero1Optimizer.state_dict()["meta"]`` records the layout the slices were cut in (the TP, DP
-and PP sizes and ranks, and per flat its param group, dtypes, parameter shapes, padding and bucket
+``Zero1Optimizer.state_dict()["meta"]`` records the layout the slices were cut in (the TP, DP,
+PP and CP sizes and ranks, and per flat its param group, dtypes, parameter shapes, padding and bucket
 boundaries, with the bucket cap that made them). A state loads only into an optimizer whose own
 record is the same; these functions say, field by field, why another does not.
 """
@@ -29,10 +29,11 @@ def refuse_other_version(state_dict: dict[str, Any]) -> None:
 
 def layout_mismatches(saved: dict[str, Any], here: dict[str, Any]) -> list[str]:
     """Human-readable ``field: checkpoint X, here Y`` for every difference between two metas."""
-    absent = {"pp_size": 1, "pp_rank": 0}  # states saved before pipeline parallelism: one stage
+    # States saved before pipeline (context) parallelism: one stage (no CP).
+    absent = {"pp_size": 1, "pp_rank": 0, "cp_size": 1, "cp_rank": 0}
     out = [
         f"{k}: checkpoint {saved.get(k, absent.get(k))}, here {here[k]}"
-        for k in ("dp_size", "tp_size", "pp_size", "dp_rank", "tp_rank", "pp_rank")
+        for k in ("dp_size", "tp_size", "pp_size", "cp_size", "dp_rank", "tp_rank", "pp_rank", "cp_rank")
         if saved.get(k, absent.get(k)) != here[k]
     ]
     a, b = saved.get("flats", []), here["flats"]

@@ -2,7 +2,11 @@
 
 Every data-parallel rank holds the whole model and computes full gradients, but owns only a
 1/dp slice of the flattened parameters: it keeps fp32 master weights and optimizer state for that
-slice alone. A step (:meth:`Zero1Optimizer.step`, in this order) is
+slice alone. Under context parallelism the weights are replicated over CP as well, so "DP" here is
+the DP x CP group (``ParallelState.dp_cp``, the DP group itself at CP 1): gradients are averaged
+and the state sharded over its ``dp * cp`` ranks (each CP rank's loss is scaled so that this mean
+is the gradient of the whole sequence's token mean: ``LlamaForCausalLM``). A step
+(:meth:`Zero1Optimizer.step`, in this order) is
 
 1. reduce-scatter the gradients over DP, bucket by bucket (each rank receives the DP-mean of its
    slice of every bucket),
@@ -132,14 +136,14 @@ class Zero1Optimizer(torch.optim.Optimizer):
         self.grad_clip_norm = grad_clip_norm
         self._auto_cap = bucket_cap_mb == "auto"
         if self._auto_cap:
-            bucket_cap_mb = collectives.default_bucket_cap_mb(ps.dp)
+            bucket_cap_mb = collectives.default_bucket_cap_mb(ps.dp_cp)
         self.bucket_cap_mb = cast("float | None", bucket_cap_mb)  # "auto" was replaced above
         self.last_grad_norm: torch.Tensor | None = None
 
         groups = param_groups(params)
         self._flats: list[_Flat] = []
         accumulated = []
-        for layout in flat_layouts(groups, ps.dp_size):
+        for layout in flat_layouts(groups, ps.dp_cp.size):
             accumulate = layout.dtype in _SIXTEEN_BIT if accumulate_fp32 is None else accumulate_fp32
             # Accumulate and reduce in at least fp32 (an fp64 parameter keeps fp64).
             reduce_dtype = torch.promote_types(layout.dtype, torch.float32) if accumulate else layout.dtype
@@ -252,7 +256,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
     def _reduce_scatter_grads(self) -> list[torch.Tensor]:
         """Every bucket's slice of the DP-mean gradient on this rank, in fp32, as fresh tensors
         the step may scale in place (at DP 1 the reduced tensor is the accumulation buffer)."""
-        dp = self.parallel_state.dp
+        dp = self.parallel_state.dp_cp
         pending, out = [], []
         for flat in self._flats:
             for b in flat.buckets:
@@ -272,7 +276,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
             for start, end, weight in b.norm_segments:
                 sq = sq + g[start:end].pow(2).sum() * weight
         ps = self.parallel_state
-        sq = collectives.all_reduce(sq, ps.dp)
+        sq = collectives.all_reduce(sq, ps.dp_cp)
         sq = collectives.all_reduce(sq, ps.tp)
         if ps.pp is not None and ps.pp.size > 1:  # each stage holds its own parameters: the norm is over all
             sq = collectives.all_reduce(sq, ps.pp)
@@ -283,7 +287,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
         pending = []
         for flat in self._flats:
             for b in flat.buckets:
-                gathered = collectives.all_gather_start(b.master.to(flat.layout.dtype), self.parallel_state.dp)
+                gathered = collectives.all_gather_start(b.master.to(flat.layout.dtype), self.parallel_state.dp_cp)
                 pending.append((flat.layout, b, gathered))
                 if len(pending) == self._IN_FLIGHT:
                     copy_into_params(*pending.pop(0))
@@ -340,6 +344,8 @@ class Zero1Optimizer(torch.optim.Optimizer):
             "tp_rank": ps.tp_rank,
             "pp_size": ps.pp_size,
             "pp_rank": ps.pp_rank,
+            "cp_size": ps.cp_size,
+            "cp_rank": ps.cp_rank,
             "bucket_cap_mb": self.bucket_cap_mb,
             "flats": [f.meta() for f in self._flats],
         }

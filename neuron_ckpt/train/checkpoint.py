@@ -108,8 +108,9 @@ class CheckpointManager:
     """Save / find / load the sharded checkpoints of one run. Every rank constructs one.
 
     ``parallel_state`` (anything with ``tp_rank``, ``tp_size``, ``dp_rank``, ``dp_size``, and
-    ``pp_rank``, ``pp_size`` under pipeline parallelism; default: the initialised model parallel
-    state, or a single rank) says which rank writes the model files of which (stage,) TP rank
+    ``pp_rank``, ``pp_size`` under pipeline parallelism, ``cp_rank``, ``cp_size`` under context
+    parallelism; default: the initialised model parallel state, or a single rank) says which rank
+    writes the model files of which (stage,) TP rank
     (:mod:`~.placement`). ``local_rank`` (default: the runtime's) picks the writer round;
     ``writers`` ranks per host write at a time (0: all). ``chunk_mb``: the most tensor data a
     rank holds on the host at once while writing. ``log(message)`` (rank 0) gets one line per
@@ -155,7 +156,8 @@ class CheckpointManager:
         )
         if place.world_size != world_size:
             pp = f" x PP {place.pp_size}" if place.pp_size > 1 else ""
-            raise ValueError(f"TP {self.tp_size} x DP {self.dp_size}{pp} != world size {world_size}")
+            cp = f" x CP {place.cp_size}" if place.cp_size > 1 else ""
+            raise ValueError(f"TP {self.tp_size}{cp} x DP {self.dp_size}{pp} != world size {world_size}")
         self._rounds = WriterRounds(local_rank, writers)
         self.chunk_bytes = max(1, int(chunk_mb * 2**20))
         self.shared_keys = tuple(shared_keys)

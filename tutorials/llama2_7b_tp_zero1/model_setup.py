@@ -21,8 +21,8 @@ from train_config import TrainConfig
 
 def _attention(cfg: TrainConfig, config, seq_len: int, device_type: str) -> tuple[str, str]:
     """The core attention this run uses and how to say it: flash where a kernel runs for this
-    device and shape (asked for, or by default), explicit otherwise, with the reason."""
-    why = flash_unavailable(device_type, seq_len, config.head_dim)
+    device, shape and CP degree (asked for, or by default), explicit otherwise, with the reason."""
+    why = flash_unavailable(device_type, seq_len, config.head_dim, cfg.cp)
     if cfg.attention == "explicit":
         return "explicit", "explicit (asked for)"
     if why is None:

@@ -12,6 +12,7 @@ import torch
 
 from neuron_ckpt.distributed.runtime import backends
 from neuron_ckpt.parallel.attention import ATTENTION
+from neuron_ckpt.pipeline.config import CP_REFUSAL
 from neuron_ckpt.pipeline.xla import XLA_REFUSAL
 from neuron_ckpt.recompute import PRESETS, RecomputeConfig
 from neuron_ckpt.train import RECIPES
@@ -34,9 +35,15 @@ class TrainConfig:
     )
     data: str = opt("data/train.safetensors", "packed token file from prepare_data.py")
     # parallelism
-    tp: int = opt(1, "tensor-parallel size (ranks per TP group, contiguous); DP = world / (tp x pp)")
+    tp: int = opt(1, "tensor-parallel size (ranks per TP group, contiguous); DP = world / (tp x cp x pp)")
+    cp: int = opt(
+        1, "context-parallel size: each sequence split over this many ranks (stride TP: rank = ... + cp_rank x TP + "
+        "tp_rank), attention all-gathering keys and values over them; the sequence length must be a multiple of 2 x cp "
+        "(2 x cp x tp with --sequence-parallel); docs/context_parallel.md"
+    )
     pp: int = opt(
-        1, "pipeline-parallel size (stages, outermost: rank = pp_rank x DP x TP + dp_rank x TP + tp_rank); each step's "
+        1, "pipeline-parallel size (stages, outermost: rank = pp_rank x DP x CP x TP + dp_rank x CP x TP + cp_rank x TP + "
+        "tp_rank); each step's "
         "micro-batches (--global-batch-size / (--micro-batch-size x DP)) run through the stages; not on XLA (trn1)"
     )
     pp_schedule: str = opt(
@@ -140,7 +147,7 @@ class TrainConfig:
             value = getattr(self, f.name)
             if choices and value is not None and value not in choices:
                 raise ValueError(f"--{f.name.replace('_', '-')} must be one of {choices}, got {value!r}")
-        positive = ("tp", "pp", "micro_batch_size", "global_batch_size", "max_steps", "keep_last")
+        positive = ("tp", "cp", "pp", "micro_batch_size", "global_batch_size", "max_steps", "keep_last")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -196,6 +203,7 @@ class TrainConfig:
             for option, given_, why in refused:
                 if given_:
                     raise ValueError(f"--offload-modules {self.offload_modules} does not combine with {option}: {why}")
+        self._check_context_parallel()
         try:  # the recompute options' own checks (method and layer count, module names), now
             self._recompute = self._build_recompute()
         except (ValueError, TypeError) as e:
@@ -219,6 +227,18 @@ class TrainConfig:
                        "recompute": "the planner here plans one model; plan per stage with neuron-ckpt plan --pp and "
                                     "pass a preset (each stage applies it)"}[name]
                 raise ValueError(f"{flag} does not combine with --pp {self.pp}: {why}")
+
+    def _check_context_parallel(self) -> None:
+        """What --cp > 1 does not combine with, refused before any process starts work."""
+        if self.cp == 1:
+            return
+        if self.pp > 1:
+            raise ValueError(f"--cp {self.cp} --pp {self.pp}: {CP_REFUSAL.format(cp=self.cp)}")
+        if self.recompute == "auto":
+            raise ValueError(
+                f"--recompute auto does not combine with --cp {self.cp} yet: the planner does not model context "
+                "parallelism; pass a preset (none, selective, full)"
+            )
 
     @property
     def pp_schedule_name(self) -> str:
