@@ -29,8 +29,11 @@ With ``tie_word_embeddings`` the LM head's weight *is* the embedding's parameter
 gradient autograd sums over both uses, one optimizer slot. ``named_parameters()`` and
 ``state_dict()`` name it once (``embed_tokens.weight``), as ``save_pretrained`` writes it.
 
-Initialisation draws every full weight from the default generator (``normal_init`` with the
-config's ``initializer_range``), so the model built at any ``t`` from one seed is the same model.
+Initialisation draws every full weight (``normal_init`` with the config's ``initializer_range``)
+and keeps this rank's slice, so the model does not depend on ``t``. With ``seed=S`` each part is
+drawn from its own seeded stream (:func:`~neuron_ckpt.parallel.init.drawn_for`), so every layout
+(TP, CP, the stages of any pipeline cut, virtual stages) holds the same model from one seed;
+without it every part comes from the default generator in turn, as it stands.
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ from ..parallel import (
 from ..parallel import context_parallel as cp_split
 from ..parallel.attention import ATTENTION
 from ..parallel.fused_ops import swiglu
-from ..parallel.init import normal_init
+from ..parallel.init import drawn_for, normal_init
 from ..parallel.linear import parallel_linear
 from ..recompute import run_layers
 from . import hf_conversion
@@ -224,6 +227,9 @@ class LlamaForCausalLM(torch.nn.Module):
         sequence_parallel, attention_implementation, dtype, parallel_state: the
             :class:`LlamaOptions` fields, kept as ``self.options``; under sequence parallel the
             sequence length must be divisible by ``t``.
+        seed: draw each part from its own stream seeded by ``seed`` (the model every layout
+            builds from that seed, ``LlamaPipeline``'s stages included); None: from the default
+            generator as it stands.
 
     Activation recompute is applied to the built model:
     ``neuron_ckpt.recompute.apply_recompute(model, config)``.
@@ -236,8 +242,11 @@ class LlamaForCausalLM(torch.nn.Module):
         attention_implementation: str = "explicit",
         dtype: torch.dtype = torch.float32,
         parallel_state: ParallelState | None = None,
+        seed: int | None = None,
     ):
         super().__init__()
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+            raise ValueError(f"seed must be an int or None, got {seed!r}")
         self.args = args = LlamaArgs.from_hf(config)
         self.options = options = LlamaOptions(
             sequence_parallel,
@@ -247,12 +256,18 @@ class LlamaForCausalLM(torch.nn.Module):
         )
         sp, state = options.sequence_parallel, options.parallel_state
         init = normal_init(args.initializer_range)
-        self.embed_tokens = VocabParallelEmbedding(
-            args.vocab_size, args.hidden_size, sp, init, dtype, parallel_state=state
-        )
-        self.layers = torch.nn.ModuleList(LlamaDecoderLayer(args, options) for _ in range(args.num_hidden_layers))
+        with drawn_for(seed, "embedding"):
+            self.embed_tokens = VocabParallelEmbedding(
+                args.vocab_size, args.hidden_size, sp, init, dtype, parallel_state=state
+            )
+        layers = []
+        for i in range(args.num_hidden_layers):
+            with drawn_for(seed, f"layer {i}"):
+                layers.append(LlamaDecoderLayer(args, options))
+        self.layers = torch.nn.ModuleList(layers)
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, sp, dtype, parallel_state=state)
-        self.lm_head = ColumnParallelLinear(args.hidden_size, args.vocab_size, **options.linear(args, bias=False))
+        with drawn_for(seed, "head"):
+            self.lm_head = ColumnParallelLinear(args.hidden_size, args.vocab_size, **options.linear(args, bias=False))
         if args.tie_word_embeddings:  # drawn above all the same, so the other weights do not depend on tying
             self.lm_head.weight = self.embed_tokens.weight
             self._register_state_dict_hook(_drop_tied_head)

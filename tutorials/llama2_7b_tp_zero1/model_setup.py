@@ -122,7 +122,7 @@ def build_model(cfg: TrainConfig, config, parallel, device, dtype: torch.dtype, 
     """The model with recompute applied and ``--init-hf`` weights loaded: ``LlamaForCausalLM``, or
     this rank's stages of a ``LlamaPipeline`` (the recompute preset applied to each stage)."""
     if pipeline is None:
-        model = LlamaForCausalLM(config, cfg.sequence_parallel, attention, dtype, parallel_state=parallel)
+        model = LlamaForCausalLM(config, cfg.sequence_parallel, attention, dtype, parallel_state=parallel, seed=cfg.seed)
         apply_recompute(model, recompute)  # checked against the model first (e.g. --recompute-num-layers)
         model.to(device)
         if cfg.init_hf:
