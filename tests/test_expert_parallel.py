@@ -207,3 +207,188 @@ def test_expert_gradients_are_reduced_over_expert_dp_and_scaled_by_dp(world):
         assert r["edp"] == ((0, 2) if rank % 2 == 0 else (1, 3)), r
         assert r["expert"] == [-sum(2.0**q for q in r["edp"]) / 4] * 4, r  # summed over EDP, / DP (not / EDP)
         assert r["norm"] == pytest.approx(norm, rel=1e-6), r  # the same on every rank
+
+
+# --------------------------------------------------------------------------------------------
+# Recompute under EP: moe reruns the dispatch (routing replayed), moe_act discards the activation.
+
+
+def _one_step(model, ids) -> tuple:
+    torch.manual_seed(2)  # attention dropout and router jitter
+    nc.model_parallel_manual_seed(3)  # dropout on split heads (TP 2)
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return out.loss.detach(), out.aux_loss.detach(), grads
+
+
+def _recompute(modules: tuple[str, ...], reentrant: bool | None, tp: int) -> bool:
+    from neuron_ckpt.recompute import RecomputeConfig, apply_recompute
+
+    ps = nc.initialize_model_parallel(tp, expert_model_parallel_size=2)
+    nc.model_parallel_manual_seed(3)  # before the split: attention dropout on split heads needs it
+    ids = batches(ps, 1)[0]
+    kw = dict(attention_dropout=0.1, router_jitter_noise=0.1)
+    reference = _one_step(nc.apply_tensor_parallel(tiny("mixtral", "eager", **kw), sequence_parallel=tp > 1), ids)
+    model = nc.apply_tensor_parallel(tiny("mixtral", "eager", **kw), sequence_parallel=tp > 1)
+    apply_recompute(model, RecomputeConfig(granularity="selective", modules=modules, use_reentrant=reentrant))
+    loss, aux, grads = _one_step(model, ids)
+    same = torch.equal(loss, reference[0]) and torch.equal(aux, reference[1])
+    return (
+        same and grads.keys() == reference[2].keys() and all(torch.equal(g, reference[2][n]) for n, g in grads.items())
+    )
+
+
+@pytest.mark.parametrize("modules,reentrant,tp", [
+    (("moe",), None, 1), (("moe",), True, 1), (("moe_act",), None, 1), (("moe", "core_attn"), None, 2),
+])  # fmt: skip
+def test_moe_recompute_under_ep_is_bit_exact(world, modules, reentrant, tp):
+    """The eager experts loop: each rank's experts see other tokens, so the ranks' graphs differ
+    between the exchanges; a rerun that stopped at different points would hang, not pass."""
+    assert world(4).run(_recompute, modules, reentrant, tp) == [True] * 4
+
+
+# --------------------------------------------------------------------------------------------
+# Checkpoints and export.
+
+
+def _build(family: str, tp: int = 1):
+    model = nc.apply_tensor_parallel(tiny(family), sequence_parallel=tp > 1)
+    return model, Zero1Optimizer(model.parameters(), torch.optim.AdamW, grad_clip_norm=0.5, lr=1e-2, eps=1e-4)
+
+
+def _train_step(model, opt, ids) -> torch.Tensor:
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.detach()
+
+
+def _resume(directory: str) -> dict:
+    from neuron_ckpt.train import CheckpointManager, TrainState
+
+    ps = nc.initialize_model_parallel(1, expert_model_parallel_size=2)
+    rank, data = torch.distributed.get_rank(), batches(ps)
+    manager = CheckpointManager(directory, rank=rank, world_size=4, parallel_state=ps)
+    state = TrainState(*_build("mixtral"))
+    _train_step(state.model, state.optimizer, data[0])
+    state.step = 1
+    path = state.save(manager, {})
+    for ids in data[1:]:
+        _train_step(state.model, state.optimizer, ids)
+    again = TrainState(*_build("mixtral"))
+    again.resume(manager, "latest", {})
+    for ids in data[1:]:
+        _train_step(again.model, again.optimizer, ids)
+    exact = all(torch.equal(p, q) for p, q in zip(again.model.parameters(), state.model.parameters()))
+    nc.destroy_model_parallel()
+    other = nc.initialize_model_parallel(1)  # EP 1: another layout
+    with pytest.raises(ValueError) as refused:
+        CheckpointManager(directory, rank=rank, world_size=4, parallel_state=other).load(path, {})
+    return {"exact": exact, "files": sorted(p.name for p in path.glob("*.safetensors")), "refused": str(refused.value)}
+
+
+def test_a_checkpoint_at_ep2_resumes_exactly(world, tmp_path):
+    results = world(4).run(_resume, str(tmp_path))
+    assert all(r["exact"] for r in results), results
+    shared = [f for f in results[0]["files"] if not f.startswith("rank_")]
+    assert shared == ["experts_ep00000-00001-of-00001.safetensors", "experts_ep00001-00001-of-00001.safetensors",
+                      "model_tp00000-00001-of-00001.safetensors"], shared  # fmt: skip
+    assert "ep_size: checkpoint 2, this run 1" in results[0]["refused"] and "\n" not in results[0]["refused"]
+
+
+def _export(directory: str) -> dict:
+    from neuron_ckpt.parallel.hf.export import save_pretrained
+
+    ps = nc.initialize_model_parallel(2, expert_model_parallel_size=2)
+    model, opt = _build("qwen2_moe", tp=2)
+    data = batches(ps, 2)
+    _train_step(model, opt, data[0])  # weights moved away from the config's initialisation
+    loss = model(input_ids=data[1], labels=data[1]).loss.detach()
+    save_pretrained(model, directory)
+    if torch.distributed.get_rank() != 0:
+        return {}
+    whole, info = transformers.AutoModelForCausalLM.from_pretrained(directory, output_loading_info=True)
+    whole.set_experts_implementation("grouped_mm")
+    problems = {k: v for k, v in info.items() if v}
+    return {"loss": float(whole.train()(input_ids=data[1], labels=data[1]).loss - loss), "problems": problems}
+
+
+def test_export_gathers_the_experts_and_from_pretrained_loads_the_model_whole(world, tmp_path):
+    r = world(4).run(_export, str(tmp_path / "hf"))[0]
+    assert r["problems"] == {}, r  # no key missing, unexpected or mismatched
+    assert abs(r["loss"]) < TOL, r  # the model trained at TP 2 x EP 2, now in one process
+
+
+# --------------------------------------------------------------------------------------------
+# Bad inputs: one line each, before anything changes.
+
+
+def _snapshot(model) -> list:
+    params = [(n, tuple(p.shape), getattr(p, "expert_parallel", False)) for n, p in model.named_parameters()]
+    return params + [(type(m), len(m._forward_hooks), len(m._forward_pre_hooks)) for m in model.modules()]
+
+
+def _errors() -> dict:
+    nc.initialize_model_parallel(1, expert_model_parallel_size=4)
+    mixtral, six = tiny("mixtral"), tiny("mixtral", num_local_experts=6)
+    llama4 = transformers.Llama4ForCausalLM(transformers.Llama4TextConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=16, intermediate_size_mlp=32, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4))  # fmt: skip
+    plan = {**mixtral.tp_plan, **mixtral.ep_plan}
+    moe = "model.layers.*.mlp.experts"
+    before = [_snapshot(m) for m in (mixtral, six, llama4)]
+    out = {}
+    for key, call in {
+        "divisible": lambda: nc.apply_tensor_parallel(six),
+        "no_plan": lambda: nc.apply_tensor_parallel(llama4),
+        "unsliced": lambda: nc.apply_tensor_parallel(mixtral, {k: v for k, v in plan.items() if k != f"{moe}.down_proj"}),
+        "undispatched": lambda: nc.apply_tensor_parallel(mixtral, {k: v for k, v in plan.items() if k != moe}),
+        "form": lambda: ExpertDispatch("alltoall"),
+        "capacity": lambda: ExpertDispatch("all_to_all", capacity_factor=1.0),
+    }.items():  # fmt: skip
+        with pytest.raises(ValueError) as e:
+            call()
+        out[key] = str(e.value)
+    out["unchanged"] = [_snapshot(m) for m in (mixtral, six, llama4)] == before
+    nc.destroy_model_parallel()
+    nc.initialize_model_parallel(2)
+    with pytest.raises(ValueError) as e:
+        nc.apply_tensor_parallel(tiny("mixtral"), plan)
+    out["ep1"] = str(e.value)
+    nc.destroy_model_parallel()
+    nc.initialize_model_parallel(2, expert_model_parallel_size=2)
+    model = nc.apply_tensor_parallel(tiny("mixtral"))  # TP 2 without sequence parallel: each TP rank its own s/2
+    ids = torch.randint(0, VOCAB, (2, 7))
+    with pytest.raises(ValueError) as e:
+        model(input_ids=ids)
+    out["sequence"] = str(e.value)
+    return out
+
+
+def test_bad_expert_parallel_inputs_fail_in_one_line(world):
+    r = world(4).run(_errors)[0]
+    assert r.pop("unchanged")
+    assert all("\n" not in v for v in r.values()), r
+    assert r["divisible"] == (
+        "apply_tensor_parallel: model.layers.0.mlp.experts (ep_dispatch_experts): 6 experts do not split over "
+        "expert_model_parallel_size 4; allowed: [1, 2, 3, 6]"
+    )
+    assert r["no_plan"].startswith(
+        "apply_tensor_parallel: Llama4ForCausalLM has no expert-parallel plan (model.ep_plan), and "
+        "expert_model_parallel_size is 4"
+    )
+    assert r["unsliced"].startswith(
+        "apply_tensor_parallel: model.layers.0.mlp.experts (ep_dispatch_experts): down_proj not planned 'grouped_gemm'"
+    )
+    assert r["undispatched"].startswith(
+        "apply_tensor_parallel: model.layers.0.mlp.experts.gate_up_proj (grouped_gemm): its module "
+        "model.layers.0.mlp.experts is not planned 'ep_dispatch_experts'"
+    )
+    assert r["form"] == "ExpertDispatch.form must be one of ('auto', 'all_to_all', 'all_gather'), got 'alltoall'"
+    assert r["capacity"].startswith("ExpertDispatch.capacity_factor applies to form='all_gather'")
+    assert r["ep1"].startswith("apply_tensor_parallel: plan entry 'model.layers.*.mlp.experts.gate_up_proj' "
+                               "(grouped_gemm) needs expert_model_parallel_size > 1")  # fmt: skip
+    assert r["sequence"].startswith("expert parallel: MixtralExperts got 14 tokens (batch 2); each of the 2 ")
