@@ -40,7 +40,8 @@ FAMILIES = {  # 4 experts, top 2
                   dict(moe_intermediate_size=16, shared_expert_intermediate_size=32, num_experts=4)),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(moe_intermediate_size=16, num_experts=4, head_dim=8)),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(intermediate_size=16, num_experts=4, eos_token_id=2)),
-    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(moe_intermediate_size=16, n_routed_experts=4, **MLA)),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
+                    dict(moe_intermediate_size=16, n_routed_experts=4, **MLA)),
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(intermediate_size=16, num_local_experts=4, head_dim=8,
                                                           sliding_window=16)),
 }  # fmt: skip
@@ -339,13 +340,14 @@ def _errors() -> dict:
         num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4))  # fmt: skip
     plan = {**mixtral.tp_plan, **mixtral.ep_plan}
     moe = "model.layers.*.mlp.experts"
+    without = lambda key: {k: v for k, v in plan.items() if k != key}  # noqa: E731
     before = [_snapshot(m) for m in (mixtral, six, llama4)]
     out = {}
     for key, call in {
         "divisible": lambda: nc.apply_tensor_parallel(six),
         "no_plan": lambda: nc.apply_tensor_parallel(llama4),
-        "unsliced": lambda: nc.apply_tensor_parallel(mixtral, {k: v for k, v in plan.items() if k != f"{moe}.down_proj"}),
-        "undispatched": lambda: nc.apply_tensor_parallel(mixtral, {k: v for k, v in plan.items() if k != moe}),
+        "unsliced": lambda: nc.apply_tensor_parallel(mixtral, without(f"{moe}.down_proj")),
+        "undispatched": lambda: nc.apply_tensor_parallel(mixtral, without(moe)),
         "form": lambda: ExpertDispatch("alltoall"),
         "capacity": lambda: ExpertDispatch("all_to_all", capacity_factor=1.0),
     }.items():  # fmt: skip
