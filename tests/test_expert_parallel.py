@@ -68,10 +68,10 @@ def batches(ps, steps: int = STEPS) -> list[torch.Tensor]:
     return [d[ps.dp_rank * per : (ps.dp_rank + 1) * per].reshape(-1, 8) for d in data]
 
 
-def _train(family: str, tp: int, ep: int, sp: bool, experts: str = "grouped_mm") -> dict:
+def _train(family: str, tp: int, ep: int, sp: bool, experts: str = "grouped_mm", form: str = "auto") -> dict:
     """Losses, aux losses and gradient norms of ZeRO-1 AdamW steps at (TP, EP, SP) on 4 ranks."""
     ps = nc.initialize_model_parallel(tp, expert_model_parallel_size=ep)
-    model = nc.apply_tensor_parallel(tiny(family, experts), sequence_parallel=sp)
+    model = nc.apply_tensor_parallel(tiny(family, experts), sequence_parallel=sp, expert_dispatch=ExpertDispatch(form))
     opt = Zero1Optimizer(model.parameters(), torch.optim.AdamW, grad_clip_norm=0.5, lr=1e-2, eps=1e-4)
     out: dict[str, list] = {"loss": [], "aux": [], "norm": []}
     for ids in batches(ps):

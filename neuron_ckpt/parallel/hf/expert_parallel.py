@@ -89,9 +89,9 @@ def expert_parallel_plan(model: torch.nn.Module, plan: dict[str, str], state: Pa
 def check_expert_parallel(model: torch.nn.Module, targets: list[Target], state: ParallelState, form: str) -> None:
     """The checks across EP targets (module docstring), before anything changes."""
     dispatched = [t for t in targets if t.style == DISPATCH]
-    sliced = [t for t in targets if t.style == SLICE]
+    sliced = {t.name: t for t in targets if t.style == SLICE}
     names = {t.name for t in dispatched}
-    for t in sliced:
+    for t in sliced.values():
         if t.name.rpartition(".")[0] not in names:
             raise ValueError(
                 f"{t.where}: its module {t.name.rpartition('.')[0]} is not planned '{DISPATCH}': its experts would be "
@@ -106,7 +106,7 @@ def check_expert_parallel(model: torch.nn.Module, targets: list[Target], state: 
             raise ValueError(
                 f"{t.where}: needs an experts module holding 3-D expert weights, got {type(t.module).__name__}"
             )
-        unsliced = sorted(n for n in weights if f"{t.name}.{n}" not in {s.name for s in sliced})
+        unsliced = sorted(n for n in weights if f"{t.name}.{n}" not in sliced)
         if unsliced:
             raise ValueError(
                 f"{t.where}: {', '.join(unsliced)} not planned '{SLICE}': every rank would keep all experts' "
@@ -151,9 +151,8 @@ def _apply_dispatch(target: Target, split: Split) -> None:
     whole = next(p.shape[0] for p in experts.parameters(recurse=False) if p.dim() == 3)
     hooks = ExpertParallelHooks(whole, split.state, split.expert_dispatch, _call_names(experts))
     experts.num_experts = whole // split.state.ep_size  # type: ignore[assignment]  # torch types a module's attributes as Tensor | Module
-    block = split.model.get_submodule(target.name.rpartition(".")[0]) if "." in target.name else None
-    if block is not None:
-        block.register_forward_pre_hook(hooks.record_batch, with_kwargs=True)
+    block = split.model.get_submodule(target.name.rpartition(".")[0])  # the MoE block ("": the model itself)
+    block.register_forward_pre_hook(hooks.record_batch, with_kwargs=True)
     experts.register_forward_pre_hook(hooks.enter, with_kwargs=True)
     experts.register_forward_hook(hooks.leave, with_kwargs=True, always_call=True)
     experts.__dict__["_expert_parallel"] = hooks
