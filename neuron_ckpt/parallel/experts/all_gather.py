@@ -16,8 +16,9 @@ This form uses only the all-gather and the reduce-scatter, with static shapes th
    hold a zero row of weight 0;
 3. the experts run on the ``E/e x capacity`` slots, each row scaled by its routing weight by the
    experts themselves (transformers' experts multiply by ``top_k_weights``);
-4. each slot's output is added at its token's row of an ``[N, h]`` buffer, which is
-   reduce-scattered over the group: every rank gets its own ``T`` tokens' sum over all experts.
+4. each slot's output is added at its token's row of an ``[N, h]`` buffer (in fp32: a token's
+   ``k`` outputs are added once, as the all-to-all form's sender does), which is reduce-scattered
+   over the group in the experts' dtype: every rank gets its own ``T`` tokens' sum over all experts.
 
 Cost per rank and MoE layer against the all-to-all form: the all-gather and the reduce-scatter
 move ``(e-1) T h`` elements each way (the all-to-all moves about ``(e-1)/e T k h``: ``e/k`` times
@@ -78,6 +79,9 @@ def dispatch(
 
 
 def combine(out: torch.Tensor, trip: Trip) -> torch.Tensor:
-    """Each slot's (already weighted) output added at its token, reduce-scattered: ``[T, h]``."""
-    summed = out.new_zeros(trip.tokens + 1, out.shape[1]).index_add(0, trip.slot_token, out)[: trip.tokens]
+    """Each slot's (already weighted) output added at its token (in at least fp32), reduce-scattered
+    in ``out``'s dtype: ``[T, h]``."""
+    wide = torch.promote_types(out.dtype, torch.float32)
+    summed = torch.zeros(trip.tokens + 1, out.shape[1], dtype=wide, device=out.device)
+    summed = summed.index_add(0, trip.slot_token, out.to(wide))[: trip.tokens].to(out.dtype)
     return reduce_scatter_to_sequence_parallel_region(summed, trip.group, dim=0)
