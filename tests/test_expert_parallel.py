@@ -13,6 +13,8 @@
 * **Gradient groups** (Megatron's ``test_grad_sync_with_expert_parallel``): with gradients ``2**rank``
   a dense parameter gets the mean over DP and an expert the sum over its expert-DP group divided
   by DP, and the norm is the same on every rank.
+* **Placement**: EP rank ``j`` holds experts ``[j E/e, (j+1) E/e)`` under the same parameter names;
+  whole and sliced state dicts load; the router stays whole.
 * Recompute ``moe`` (all-to-all rerun, routing replayed) and ``moe_act`` under EP are bit-exact
   against none; a checkpoint saved at EP 2 resumes bit-exactly; the experts gathered back load
   whole with ``from_pretrained``; bad inputs are one line before anything changes.
@@ -102,6 +104,32 @@ def test_training_at_ep_equals_ep1(world, family):
                 assert _relative(r[key], base[0][key]) < TOL, (family, tp, ep, key, r[key], base[0][key])
             assert r["routers"] == spread[0]["routers"], (family, tp, ep)  # the same router on every rank
         assert max(base[0]["norm"]) > 0.5, base[0]["norm"]  # clipping happened
+
+
+def _placement() -> dict:
+    ps = nc.initialize_model_parallel(1, expert_model_parallel_size=2)
+    whole = {k: v.clone() for k, v in tiny("mixtral").state_dict().items()}
+    model = nc.apply_tensor_parallel(tiny("mixtral"))
+    experts, key = model.model.layers[0].mlp.experts, "model.layers.0.mlp.experts."
+    mine = {n: whole[key + n][ps.ep_rank * 2 : ps.ep_rank * 2 + 2] for n in ("gate_up_proj", "down_proj")}
+    out = {
+        "experts": all(torch.equal(getattr(experts, n), t) for n, t in mine.items()),  # experts 2r, 2r + 1
+        "tags": [getattr(getattr(experts, n), "expert_parallel", False) for n in mine],
+        "num_experts": experts.num_experts,
+        "keys": list(model.state_dict()) == list(whole),
+        "router": torch.equal(model.model.layers[0].mlp.gate.weight, whole["model.layers.0.mlp.gate.weight"]),
+    }
+    model.load_state_dict({k: -v for k, v in whole.items()})  # whole tensors: sliced on the way in
+    out["loaded_whole"] = all(torch.equal(getattr(experts, n), -t) for n, t in mine.items())
+    model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()})  # this rank's experts as they are
+    out["loaded_own"] = all(torch.equal(getattr(experts, n), -t) for n, t in mine.items())
+    return out
+
+
+def test_each_ep_rank_holds_its_contiguous_experts_under_the_same_names(world):
+    for r in world(4).run(_placement):
+        assert r.pop("tags") == [True, True] and r.pop("num_experts") == 2, r
+        assert all(r.values()), r
 
 
 # --------------------------------------------------------------------------------------------

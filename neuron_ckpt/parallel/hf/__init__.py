@@ -55,6 +55,15 @@ attention's; ``shards`` slices and tags parameters; ``loss`` the vocabulary-para
 ``dropout`` split attention's RNG stream.
 """
 
+from .expert_parallel import dropped_routes
+from .export import gather_state_dict, save_pretrained
 from .plan import PARAMETER_STYLES, STYLES, apply_tensor_parallel
 
-__all__ = ["PARAMETER_STYLES", "STYLES", "apply_tensor_parallel"]
+__all__ = [
+    "PARAMETER_STYLES",
+    "STYLES",
+    "apply_tensor_parallel",
+    "dropped_routes",
+    "gather_state_dict",
+    "save_pretrained",
+]

@@ -49,6 +49,7 @@ from typing import Any
 import torch
 
 from ...distributed import collectives as C
+from ...distributed import runtime
 from ...distributed.mappings import gather_from_sequence_parallel_region, scatter_to_sequence_parallel_region
 from ...distributed.parallel_state import ParallelState
 from ..experts import all_gather, all_to_all
@@ -98,7 +99,7 @@ def check_expert_parallel(model: torch.nn.Module, targets: list[Target], state: 
                 "sliced but no token sent to them"
             )
     e = state.ep_size
-    on_xla = any(p.device.type == "xla" for p in model.parameters())
+    on_xla = runtime.is_xla() or any(p.device.type == "xla" for p in model.parameters())
     for t in dispatched:
         weights = {n: p for n, p in t.module.named_parameters(recurse=False)}
         experts = [p.shape[0] for p in weights.values() if p.dim() == 3]
