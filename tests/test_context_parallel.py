@@ -257,7 +257,7 @@ def test_a_cp_run_saves_the_model_once_and_resumes_only_at_its_cp(world, run_fil
     model_files = sorted(p.name.split("-")[0] for p in step.glob("model_*.safetensors"))
     assert model_files == ["model_tp00000", "model_tp00001"], model_files
     assert json.loads((step / "meta.json").read_text())["cp_size"] == 2
-    writers = [Placement(tp, 2, 0, 1, cp_rank=cp, cp_size=2).writes_shared for cp in range(2) for tp in range(2)]
+    writers = [Placement(tp, 2, 0, 1, cp_rank=cp, cp_size=2).writes("model") for cp in range(2) for tp in range(2)]
     assert writers == [True, True, False, False]  # CP rank 0 of each TP rank
     resumed = world(WORLD).run(_train, argv(2) + ckpt + ["--resume", "latest"])[0]
     assert resumed["start_step"] == 2 and resumed["losses"] == straight["losses"][2:]

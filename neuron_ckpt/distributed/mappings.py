@@ -14,6 +14,8 @@ gather_from_sequence_parallel_region   all-gather (dim 0)   reduce-scatter (dim 
 reduce_scatter_to_sequence_parallel_   reduce-scatter (0)   all-gather (dim 0)
 region
 gather_from_context_parallel_region    all-gather (dim 0)   reduce-scatter (dim 0)
+all_to_all_in_expert_parallel_region   all-to-all (dim 0)   all-to-all, splits
+                                                            swapped
 =====================================  ===================  =====================
 
 Sequence-parallel activations are ``[s, b, h]``: the sequence is dim 0 (the sequence functions
@@ -127,6 +129,21 @@ class _ReduceScatter(torch.autograd.Function):
         return C.all_gather(g, ctx.dim, ctx.group).contiguous(), None, None
 
 
+class _AllToAll(torch.autograd.Function):
+    """Rows sent by ``input_splits``, received by ``output_splits``; backward sends the gradient
+    back the way the rows came (the splits swapped)."""
+
+    @staticmethod
+    def forward(ctx, x, group, output_splits, input_splits):
+        ctx.group, ctx.output_splits, ctx.input_splits = group, output_splits, input_splits
+        return C.all_to_all(x, group, output_splits, input_splits)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g):
+        return C.all_to_all(g.contiguous(), ctx.group, ctx.input_splits, ctx.output_splits), None, None, None
+
+
 def copy_to_tensor_parallel_region(x: torch.Tensor, group: Group | None = None) -> torch.Tensor:
     """Enter a TP region with a replicated input: identity forward, all-reduce of the gradient."""
     return _CopyToRegion.apply(x, _tp(group))
@@ -184,3 +201,12 @@ def gather_from_context_parallel_region(
     """
     fn = _GatherReduceScatterBack if partial_grad else _GatherSplitBack
     return fn.apply(x, dim, _cp(group))
+
+
+def all_to_all_in_expert_parallel_region(
+    x: torch.Tensor, group: Group, output_splits: list[int] | None = None, input_splits: list[int] | None = None
+) -> torch.Tensor:
+    """Exchange rows of ``x`` over the expert-parallel ``group`` (``input_splits[j]`` rows to rank
+    ``j``, ``output_splits[j]`` rows from it; None: equal chunks); the gradient goes back the same
+    way. The tokens' trip to their experts and back (:mod:`neuron_ckpt.parallel.experts`)."""
+    return _AllToAll.apply(x, group, output_splits, input_splits)

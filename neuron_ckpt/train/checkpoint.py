@@ -14,10 +14,11 @@ Layout (format 2) under ``directory`` (a filesystem every rank sees, e.g. FSx on
     latest                                        text: the name of the newest complete checkpoint
 
 Which entries of the saved state are the same on every DP rank is ``shared_keys`` (default:
-``"model"``): their tensors are written once per TP rank (per pipeline stage and TP rank under
+``"model"`` and ``"experts"``): their tensors are written once per TP rank (per pipeline stage and TP rank under
 pipeline parallelism: ``model_pp00001_tp00000-...``, :mod:`~.placement`), by its DP rank 0, under their state
 dict names (a standard safetensors state dict); every rank reads those of its own TP rank back,
-whatever its DP rank. Everything else is the rank's own. :mod:`~neuron_ckpt.train.tensor_files`
+whatever its DP rank. ``"experts"`` (expert parallelism) goes by EP rank instead, written by
+expert-DP rank 0. Everything else is the rank's own. :mod:`~neuron_ckpt.train.tensor_files`
 says how tensors are grouped (one group of at most ``chunk_mb`` on the host at a time while
 writing), named and checked; :mod:`~neuron_ckpt.train.rounds` how ranks take turns writing and
 reading (``writers`` per host) and how one rank's failure fails every rank;
@@ -128,7 +129,7 @@ class CheckpointManager:
         local_rank: int | None = None,
         writers: int = DEFAULT_WRITERS,
         chunk_mb: float = DEFAULT_CHUNK_MB,
-        shared_keys: tuple[str, ...] = ("model",),
+        shared_keys: tuple[str, ...] = ("model", "experts"),
         log: Callable[[str], None] | None = None,
     ):
         if keep_last < 1:
@@ -205,7 +206,8 @@ class CheckpointManager:
         """Write this rank's ``rank_state``; rank 0 also writes ``meta``. A collective: all ranks call it.
 
         The tensors of ``rank_state[k]`` for ``k`` in ``shared_keys`` (the model) are written by DP
-        rank 0 only, to the files of this TP rank; the rest by every rank.
+        rank 0 only, to the files of this TP rank (``"experts"``: by expert-DP rank 0, to the files
+        of this EP rank); the rest by every rank.
         """
         start = time.perf_counter()
         name = f"step_{step:08d}"
@@ -229,7 +231,7 @@ class CheckpointManager:
                 if key in shared:
                     tensors: dict[str, torch.Tensor] = {}
                     structure[key] = split(value, "", tensors)  # the state dict's own names
-                    if self.place.writes_shared:
+                    if self.place.writes(key):
                         write_tensors(
                             tmp, self.place.shared_prefix(key), tensors, {"key": key, **info}, self.chunk_bytes
                         )
