@@ -46,7 +46,8 @@ TINY = {  # family: (extra config keys, (dtype, attention, experts)): each setup
               ("fp32", "eager", "eager")),
     "deepseek_v2": ({**MLA, "intermediate_size": 80, "moe_intermediate_size": 32, "n_routed_experts": 4,
                      "num_experts_per_tok": 2, "n_shared_experts": 1, "first_k_dense_replace": 1,
-                     "topk_method": "group_limited_greedy", "n_group": 2, "topk_group": 1}, ("bf16", "sdpa", "grouped_mm")),
+                     "topk_method": "group_limited_greedy", "n_group": 2, "topk_group": 1},
+                    ("bf16", "sdpa", "grouped_mm")),
     "gpt_oss": ({"intermediate_size": 32, "num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": 16,
                  "sliding_window": 8}, ("bf16", "eager", "grouped_mm")),
     "aria_text": ({"intermediate_size": 32, "moe_num_experts": 4, "moe_topk": 2}, ("bf16", "sdpa", "grouped_mm")),
@@ -170,7 +171,8 @@ def test_a_transformers_4_51_qwen3_moe_file_is_read_and_what_changes_nothing_nam
     s = load_moe_config(tmp_path, said)
     assert (s.layers, s.experts, s.top_k, s.moe_ffn, s.head_dim, s.kv_heads, s.kinds) == (48, 128, 8, 768, 128, 4,
                                                                                           ("moe",))  # fmt: skip
-    assert len(said) == 1 and said[0].startswith(f"{tmp_path / 'config.json'}: accepted, their values change nothing")
+    notice = f"{tmp_path / 'config.json'}: accepted, each of these alone changes nothing priced here: "
+    assert len(said) == 1 and said[0].startswith(notice)
     named = said[0].split("nothing priced here: ")[1]
     for key in ("max_window_layers", "torch_dtype", "use_cache", "use_sliding_window", "rope_theta", "sliding_window"):
         assert key in named, key
@@ -193,11 +195,14 @@ def test_transformers_own_save_pretrained_files_are_read(tmp_path, family):
 
 @pytest.mark.parametrize("family,change,needle", [
     ("qwen3_moe", {"num_hidden_layers": None, "num_hidden_layer": 48},
-     "missing key 'num_hidden_layers' (transformers would use its default; is 'num_hidden_layer' a misspelling of it?)"),
-    ("mistral", {"sliding_window": None, "sliding_windw": 4096}, "unknown key 'sliding_windw' (did you mean 'sliding_window'?)"),
+     ("missing key 'num_hidden_layers' (transformers would use its default 24; "
+     "is 'num_hidden_layer' a misspelling of it?)")),
+    ("mistral", {"sliding_window": None, "sliding_windw": 4096},
+     "unknown key 'sliding_windw' (did you mean 'sliding_window'?)"),
     ("olmoe", {"clip_qkv": 8.0}, "clip_qkv is 8.0: the in-place clamps are not priced"),
     ("gemma2", {"hidden_activation": "relu"}, "the activation is 'relu'"),
-    ("deepseek_v2", {"scoring_func": "sigmoid"}, "scoring_func is 'sigmoid': transformers' deepseek_v2 implements 'softmax'"),
+    ("deepseek_v2", {"scoring_func": "sigmoid"},
+     "scoring_func is 'sigmoid': transformers' deepseek_v2 implements 'softmax'"),
     ("bert", {}, "model_type is 'bert': this reads the families ['llama', 'mistral'"),
 ])  # fmt: skip
 def test_what_matters_and_cannot_be_read_is_refused_in_one_line(family, change, needle):
@@ -240,3 +245,13 @@ def test_routing_replay_holds_each_topk_call_s_indices_outside_autograd(family, 
     want = [sum(t.nbytes for t in layer_memory(s, setup, "moe", kind).outside) for kind in moe]
     assert [sum(t.numel() * t.element_size() for t in r.recorded) for r in replays] == want
     assert len(replays[0].recorded) == (2 if family == "deepseek_v2" else 1)
+
+
+def test_a_multimodal_config_is_priced_through_its_text_config():
+    """Llama 4's and Aria's hub config.json are their multimodal configs: the language model is
+    their ``text_config``, read as its own family, with a notice saying so."""
+    extra, _ = TINY["llama4_text"]
+    said: list[str] = []
+    wrapped = transformers.Llama4Config(text_config={**BASE, **extra}).to_dict()
+    assert moe_shape_from_dict(wrapped, "llama4", notices=said) == shape("llama4_text")
+    assert said[0].startswith("llama4: model_type 'llama4': its text_config (the language model) is priced")

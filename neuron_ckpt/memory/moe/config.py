@@ -145,7 +145,8 @@ def _problems(data: dict, family: str) -> list[str]:
         if not any(n in data for n in names):
             guess = difflib.get_close_matches(names[0], unknown, n=1, cutoff=0.6)
             hint = f"; is {guess[0]!r} a misspelling of it?" if guess else ""
-            problems.append(f"missing key {names[0]!r} (transformers would use its default{hint})")
+            default = _config_class(family)().to_dict().get(names[0])
+            problems.append(f"missing key {names[0]!r} (transformers would use its default {default!r}{hint})")
     for key, want in REMOTE_VALUES.get(family, {}).items():
         if key in data and data[key] != want:
             problems.append(f"{key} is {data[key]!r}: transformers' {family} implements {want!r} only")
@@ -215,7 +216,7 @@ def _read(data: dict, family: str, source: str, name: str, said: list[str]) -> M
     if idle:
         foreign = [k for k in idle if k not in _fields(family) | METADATA_KEYS]
         said.append(
-            f"{source}: accepted, their values change nothing priced here: {', '.join(idle)}"
+            f"{source}: accepted, each of these alone changes nothing priced here: {', '.join(idle)}"
             + (f" ({', '.join(foreign)}: not transformers.{CONFIG_CLASSES[family]} fields)" if foreign else "")
         )
     return dataclasses.replace(base, name=name)
