@@ -22,7 +22,9 @@ int64 inverse permutation.
 mask gives both index vectors in one int64 ``[n, 2]`` storage, kept by the three indexings and
 ``index_add_``; the gathered rows, gate/up, ``act_fn(gate)``, the product, the gathered routing
 weights, the down projection's output (kept by the weighting) and the weighted rows
-(``index_add_``'s source) are kept per expert, n rows each, S rows in all.
+(``index_add_``'s source) are kept per expert, n rows each, S rows in all. Under ``moe_act`` the
+loop runs its SwiGLU through ``_apply_gate`` (:mod:`neuron_ckpt.recompute.experts_loop`: the same
+ops), so ``moe_act`` frees ``act(gate)`` and the product on both implementations, as Megatron's.
 
 **Shared experts** (DeepSeek's ``shared_experts``, Qwen2's ``shared_expert``) and the **dense
 MLP**: ``down(act(gate(x)) * up(x))`` keeps gate's output (silu), ``act(gate)`` and up's output
@@ -79,7 +81,7 @@ def router(layer: LayerTensors, shape: MoEShape, setup: MoESetup, x: str) -> Non
 
 
 def experts(layer: LayerTensors, shape: MoEShape, setup: MoESetup) -> None:
-    """The routed experts and their ``moe_act`` unit (SwiGLU's output discarded where it can be)."""
+    """The routed experts and their ``moe_act`` unit (``_apply_gate``'s SwiGLU, output discarded)."""
     S, h, w, t = setup.tokens * shape.top_k, shape.hidden, setup.width, setup.tp
     F, r, split = shape.moe_ffn // t, routing_weight_bytes(shape, setup), t > 1
     grouped = setup.experts == "grouped_mm"
@@ -91,18 +93,17 @@ def experts(layer: LayerTensors, shape: MoEShape, setup: MoESetup) -> None:
         layer.save("dispatch.indices", 2 * _INT64 * S, False, "mlp.experts.dispatch", "mlp.experts.combine")
     layer.save("experts.input", w * S * h, False, "mlp.experts.up")
     gate_up = layer.save("experts.gate_up", w * S * 2 * F, split, "mlp.experts.silu", "mlp.experts.mul")
-    act = layer.save("experts.act", w * S * F, split, "mlp.experts.mul")
+    layer.save("experts.act", w * S * F, split, "mlp.experts.mul")
     product = layer.save("experts.product", w * S * F, split, "mlp.experts.down")
     layer.save("experts.routing_weights", r * S, False, "mlp.experts.combine")
     layer.save("experts.output", w * S * h, False, "mlp.experts.combine")
     if grouped:
         layer.save("combine.inverse_perm", _INT64 * S, False, "mlp.experts.combine")
-        # _apply_gate (chunk, act(gate) * up) is discarded: its product, which down keeps
-        layer.unit("moe_act", ["mlp.experts.silu", "mlp.experts.mul"], [gate_up], discards=[product])
     else:
         layer.save("combine.weighted", w * S * h, False, "mlp.experts.combine")
-        # the loop writes act_fn(gate) * up inline: only act_fn's output can be discarded
-        layer.unit("moe_act", ["mlp.experts.silu"], [gate_up], discards=[act])
+    # _apply_gate (chunk, act(gate) * up) is discarded: its product, which down keeps, and act(gate)
+    # (grouped_mm calls it; under moe_act the eager loop does too: recompute.experts_loop)
+    layer.unit("moe_act", ["mlp.experts.silu", "mlp.experts.mul"], [gate_up], discards=[product])
 
 
 def swiglu(layer: LayerTensors, place: str, x: str, ffn: int, setup: MoESetup, split: bool) -> None:

@@ -16,8 +16,8 @@ choice             what it is on a transformers model (``apply_recompute``)
 ``mlp_act``        the dense MLP's ``act_fn`` output-discarding (dense layers only)
 ``moe``            the whole MoE block checkpointed, routing replayed: keeps its input, and the
                    replay's recorded indices outside autograd
-``moe_act``        the experts' SwiGLU output-discarding (grouped_mm: ``_apply_gate``'s product;
-                   the eager loop: ``act_fn``'s output only)
+``moe_act``        the experts' SwiGLU (``_apply_gate``) output-discarding: frees ``act(gate)``
+                   and the product, on grouped_mm and the eager loop alike
 ``shared_experts`` the shared experts checkpointed: keep their input
 ``mla_up_proj``    MLA's up projections, RoPE and concat output-discarding: keep the latents
                    and ``kv_a_proj``'s output (k_rot is a slice of it); q, k, v become notes
