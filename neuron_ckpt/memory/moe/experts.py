@@ -13,7 +13,9 @@ int64 inverse permutation.
 mask gives both index vectors in one int64 ``[n, 2]`` storage, kept by the three indexings and
 ``index_add_``; the gathered rows, gate/up, ``act_fn(gate)``, the product, the gathered routing
 weights, the down projection's output (kept by the weighting) and the weighted rows
-(``index_add_``'s source) are kept per expert, n rows each, S rows in all.
+(``index_add_``'s source) are kept per expert, n rows each, S rows in all. Under ``moe_act`` the
+loop runs its SwiGLU through ``_apply_gate`` (:mod:`neuron_ckpt.recompute.experts_loop`: the same
+ops), so ``moe_act`` frees ``act(gate)`` and the product on both implementations, as Megatron's.
 
 **GPT-OSS** (``clamped``): the same two paths with biases (grouped_mm's bias gathers keep the
 sorted expert ids, int64 ``[S]``) and its ``_apply_gate``: both clamps keep the interleaved
@@ -41,7 +43,7 @@ _INT32 = 4
 
 
 def experts(layer: LayerTensors, shape: MoEShape, setup: MoESetup) -> None:
-    """The routed experts and their ``moe_act`` unit (the gate's output discarded where it can be)."""
+    """The routed experts and their ``moe_act`` unit (``_apply_gate``'s output discarded; Llama 4: ``act_fn``'s)."""
     kind = FAMILY[shape.family].experts
     if kind == "all":
         return _all_experts(layer, shape, setup)
@@ -61,9 +63,8 @@ def experts(layer: LayerTensors, shape: MoEShape, setup: MoESetup) -> None:
     if kind == "clamped":  # _apply_gate: clamp, sigmoid(alpha gate), gate * sigmoid, (up + 1) * glu
         for name in ("gate_clamped", "sigmoid", "glu", "up_plus_one"):
             layer.save(f"experts.{name}", w * S * F, split, "mlp.experts.mul")
-        act = None
     else:
-        act = layer.save("experts.act", w * S * F, split, "mlp.experts.mul")
+        layer.save("experts.act", w * S * F, split, "mlp.experts.mul")
     product = layer.save("experts.product", w * S * F, split, "mlp.experts.down")
     layer.save("experts.routing_weights", r * S, False, "mlp.experts.combine")
     layer.save("experts.output", w * S * h, False, "mlp.experts.combine")
@@ -71,10 +72,9 @@ def experts(layer: LayerTensors, shape: MoEShape, setup: MoESetup) -> None:
         layer.save("combine.inverse_perm", INT64 * S, False, "mlp.experts.combine")
     else:
         layer.save("combine.weighted", w * S * h, False, "mlp.experts.combine")
-    if grouped or act is None:  # _apply_gate (act(gate) * up) is discarded: its product, which down keeps
-        layer.unit("moe_act", ["mlp.experts.silu", "mlp.experts.mul"], [gate_up], discards=[product])
-    else:  # the loop writes act_fn(gate) * up inline: only act_fn's output can be discarded
-        layer.unit("moe_act", ["mlp.experts.silu"], [gate_up], discards=[act])
+    # _apply_gate (chunk, act(gate) * up) is discarded: its product, which down keeps, and act(gate)
+    # (grouped_mm and GPT-OSS call it; under moe_act the eager loop does too: recompute.experts_loop)
+    layer.unit("moe_act", ["mlp.experts.silu", "mlp.experts.mul"], [gate_up], discards=[product])
 
 
 def _all_experts(layer: LayerTensors, shape: MoEShape, setup: MoESetup) -> None:

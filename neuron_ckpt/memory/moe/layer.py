@@ -17,8 +17,9 @@ choice             what it is on a transformers model (``apply_recompute``)
 ``mlp_act``        the dense MLP's activation output-discarding (dense layers only)
 ``moe``            the whole MoE block checkpointed, routing replayed: keeps its input, and the
                    replay's recorded indices outside autograd
-``moe_act``        the experts' SwiGLU output-discarding (grouped_mm, GPT-OSS: ``_apply_gate``'s
-                   product; the eager loop, Llama 4: ``act_fn``'s output only)
+``moe_act``        the experts' SwiGLU (``_apply_gate``) output-discarding: frees ``act(gate)``
+                   and the product (grouped_mm, the eager loop, GPT-OSS; Llama 4: ``act_fn``'s
+                   output only, its own ``bmm`` forward writes the product inline)
 ``shared_experts`` the shared experts checkpointed: keep their input
 ``mla_up_proj``    DeepSeek-V3's MLA up projections, RoPE and concat output-discarding: keep the latents
                    and ``kv_a_proj``'s output (k_rot is a slice of it); q, k, v become notes

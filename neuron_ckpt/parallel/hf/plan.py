@@ -17,6 +17,7 @@ from .dense import DENSE_STYLES
 from .dropout import draw_from_the_tp_stream, split_attention_with_dropout
 from .expert_parallel import EP_MODULE_STYLES, EP_WEIGHT_STYLES, check_expert_parallel, expert_parallel_plan
 from .experts import EXPERT_STYLES, EXPERT_WEIGHT_STYLES, check_experts_plan
+from .grouped_mm import run_eager_where_grouped_mm_cannot
 from .loss import loss_parallel_head, vocab_parallel_loss
 from .mla import MLA_STYLES
 from .sequence import apply_sequence_parallel, plan_sequence_parallel
@@ -78,6 +79,7 @@ def apply_tensor_parallel(
     split = Split(model, state, head, dispatch)
     for target in targets:
         _style(target).apply(target, split)
+    run_eager_where_grouped_mm_cannot(model)
     for name in split_attention:
         draw_from_the_tp_stream(model.get_submodule(name))
     for lm_head, embedding in tied:
