@@ -126,3 +126,7 @@ def test_groups_at_run_time_match_the_layout():
             # Without CP and EP no communicator beyond TP's and DP's: TP 2 at world 4 makes 2 + 2.
             if (c, e) == (1, 1):
                 assert results[0]["new_groups"] == 4
+        # Initialising again in the same world reuses every communicator: a worker that runs many
+        # tests makes each process group (three gloo threads) once, not once per test.
+        for t, c, e in ((2, 1, 1), (1, 2, 2), (2, 2, 1), (2, 1, 2)):
+            assert all(r["new_groups"] == 0 for r in world.run(_groups_at_run_time, t, c, e)), (t, c, e)

@@ -25,7 +25,11 @@ one per stage, so a stage's activation chunk goes to the same TP rank of the nex
 embedding group is the first and last rank of each PP group: the stages that hold the input
 embedding and the LM head, whose gradients a tied model sums (:mod:`neuron_ckpt.pipeline.tied`).
 A kind whose rank lists equal another's shares its communicator (no new process group): without
-CP, ``dp_cp`` is ``dp``; without EP, ``edp`` is ``dp_cp`` and ``etp`` is ``tp``.
+CP, ``dp_cp`` is ``dp``; without EP, ``edp`` is ``dp_cp`` and ``etp`` is ``tp``. A rank list made
+by an earlier :func:`initialize_model_parallel` in this world reuses that communicator too (a gloo
+process group lives until ``destroy_process_group()`` and holds three threads, so a fresh one per
+call would pile up in a process that initialises many times, as a test worker does); the cache
+goes with :func:`neuron_ckpt.destroy_distributed`.
 """
 
 from __future__ import annotations
@@ -137,6 +141,27 @@ _RELEASED = _Released()
 _HOLDING: weakref.WeakValueDictionary[int, Group] = weakref.WeakValueDictionary()
 
 
+# Process groups made by _new_groups, by (rank list, timeout), for the WORLD they were made in.
+_COMMUNICATORS: dict[tuple[tuple[int, ...], float | None], Any] = {}
+_COMMUNICATORS_WORLD: list[Any] = []  # the WORLD group of the entries above, when there are any
+
+
+def _communicator(ranks: list[int]) -> Any:
+    """A process group over ``ranks`` (a collective: every rank asks for every list, in the same
+    order, so every rank hits or misses the cache alike): the one made earlier in this world, or a
+    new one with the default group's timeout."""
+    seconds = runtime.collective_timeout_s()
+    if not _COMMUNICATORS_WORLD or _COMMUNICATORS_WORLD[0] is not dist.group.WORLD:  # a new world: nothing to reuse
+        _COMMUNICATORS.clear()
+        _COMMUNICATORS_WORLD[:] = [dist.group.WORLD]
+    key = (tuple(ranks), seconds)
+    if key not in _COMMUNICATORS:
+        # The same timeout as the default group (dist.new_group would use torch's own default).
+        timeout = datetime.timedelta(seconds=seconds) if seconds is not None else None
+        _COMMUNICATORS[key] = dist.new_group(ranks, timeout=timeout)
+    return _COMMUNICATORS[key]
+
+
 def release_process_groups() -> int:
     """Make every :class:`Group` drop its process group; returns how many did.
 
@@ -145,6 +170,8 @@ def release_process_groups() -> int:
     """
     groups = list(_HOLDING.values())
     _HOLDING.clear()
+    _COMMUNICATORS.clear()
+    _COMMUNICATORS_WORLD.clear()
     for group in groups:
         object.__setattr__(group, "_process_group", _RELEASED)
     return len(groups)
@@ -243,11 +270,8 @@ def _new_groups(all_groups: list[list[int]], rank: int) -> Group | None:
     return this rank's, or None when no group holds it (a middle stage's embedding group)."""
     mine = None
     for ranks in all_groups:
-        # The same timeout as the default group (dist.new_group would use torch's own default).
-        seconds = runtime.collective_timeout_s()
-        timeout = datetime.timedelta(seconds=seconds) if seconds is not None else None
         whole = len(all_groups) == 1 and len(ranks) == dist.get_world_size()
-        pg = dist.group.WORLD if whole else dist.new_group(ranks, timeout=timeout)
+        pg = dist.group.WORLD if whole else _communicator(ranks)
         if rank in ranks:
             mine = Group(pg, tuple(ranks), tuple(tuple(g) for g in all_groups), ranks.index(rank))
     return mine
