@@ -266,3 +266,38 @@ def test_under_torchs_flop_counter_and_memory_tracker_gradients_are_unchanged(wo
     for (modules, tracker), step in got.items():
         _identical(got[((), tracker)], step, f"{modules} under {tracker}")
     _identical(got[((), "none")], got[((), "memory")], "the memory tracker alone")
+
+
+class _Gate(torch.nn.Module):
+    """transformers' experts' ``_apply_gate``: views of its input, then a submodule."""
+
+    def __init__(self):
+        super().__init__()
+        self.act = torch.nn.SiLU()
+
+    def forward(self, x):
+        gate, up = x.chunk(2, dim=-1)
+        return self.act(gate) * up
+
+
+@pytest.mark.parametrize("tracker", ["flops", "memory"])
+def test_a_function_that_views_its_input_and_calls_a_module_runs_under_the_trackers(tracker):
+    torch.manual_seed(0)
+    proj, gate, down = torch.nn.Linear(16, 32), _Gate(), torch.nn.Linear(16, 16)
+    x = _x()
+    grads = []
+    for discard in (False, True):
+        if tracker == "memory":
+            context = MemTracker()
+            context.track_external(proj, gate, down)
+        else:
+            context = FlopCounterMode(display=False)
+        with context:
+            with discard_outputs():
+                h = proj(x)
+                out = down(checkpoint_without_output(gate, h) if discard else gate(h))
+            out.square().sum().backward()
+        grads.append([t.grad.clone() for t in (x, *proj.parameters(), *down.parameters())])
+        for t in (x, *proj.parameters(), *down.parameters()):
+            t.grad = None
+    _identical((torch.tensor(0.0), grads[0]), (torch.tensor(0.0), grads[1]), tracker)

@@ -336,7 +336,9 @@ class _DiscardFunction(torch.autograd.Function):
         call.autocast = _autocast_state(tensors)
         call.autocast_cache = torch.is_autocast_cache_enabled()
         call.keep_inputs(ctx, tensors)
-        args, kwargs = call.inputs.fill(tensors)
+        # Detached: a view the function takes of an input here (grad is off) would otherwise still
+        # say requires_grad with no grad_fn, which module trackers' input hooks cannot place.
+        args, kwargs = call.inputs.fill(t.detach() for t in tensors)
         outputs, call.outputs = _Tree.split(call.function(*args, **kwargs))
         if not outputs:
             raise TypeError("checkpoint_without_output: the function returned no tensor")
