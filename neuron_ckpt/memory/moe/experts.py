@@ -35,11 +35,13 @@ dispatch, the gathered rows and the experts' outputs are whole on every rank.
 
 from __future__ import annotations
 
+from ..rerun import SOFTMAX
 from ..terms import ActivationTerm
 from .rules import LayerTensors
 from .shape import MoESetup, MoEShape
 
 _FP32, _INT64, _INT32 = 4, 8, 4
+SILU = 4  # elementwise FLOPs per element: x * sigmoid(x); the product with up is 1 more
 
 
 def routing_weight_bytes(shape: MoEShape, setup: MoESetup) -> int:
@@ -63,19 +65,22 @@ def replay_indices(shape: MoEShape, setup: MoESetup) -> tuple[ActivationTerm, ..
 
 def router(layer: LayerTensors, shape: MoEShape, setup: MoESetup, x: str) -> None:
     T, E, k, w = setup.tokens, shape.experts, shape.top_k, setup.width
+    # One op: the linear (keeps its input), the softmax or sigmoid, top-k and the renormalisation
+    # (which keep their outputs as they run).
+    layer.op("mlp.router", matmul=2 * T * shape.hidden * E, elementwise=SOFTMAX * T * E)
     if shape.family == "deepseek_v3":
         if w == _FP32:
             layer.keep(x, "mlp.router")
         else:
             layer.save("router.input_fp32", _FP32 * T * shape.hidden, False, "mlp.router")
-        layer.save("router.sigmoid_fp32", _FP32 * T * E, False, "mlp.router")
+        layer.save("router.sigmoid_fp32", _FP32 * T * E, False, "mlp.router+")
     else:
         layer.keep(x, "mlp.router")
-        layer.save("router.softmax_fp32", _FP32 * T * E, False, "mlp.router")
-    layer.save("router.topk_indices", _INT64 * T * k, False, "mlp.router")
+        layer.save("router.softmax_fp32", _FP32 * T * E, False, "mlp.router+")
+    layer.save("router.topk_indices", _INT64 * T * k, False, "mlp.router+")
     if shape.family == "mixtral" or shape.norm_topk_prob:
-        layer.save("router.topk_sum_fp32", _FP32 * T, False, "mlp.router")
-        layer.save("router.topk_values_fp32", _FP32 * T * k, False, "mlp.router")
+        layer.save("router.topk_sum_fp32", _FP32 * T, False, "mlp.router+")
+        layer.save("router.topk_values_fp32", _FP32 * T * k, False, "mlp.router+")
 
 
 def experts(layer: LayerTensors, shape: MoEShape, setup: MoESetup) -> None:
@@ -83,6 +88,14 @@ def experts(layer: LayerTensors, shape: MoEShape, setup: MoESetup) -> None:
     S, h, w, t = setup.tokens * shape.top_k, shape.hidden, setup.width, setup.tp
     F, r, split = shape.moe_ffn // t, routing_weight_bytes(shape, setup), t > 1
     grouped = setup.experts == "grouped_mm"
+    # In forward order, summed over the experts (the eager loop runs them one after another: its
+    # last combine is after every down projection).
+    layer.op("mlp.experts.dispatch")
+    layer.op("mlp.experts.up", matmul=2 * S * h * 2 * F)
+    layer.op("mlp.experts.silu", elementwise=SILU * S * F)
+    layer.op("mlp.experts.mul", elementwise=S * F)
+    layer.op("mlp.experts.down", matmul=2 * S * F * h)
+    layer.op("mlp.experts.combine", elementwise=2 * S * h)  # weighting and the sum over top-k
     if grouped:
         layer.save("dispatch.token_index", _INT64 * S, False, "mlp.experts.dispatch")
         layer.save("dispatch.perm", _INT64 * S, False, "mlp.experts.dispatch")
@@ -105,9 +118,13 @@ def experts(layer: LayerTensors, shape: MoEShape, setup: MoESetup) -> None:
         layer.unit("moe_act", ["mlp.experts.silu"], [gate_up], discards=[act])
 
 
-def swiglu(layer: LayerTensors, place: str, x: str, ffn: int, setup: MoESetup, split: bool) -> None:
+def swiglu(layer: LayerTensors, place: str, x: str, ffn: int, setup: MoESetup, split: bool, hidden: int) -> None:
     """transformers' MLP ``down(act(gate(x)) * up(x))`` at ``place``, ``ffn`` wide on this rank."""
-    T, w = setup.tokens, setup.width
+    T, w, h = setup.tokens, setup.width, hidden
+    layer.op(f"{place}.up", matmul=2 * T * h * 2 * ffn)  # gate_proj and up_proj
+    layer.op(f"{place}.silu", elementwise=SILU * T * ffn)
+    layer.op(f"{place}.mul", elementwise=T * ffn)
+    layer.op(f"{place}.down", matmul=2 * T * ffn * h)
     layer.keep(x, f"{place}.up")
     layer.save(f"{place}.gate_proj.out", w * T * ffn, split, f"{place}.silu")
     layer.save(f"{place}.act", w * T * ffn, split, f"{place}.mul")
@@ -116,22 +133,31 @@ def swiglu(layer: LayerTensors, place: str, x: str, ffn: int, setup: MoESetup, s
 
 
 def shared_experts(layer: LayerTensors, shape: MoEShape, setup: MoESetup, x: str) -> None:
-    """DeepSeek's shared experts or Qwen2's gated shared expert, and the ``shared_experts`` unit."""
+    """DeepSeek's shared experts or Qwen2's shared expert, and the ``shared_experts`` unit."""
     t = shape.split("shared", setup.tp)
-    swiglu(layer, "mlp.shared", x, shape.shared_ffn // t, setup, t > 1)
+    swiglu(layer, "mlp.shared", x, shape.shared_ffn // t, setup, t > 1, shape.hidden)
     layer.unit("shared_experts", ["mlp.shared"], [x])
-    if shape.family == "qwen2_moe":
-        T, w = setup.tokens, setup.width
-        layer.keep(x, "mlp.shared_gate")
-        layer.save("shared_gate.sigmoid", w * T, False, "mlp.shared_gate")
-        layer.save("shared_expert.out", w * T * shape.hidden, False, "mlp.shared_gate")
+
+
+def shared_gate(layer: LayerTensors, shape: MoEShape, setup: MoESetup, x: str) -> None:
+    """Qwen2's gate on its shared expert, after the routed experts: ``sigmoid(Linear(h, 1)(x)) *
+    shared(x)``; the product keeps both factors."""
+    T, w = setup.tokens, setup.width
+    layer.op("mlp.shared_gate", matmul=2 * T * shape.hidden, elementwise=SILU * T)  # the linear and the sigmoid
+    layer.op("mlp.shared_gate.mul", elementwise=T * shape.hidden)
+    layer.keep(x, "mlp.shared_gate")
+    layer.save("shared_gate.sigmoid", w * T, False, "mlp.shared_gate.mul")
+    layer.save("shared_expert.out", w * T * shape.hidden, False, "mlp.shared_gate.mul")
 
 
 def dense_mlp(layer: LayerTensors, shape: MoEShape, setup: MoESetup, x: str) -> None:
     """The dense layers' MLP, and its ``mlp`` and ``mlp_act`` (``act_fn``'s output) units."""
-    swiglu(layer, "mlp", x, shape.dense_ffn // setup.tp, setup, setup.tp > 1)
+    swiglu(layer, "mlp", x, shape.dense_ffn // setup.tp, setup, setup.tp > 1, shape.hidden)
     layer.unit("mlp", ["mlp"], [x])
     layer.unit("mlp_act", ["mlp.silu"], ["mlp.gate_proj.out"], discards=["mlp.act"])
 
 
-__all__ = ["dense_mlp", "experts", "replay_indices", "router", "routing_weight_bytes", "shared_experts", "swiglu"]
+__all__ = [
+    "dense_mlp", "experts", "replay_indices", "router", "routing_weight_bytes", "shared_experts", "shared_gate",
+    "swiglu",
+]  # fmt: skip

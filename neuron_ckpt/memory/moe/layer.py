@@ -38,6 +38,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ...recompute import RecomputeConfig
+from ..rerun import Flops
 from ..terms import ActivationTerm
 from . import experts as mlp
 from .attention import gqa, mla, rms_norm
@@ -69,9 +70,15 @@ def layer_tensors(shape: MoEShape, setup: MoESetup, kind: str) -> LayerTensors:
         mlp.dense_mlp(layer, shape, setup, x2)
         layer.unit("full", [""], [x])
         return layer
+    # In forward order: Qwen2 runs its shared expert first and gates it after the routed experts,
+    # DeepSeek its shared experts last.
+    if shape.family == "qwen2_moe":
+        mlp.shared_experts(layer, shape, setup, x2)
     mlp.router(layer, shape, setup, x2)
     mlp.experts(layer, shape, setup)
-    if shape.shared_ffn:
+    if shape.family == "qwen2_moe":
+        mlp.shared_gate(layer, shape, setup, x2)
+    elif shape.shared_ffn:
         mlp.shared_experts(layer, shape, setup, x2)
     replay = mlp.replay_indices(shape, setup)
     layer.unit("moe", ["mlp"], [x2], outside=replay)
@@ -120,12 +127,15 @@ def check(shape: MoEShape, setup: MoESetup, kind: str) -> None:
 @dataclass(frozen=True)
 class LayerMemory:
     """What one layer of ``kind`` keeps on one rank under ``modules``: ``terms`` (autograd's
-    saved storages, forward order) and ``outside`` (held outside autograd: the routing replay)."""
+    saved storages, forward order) and ``outside`` (held outside autograd: the routing replay);
+    and ``rerun``, the forward FLOPs its backward reruns (matmul and elementwise, per micro-batch
+    on one rank: :meth:`~.rules.LayerTensors.rerun`)."""
 
     kind: str
     modules: tuple[str, ...]
     terms: tuple[ActivationTerm, ...]
     outside: tuple[ActivationTerm, ...]
+    rerun: Flops = Flops()
 
     @property
     def autograd_bytes(self) -> int:
@@ -146,8 +156,9 @@ def layer_memory(shape: MoEShape, setup: MoESetup, recompute: Recompute = "none"
     """One ``kind`` layer's memory on one rank under ``recompute``."""
     check(shape, setup, kind)
     modules = modules_of(recompute)
-    terms, outside = layer_tensors(shape, setup, kind).kept(modules + always_on(setup))
-    return LayerMemory(kind, modules, tuple(terms), tuple(outside))
+    layer = layer_tensors(shape, setup, kind)
+    terms, outside = layer.kept(modules + always_on(setup))
+    return LayerMemory(kind, modules, tuple(terms), tuple(outside), layer.rerun(modules + always_on(setup)))
 
 
 def applies(shape: MoEShape, kind: str, module: str) -> bool:
