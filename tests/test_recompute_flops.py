@@ -68,13 +68,12 @@ RUNS = {
     (1, False, "explicit"): tuple(CHOICES),
     # The core attention is one kernel, rerun whole: where flash differs.
     (1, False, "flash"): ("selective", "full", "full(uniform 2)"),
-    (2, True, "explicit"): ("selective+mlp_act+norm", "full", "full(uniform 2)", "full(block 2)",
-                            "selective[mlp,norm]", "per layer"),
+    (2, True, "explicit"): ("selective+mlp_act+norm", "full(uniform 2)", "selective[mlp,norm]", "per layer"),
     (2, True, "flash"): ("selective", "full"),
 }
-"""The choices counted at each (t, sequence parallel, attention): every one at TP 1, where each
-rank's count differs from TP 1 at TP 2 + SP (the norms on s/t tokens, the gathers inside the
-reruns)."""
+"""The choices counted at each (t, sequence parallel, attention): every one at TP 1 with explicit
+attention; elsewhere those the setting changes (flash: the kernel reruns whole; TP 2 + SP: this
+rank's heads and columns, the norms on s/t tokens, the gathers inside the reruns)."""
 
 
 def _setup(t: int, sp: bool, attention: str) -> TrainingSetup:
@@ -86,7 +85,7 @@ def _priced(name: str, t: int, sp: bool, attention: str, whole: bool = False) ->
     model, setup, choice = ModelShape.from_llama(_args(t)), _setup(t, sp, attention), CHOICES[name]
     if whole:
         priced = resolve(model, setup, choice)
-        return sum(rerun_flops(model, setup, priced.layer(i, model.layers), whole=True).matmul for i in range(4))
+        return sum(rerun_flops(model, setup, priced.layer(i, model.layers), whole=True).matmul for i in range(model.layers))
     if isinstance(choice, list):
         options = per_layer_options(model, setup, choice, layer_options(model, setup))
     else:
