@@ -21,10 +21,10 @@ Prints the ratios; the targets (selective <= 1.05x none, the leanest selective <
 our selective >= 1.2x faster than transformers' checkpointing) are printed next to them, not
 asserted. The leanest layer reruns the two norms and SwiGLU (element-wise work, a few passes over
 ``[s, b, h]`` and ``[s, b, f]``) once more in backward. Selective's overhead is
-the core-attention forward recomputed: about ``4s / (3 (24h + 4s))`` of the step in FLOPs
-(2.6% at the default s=1024, h=2048, a Llama-like width; 13% at h=256, where attention dominates
-and the 5% target cannot hold), plus the s^2 element-wise softmax/mask work, which is relatively
-expensive on CPU. The default shape runs about 3 minutes on 2 cores.
+the core attention's QK^T and softmax recomputed (not probs @ V: the rerun stops before it): about
+``2s / (3 (24h + 4s))`` of the step in FLOPs (1.3% at the default s=1024, h=2048, a Llama-like
+width; 6.7% at h=256, where attention dominates and the 5% target cannot hold), plus the s^2
+element-wise softmax/mask work, which is relatively expensive on CPU. The default shape runs about 3 minutes on 2 cores.
 """
 
 from __future__ import annotations

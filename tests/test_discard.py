@@ -9,6 +9,9 @@ must guarantee.
   a view), for ``torch.autograd.grad``, twice with ``retain_graph``, nested inside full recompute,
   at TP 2 + SP and with distributed saved inputs; double backward is one clear error.
 * Other saved-tensor hooks still see everything the block keeps (the recorder measures through it).
+* torch's FLOP counter and memory tracker (``FlopCounterMode``, ``MemTracker``: both hook every
+  module's inputs) run through it with the gradients they give without recompute; what it reruns
+  is counted like any other recompute (tests/test_recompute_flops.py).
 
 On XLA (the optimization barrier before the rerun): tests_xla/test_recompute_xla.py. Under
 torch.compile (no new graph break): tests/test_compile.py.
@@ -16,9 +19,13 @@ torch.compile (no new graph break): tests/test_compile.py.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.utils.flop_counter import FlopCounterMode
 
 import neuron_ckpt as nc
 from neuron_ckpt.memory import SavedTensorRecorder
@@ -231,3 +238,66 @@ def test_llama_bit_identical_with_attention_dropout(world, t, sp, distribute):
     for rank, (reference, variants) in enumerate(world(t).run(_llama_variants, t, sp, distribute)):
         for modules, got in variants.items():
             _identical(reference, got, f"rank {rank} {modules}")
+
+
+def _tracked_step(modules, tracker: str):
+    layers, x, rope = _llama_layers(modules, 1, False)
+    if tracker == "memory":
+        context = MemTracker()
+        context.track_external(layers)
+    else:
+        context = FlopCounterMode(display=False) if tracker == "flops" else contextlib.nullcontext()
+    with context:
+        run_layers(layers, x, *rope).square().sum().backward()
+    return torch.tensor(0.0), [x.grad] + [p.grad for p in layers.parameters()]
+
+
+def _tracked() -> dict:
+    out = {((), tracker): _tracked_step((), tracker) for tracker in ("none", "flops", "memory")}
+    for modules in [("core_attn", "mlp_act", "norm"), ("mlp", "norm")]:  # the norm's note: a checkpoint's input
+        out.update({(modules, tracker): _tracked_step(modules, tracker) for tracker in ("flops", "memory")})
+    return out
+
+
+def test_under_torchs_flop_counter_and_memory_tracker_gradients_are_unchanged(world):
+    # Both trackers hook the inputs of every module, the rerun's too: a hook on a leaf used to meet
+    # the rerun's autograd.grad ("A leaf node was passed to _will_engine_execute_node ...").
+    got = world(1).run(_tracked)[0]
+    for (modules, tracker), step in got.items():
+        _identical(got[((), tracker)], step, f"{modules} under {tracker}")
+    _identical(got[((), "none")], got[((), "memory")], "the memory tracker alone")
+
+
+class _Gate(torch.nn.Module):
+    """transformers' experts' ``_apply_gate``: views of its input, then a submodule."""
+
+    def __init__(self):
+        super().__init__()
+        self.act = torch.nn.SiLU()
+
+    def forward(self, x):
+        gate, up = x.chunk(2, dim=-1)
+        return self.act(gate) * up
+
+
+@pytest.mark.parametrize("tracker", ["flops", "memory"])
+def test_a_function_that_views_its_input_and_calls_a_module_runs_under_the_trackers(tracker):
+    torch.manual_seed(0)
+    proj, gate, down = torch.nn.Linear(16, 32), _Gate(), torch.nn.Linear(16, 16)
+    x = _x()
+    grads = []
+    for discard in (False, True):
+        if tracker == "memory":
+            context = MemTracker()
+            context.track_external(proj, gate, down)
+        else:
+            context = FlopCounterMode(display=False)
+        with context:
+            with discard_outputs():
+                h = proj(x)
+                out = down(checkpoint_without_output(gate, h) if discard else gate(h))
+            out.square().sum().backward()
+        grads.append([t.grad.clone() for t in (x, *proj.parameters(), *down.parameters())])
+        for t in (x, *proj.parameters(), *down.parameters()):
+            t.grad = None
+    _identical((torch.tensor(0.0), grads[0]), (torch.tensor(0.0), grads[1]), tracker)

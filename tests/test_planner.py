@@ -37,6 +37,7 @@ from neuron_ckpt.memory import (
     plan_recompute,
 )
 from neuron_ckpt.memory.budget import GIB, largest_collective_bytes, optimizer_step_bytes
+from neuron_ckpt.memory.options import stack_options
 from neuron_ckpt.memory.planner import evaluate, valid_tp_degrees
 from neuron_ckpt.models.config_file import load_llama_config
 from neuron_ckpt.models.llama import LlamaForCausalLM, SwiGLU
@@ -164,8 +165,9 @@ def _brute_force(model, setup, limit):
     best = None
     for names in [*itertools.product(options, repeat=model.layers), *_grouped(model)]:
         budget = memory_budget(model, setup, names, options)
-        cost = (model.layers * options["full"].recompute_flops if isinstance(names, RecomputeConfig)
-                else sum(options[n].recompute_flops for n in names))
+        grouped = isinstance(names, RecomputeConfig)
+        priced = stack_options(model, setup, names) if grouped else [options[n] for n in names]
+        cost = sum(o.recompute_flops for o in priced)
         if budget.total_bytes <= limit and (best is None or cost < best):
             best = cost
     return best, options
@@ -342,7 +344,11 @@ def test_grouped_full_recompute_wins_where_full_on_every_layer_does_not_fit():
     plan = plan_recompute(model, setup, "trn1")
     assert plan.recompute == RecomputeConfig(granularity="full", method="uniform", num_layers=2)
     assert plan.fits and not evaluate(model, setup, "full", plan.limit_bytes).fits
-    assert plan.recompute_flops == evaluate(model, setup, "full", plan.limit_bytes).recompute_flops
+    # Every layer rerun, and the first of each pair to its end (its output feeds the second): more
+    # than full on every layer, which stops each layer's rerun before its down projection.
+    full = evaluate(model, setup, "full", plan.limit_bytes)
+    down = 2 * 4096 * 32 * (11008 // 8) * 4096  # one down projection's forward on one rank (b 32)
+    assert plan.recompute_matmul_flops == full.recompute_matmul_flops + 16 * down
     assert plan.budget.activation_peak_bytes > plan.budget.activation_bytes  # the group's buffer counted
     # Against a limit on the kept activations alone the group's buffer would not count: not offered
     # there, so at the group's kept bytes nothing per layer keeps that little.

@@ -15,8 +15,9 @@
 :mod:`.shape` describes the model and the job; :mod:`.analytic` counts one layer's activations
 tensor by tensor (Korthikanti et al. 2022 for GPT, its Llama equivalent; :mod:`.terms`) and the
 peak of a stack; :mod:`.measure` counts what autograd really keeps (:mod:`.live`: its peak over
-forward and backward); :mod:`.budget` adds up a device's memory and :mod:`.planner` picks the
-recompute. ``neuron-ckpt memory`` / ``plan`` are :mod:`.report` and
+forward and backward); :mod:`.budget` adds up a device's memory, :mod:`.rerun` prices what a
+recompute reruns in FLOPs (equal to torch's count: :mod:`.flop_count`) and :mod:`.planner` picks
+the recompute. ``neuron-ckpt memory`` / ``plan`` are :mod:`.report` and
 :mod:`.plan_cli`; ``neuron-ckpt compare`` (:mod:`.compare_cli`) puts the model next to what a device
 or a compiler reports (:mod:`.readers`, by difference: :mod:`.compare`). :mod:`.pipeline` does the
 budget and the plan per pipeline stage, over a schedule's order. See docs/memory.md and

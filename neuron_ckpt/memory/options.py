@@ -2,11 +2,11 @@
 
 :func:`layer_option` prices any recompute choice a layer can run (:func:`~.analytic.resolve`):
 its bytes come from the analytic model (:mod:`.terms`), its FLOPs count the forward work that
-backward reruns, against the step's model FLOPs (:func:`step_flops`, the MFU convention of
-:meth:`~.shape.ModelShape.flops_per_token`). :func:`stack_options` prices every layer of a stack
-under one config (grouped and block full recompute included), :func:`per_layer_options` whatever
-a budget is given for its layers. The planner's choices are the
-presets (:data:`~neuron_ckpt.recompute.PRESETS`) the attention makes worth running
+backward reruns, up to where the rerun stops (:mod:`.rerun`), against the step's model FLOPs
+(:func:`step_flops`, the MFU convention of :meth:`~.shape.ModelShape.flops_per_token`).
+:func:`stack_options` prices every layer of a stack under one config (grouped and block full
+recompute included), :func:`per_layer_options` whatever a budget is given for its layers. The
+planner's choices are the presets (:data:`~neuron_ckpt.recompute.PRESETS`) the attention makes worth running
 (:func:`offered_presets`: with flash attention, not the selective ones), by name:
 :func:`layer_options`.
 """
@@ -18,13 +18,9 @@ from dataclasses import dataclass, replace
 
 from ..recompute import PRESETS, RecomputeConfig
 from .analytic import Recompute, layer_activation_bytes, layer_backward_peak, resolve, supported_presets
+from .rerun import rerun_flops
 from .shape import ModelShape, TrainingSetup
-from .terms import LayerSpec, layer_terms
-
-# Elementwise FLOPs per element, for the recompute cost: softmax (scale, mask, max, exp, sum,
-# divide, roughly 5), SiLU times up (x * sigmoid(x) * up, 5), GeLU (tanh form, 8), RMSNorm
-# (square, mean, 1/rms, scale, weight: 4), LayerNorm (mean, centre, square, mean, scale, affine: 8).
-SOFTMAX_FLOPS, SWIGLU_FLOPS, GELU_FLOPS, RMSNORM_FLOPS, LAYERNORM_FLOPS = 5, 5, 8, 4, 8
+from .terms import layer_terms
 
 
 @dataclass(frozen=True)
@@ -38,42 +34,23 @@ class LayerOption:
         first layer of a full-recompute group keeps the group's input, the others nothing).
     backward_peak_bytes: the most the layer holds at once during its backward, its own kept bytes
         still held plus what its recompute brings back (for a group: all k layers' activations).
-    recompute_flops: forward FLOPs rerun in backward, per micro-batch, on one device.
+    recompute_matmul_flops / recompute_elementwise_flops: the forward FLOPs backward reruns, per
+        micro-batch on one device, in matmuls (what ``FlopCounterMode`` counts) and elementwise
+        (an estimate), as the backend reruns them (:mod:`.rerun`); the first layer of a
+        full-recompute group carries the group's, the others none.
     """
 
     name: str
     recompute: RecomputeConfig
     saved_bytes: int
     backward_peak_bytes: int
-    recompute_flops: float
+    recompute_matmul_flops: float
+    recompute_elementwise_flops: float
 
-
-def _flops(model: ModelShape, setup: TrainingSetup) -> dict[str, float]:
-    """Forward FLOPs of one layer's parts on one rank, per micro-batch."""
-    s, b, t, h = setup.seq_len, setup.micro_batch, setup.tp, model.hidden
-    a_loc, g_loc = model.local_heads(t), model.local_kv_heads(t)
-    d = model.head_dim
-    scores = a_loc * s * s * b
-    # QK^T and probs @ V over the whole s x s square (explicit attention computes all of it).
-    core = 4.0 * scores * d + SOFTMAX_FLOPS * scores
-    tokens = s * b // t if setup.sequence_parallel else s * b  # what a norm sees
-    if model.kind == "llama":
-        act = SWIGLU_FLOPS * s * b * model.ffn / t
-        attn, mlp = 2.0 * s * b * h * (2 * a_loc + 2 * g_loc) * d, 2.0 * s * b * h * 3 * model.ffn / t
-        norm = 2.0 * RMSNORM_FLOPS * tokens * h
-    else:
-        act = GELU_FLOPS * s * b * model.ffn / t
-        attn, mlp = 2.0 * s * b * 4 * h * h / t, 2.0 * s * b * 8 * h * h / t
-        norm = 2.0 * LAYERNORM_FLOPS * tokens * h
-    return {"core_attn": core, "mlp_act": act, "mlp": mlp + act, "norm": norm, "layer": attn + mlp + core + act}
-
-
-def _cost(flops: dict[str, float], spec: LayerSpec) -> float:
-    """FLOPs a layer reruns: the whole layer under full recompute (each layer of a group), else
-    its selective modules (``mlp`` includes its activation; norms are not in the layer's count)."""
-    if spec.span is not None:
-        return flops["layer"]
-    return sum(flops[m] for m in spec.modules)
+    @property
+    def recompute_flops(self) -> float:
+        """Matmul plus elementwise: what the planner minimises."""
+        return self.recompute_matmul_flops + self.recompute_elementwise_flops
 
 
 def layer_option(model: ModelShape, setup: TrainingSetup, recompute: Recompute, layer: int = 0) -> LayerOption:
@@ -82,12 +59,14 @@ def layer_option(model: ModelShape, setup: TrainingSetup, recompute: Recompute, 
     spec = priced.layer(layer, model.layers)
     kept, events = layer_terms(model, setup, spec)
     saved = sum(t.nbytes for t in kept)
+    rerun = rerun_flops(model, setup, spec)
     return LayerOption(
         priced.layer_label(layer, model.layers),
         priced.config,
         saved,
         layer_backward_peak(saved, events),
-        _cost(_flops(model, setup), spec),
+        rerun.matmul,
+        rerun.elementwise,
     )
 
 

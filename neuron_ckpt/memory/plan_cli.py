@@ -268,7 +268,8 @@ def _print_plan(model: ModelShape, setup: TrainingSetup, plan: Plan, notes: list
     for note in (*plan.budget.notes, *notes):
         print(f"note: {note}")
     print(
-        f"\nplan: {plan.describe()} ({plan.budget.total_gib:.2f} GiB, recompute {plan.overhead:.2%} of a step's FLOPs)"
+        f"\nplan: {plan.describe()} ({plan.budget.total_gib:.2f} GiB, recompute {plan.overhead:.2%} of a step's FLOPs, "
+        f"{plan.matmul_overhead:.2%} in matmuls)"
     )
     print(f"recompute: {_recompute_text(plan)}")
     print("\nalternatives (the same option on every layer):")

@@ -5,7 +5,8 @@ activation) and full recompute. The layers are identical, so a plan is a count o
 option; :func:`plan_recompute` tries every split of the ``L`` layers (``O(L^3)`` for four
 options, a few thousand for Llama-2 7B), prices each with :func:`~.budget.memory_budget` in the
 layer order that keeps the backward peak lowest (:func:`~.options.canonical_order`) and keeps the
-one with the fewest recompute FLOPs that fits (ties: less memory). ``tests/test_planner.py``
+one with the fewest recompute FLOPs that fits (ties: less memory): the forward FLOPs the backward
+reruns, matmul plus elementwise, where the backend's rerun stops (:mod:`.rerun`). ``tests/test_planner.py``
 checks it against a brute force over every per-layer assignment.
 
 When nothing fits, :class:`NothingFits` says by how much and what would: the smallest
@@ -78,15 +79,17 @@ class Plan:
 
     layers: the option of each layer in layer order. limit_bytes: what it was planned for: the
     device memory after ``reserve`` (``limit_on="total"``, :func:`plan_recompute`) or the
-    activations alone (``limit_on="activations"``, :func:`plan_activations`). recompute_flops /
-    step_flops: FLOPs rerun in backward and the model FLOPs of forward + backward, both per
-    micro-batch on one device.
+    activations alone (``limit_on="activations"``, :func:`plan_activations`). recompute_flops:
+    the forward FLOPs backward reruns, matmul plus elementwise (what the planner minimises), of
+    which recompute_matmul_flops in matmuls (:attr:`~.options.LayerOption.recompute_matmul_flops`);
+    step_flops: the model FLOPs of forward + backward; all per micro-batch on one device.
     """
 
     budget: MemoryBudget
     options: dict[str, LayerOption]
     limit_bytes: int
     recompute_flops: float
+    recompute_matmul_flops: float
     step_flops: float
     limit_on: str = "total"
 
@@ -110,8 +113,13 @@ class Plan:
 
     @property
     def overhead(self) -> float:
-        """Recompute FLOPs as a fraction of the step's model FLOPs."""
+        """Recompute FLOPs (matmul plus elementwise) as a fraction of the step's model FLOPs."""
         return self.recompute_flops / self.step_flops
+
+    @property
+    def matmul_overhead(self) -> float:
+        """Recompute matmul FLOPs as a fraction of the step's model FLOPs."""
+        return self.recompute_matmul_flops / self.step_flops
 
     @property
     def recompute(self) -> RecomputeConfig | list[RecomputeConfig]:
@@ -140,8 +148,10 @@ class Plan:
             "recompute": [_config_dict(c) for c in configs],
             "recompute_is_per_layer": isinstance(rc, list),
             "recompute_flops": self.recompute_flops,
+            "recompute_matmul_flops": self.recompute_matmul_flops,
             "step_flops": self.step_flops,
             "overhead": self.overhead,
+            "matmul_overhead": self.matmul_overhead,
             "budget": self.budget.to_dict(),
         }
 
@@ -189,13 +199,14 @@ def evaluate(
         raise ValueError(f"limit_on must be one of {LIMITS_ON}, got {limit_on!r}")
     options = dict(options if options is not None else layer_options(model, setup))
     if isinstance(layers, RecomputeConfig):
-        group = stack_options(model, setup, layers)
-        options = {group[0].name: group[0]}  # the plan's one option: its recompute is the config
-        flops = sum(o.recompute_flops for o in group)
+        priced = stack_options(model, setup, layers)  # a group's first layer carries the group's FLOPs
+        options = {priced[0].name: priced[0]}  # the plan's one option: its recompute is the config
     budget = memory_budget(model, setup, layers, options)
     if not isinstance(layers, RecomputeConfig):
-        flops = sum(options[name].recompute_flops for name in budget.layers)
-    return Plan(budget, options, limit_bytes, flops, step_flops(model, setup), limit_on)
+        priced = [options[name] for name in budget.layers]
+    matmul = sum(o.recompute_matmul_flops for o in priced)
+    total = sum(o.recompute_flops for o in priced)
+    return Plan(budget, options, limit_bytes, total, matmul, step_flops(model, setup), limit_on)
 
 
 def _splits(total: int, parts: int):
@@ -229,15 +240,17 @@ def _best(
             least = (total, cost, split)
         if total <= limit_bytes and (best is None or (cost, total) < best[:2]):
             best = (cost, total, split)
-    # Grouped full recompute: every layer rerun (the FLOPs of full on every layer), fewer inputs
-    # kept, k layers alive again at once. It wins only where full on every layer does not fit,
-    # or fits with more memory (layer inputs that outweigh k - 1 layers' activations). Against a
-    # limit on the kept activations alone its buffer would not count: total limits only.
+    # Grouped full recompute: every layer rerun, the inner ones of each group to their end (more
+    # FLOPs than full on every layer), fewer inputs kept, k layers alive again at once. It wins
+    # only where full on every layer does not fit, or fits with more memory (layer inputs that
+    # outweigh k - 1 layers' activations). Against a limit on the kept activations alone its
+    # buffer would not count: total limits only.
     if limit_on == "total" and (allowed is None or "full" in allowed):
-        flops = options["full"].recompute_flops * model.layers
         for k in range(2, model.layers + 1):
             config = RecomputeConfig(granularity="full", method="uniform", num_layers=k)
-            total = parts.used([(o, 1) for o in stack_options(model, setup, config)], m, limit_on)
+            group = stack_options(model, setup, config)
+            flops = sum(o.recompute_flops for o in group)
+            total = parts.used([(o, 1) for o in group], m, limit_on)
             if least is None or (total, flops) < least[:2]:
                 least = (total, flops, config)
             if total <= limit_bytes and (best is None or (flops, total) < best[:2]):

@@ -19,6 +19,10 @@ choice"):
 * full recompute: a layer that starts a checkpoint keeps its input (a 1/t slice when
   distributed); the other layers of a group keep nothing.
 
+Each term also says where the forward saves it (:func:`saved_at`): the op that keeps it last, as
+that op's input (saved before the op runs) or its output (after). A checkpoint's rerun stops at
+the last of its region's saves (:mod:`.rerun` prices it from there).
+
 A recompute event happens in the layer's backward when the layer still holds ``held`` bytes of
 its own terms (those before the recomputed part in forward order, and the part's own saved
 inputs) and ``again`` bytes come back: what the rerun saves as new storages (a rerun's detached
@@ -59,6 +63,7 @@ class RecomputeEvent:
 class _Term:
     term: ActivationTerm
     role: str  # "norm1.in", "norm1.own", "norm1.out", "core.in", "core.own", "norm2.*", "act.in", "act.out", ""
+    at: str  # the op that saves it last (:mod:`.rerun`'s names): "op" before it runs, "op+" after
 
 
 @dataclass(frozen=True)
@@ -89,6 +94,15 @@ def layer_terms(
         again = spec.span * total - w * numel + gathered  # the rerun's input is the kept one, or gathered
         return [kept], [RecomputeEvent("layer" if spec.span == 1 else f"{spec.span} layers", slice_, again)]
     return _selective(none, set(spec.modules), core_again, slice_, gathered)
+
+
+def saved_at(model: ModelShape, setup: TrainingSetup) -> list[tuple[str, str]]:
+    """Each term the layer keeps without recompute, in forward order, with where the forward saves
+    it last: ``(role, at)``, ``at`` an op of :func:`~.rerun.layer_ops` (``"op"``: as its input,
+    before it runs; ``"op+"``: as its output, after). A checkpoint's rerun stops at the last save
+    of its region: what is kept decides what is rerun."""
+    none, _ = (_gpt if model.kind == "gpt" else _llama)(model, setup)
+    return [(x.role, x.at) for x in none]
 
 
 def _selective(none: Sequence[_Term], modules: set[str], core_again: int, slice_: int, gathered: int):
@@ -142,22 +156,23 @@ def _selective(none: Sequence[_Term], modules: set[str], core_again: int, slice_
 # split by heads or by the 4h dimension (24sbh/t + 5as^2b/t). LayerNorm's mean and 1/std
 # (2 x [s, b, 1] per norm) are left out, as the paper leaves them out.
 
-# name, units of sbh (of as^2b for the core), is a mask, split by t under TP without SP, role
-_GPT: tuple[tuple[str, int, bool, bool, str], ...] = (
-    ("ln1_input", 1, False, False, "norm1.in"),
-    ("qkv_input", 1, False, False, "norm1.out"),
-    ("q_k", 2, False, True, "core.in"),
-    ("v", 1, False, True, "core.in"),
-    ("softmax_out", 1, False, True, "core.own"),
-    ("softmax_dropout_mask", 1, True, True, "core.own"),
-    ("attn_dropout_out", 1, False, True, "core.own"),
-    ("proj_input", 1, False, True, ""),
-    ("attn_dropout_mask", 1, True, False, ""),
-    ("ln2_input", 1, False, False, "norm2.in"),
-    ("mlp_fc1_input", 1, False, False, "norm2.out"),
-    ("gelu_input", 4, False, True, "act.in"),
-    ("fc2_input", 4, False, True, "act.out"),
-    ("mlp_dropout_mask", 1, True, False, ""),
+# name, units of sbh (of as^2b for the core), is a mask, split by t under TP without SP, role, saved at
+# (aten ops save their inputs before they run and their outputs after; LayerNorm is aten's).
+_GPT: tuple[tuple[str, int, bool, bool, str, str], ...] = (
+    ("ln1_input", 1, False, False, "norm1.in", "norm1"),
+    ("qkv_input", 1, False, False, "norm1.out", "qkv"),
+    ("q_k", 2, False, True, "core.in", "scores"),
+    ("v", 1, False, True, "core.in", "pv"),
+    ("softmax_out", 1, False, True, "core.own", "softmax+"),
+    ("softmax_dropout_mask", 1, True, True, "core.own", "attn_dropout+"),
+    ("attn_dropout_out", 1, False, True, "core.own", "pv"),
+    ("proj_input", 1, False, True, "", "o_proj"),
+    ("attn_dropout_mask", 1, True, False, "", "dropout1+"),
+    ("ln2_input", 1, False, False, "norm2.in", "norm2"),
+    ("mlp_fc1_input", 1, False, False, "norm2.out", "up"),
+    ("gelu_input", 4, False, True, "act.in", "act"),
+    ("fc2_input", 4, False, True, "act.out", "down"),
+    ("mlp_dropout_mask", 1, True, False, "", "dropout2+"),
 )
 
 
@@ -166,10 +181,12 @@ def _gpt(model: ModelShape, setup: TrainingSetup) -> tuple[list[_Term], int]:
     sbh = setup.seq_len * setup.micro_batch * model.hidden
     as2b = model.heads * setup.seq_len * setup.seq_len * setup.micro_batch
     terms = []
-    for name, units, is_mask, split_under_tp, role in _GPT:
+    for name, units, is_mask, split_under_tp, role, at in _GPT:
+        if sp and t > 1 and at in ("qkv", "up"):
+            at += "+"  # the sequence-parallel column linear: an autograd Function, saves after it runs
         split = split_under_tp or sp
         nbytes = units * (_BOOL if is_mask else w) * (as2b if role == "core.own" else sbh)
-        terms.append(_Term(ActivationTerm(name, nbytes // t if split else nbytes, split), role))
+        terms.append(_Term(ActivationTerm(name, nbytes // t if split else nbytes, split), role, at))
     # The rerun copies q (scaled) and keeps the three core terms again.
     core_again = w * sbh // t + sum(x.term.nbytes for x in terms if x.role == "core.own")
     return terms, core_again
@@ -185,37 +202,42 @@ def _llama(model: ModelShape, setup: TrainingSetup) -> tuple[list[_Term], int]:
     sb = s * b // t if sp else s * b  # replicated over TP without sequence parallel, a shard with it
     d, a_loc, g_loc, f_loc = model.head_dim, model.local_heads(t), model.local_kv_heads(t), model.ffn // t
     q, kv, f = w * s * b * a_loc * d, w * s * b * g_loc * d, w * s * b * f_loc
-    if setup.attention == "explicit":
+    flash = setup.attention == "flash"
+    if not flash:
         # The fused masked softmax keeps only its output, in the activation dtype: the tensor
         # the matmul with V keeps too (one storage).
-        core = ("probs", w * a_loc * s * s * b)
+        core = ("probs", w * a_loc * s * s * b, "pv")
     else:
         # torch's flash kernel: contiguous [b, heads, s, d] copies of q, k, v (k and v at kv
         # heads) instead of the rotary outputs, its output (the projection's input) and one
         # fp32 logsumexp per query row.
-        core = ("softmax_lse_fp32", _FP32 * a_loc * s * b)
+        core = ("softmax_lse_fp32", _FP32 * a_loc * s * b, "attention+")
+    # Where each is saved: our fused RMSNorm, SwiGLU and sequence-parallel column linear are
+    # autograd Functions, which save after they run; aten ops (matmuls, the flash kernel) save
+    # their inputs before and their outputs after.
+    column = "+" if sp and t > 1 else ""
     rows = [
         # The fused RMSNorm keeps its input and the [s, b, 1] fp32 1/rms; backward recomputes
         # the normalised value from them.
-        ("norm1_input", w * sb * h, sp, "norm1.in"),
-        ("norm1_rstd_fp32", _FP32 * sb, sp, "norm1.own"),
-        ("qkv_input", w * sb * h, sp, "norm1.out"),  # the Q/K/V weight gradients' one input
-        ("q", q, True, "core.in"),  # after rotary: the score matmul (or the kernel) keeps it
-        ("k", kv, True, "core.in"),  # at kv heads: never repeated to the query heads
-        ("v", kv, True, "core.in"),
-        (*core, True, "core.own"),
-        ("proj_input", q, True, ""),
-        ("norm2_input", w * sb * h, sp, "norm2.in"),
-        ("norm2_rstd_fp32", _FP32 * sb, sp, "norm2.own"),
-        ("mlp_input", w * sb * h, sp, "norm2.out"),
-        ("gate", f, True, "act.in"),  # the fused SwiGLU keeps its inputs and recomputes silu(gate)
-        ("up", f, True, "act.in"),
-        ("down_input", f, True, "act.out"),
+        ("norm1_input", w * sb * h, sp, "norm1.in", "norm1+"),
+        ("norm1_rstd_fp32", _FP32 * sb, sp, "norm1.own", "norm1+"),
+        ("qkv_input", w * sb * h, sp, "norm1.out", "qkv" + column),  # the Q/K/V weight gradients' one input
+        ("q", q, True, "core.in", "attention" if flash else "scores"),  # after rotary: the score matmul keeps it
+        ("k", kv, True, "core.in", "attention" if flash else "scores"),  # at kv heads: never repeated
+        ("v", kv, True, "core.in", "attention" if flash else "pv"),
+        (*core[:2], True, "core.own", core[2]),
+        ("proj_input", q, True, "", "o_proj"),
+        ("norm2_input", w * sb * h, sp, "norm2.in", "norm2+"),
+        ("norm2_rstd_fp32", _FP32 * sb, sp, "norm2.own", "norm2+"),
+        ("mlp_input", w * sb * h, sp, "norm2.out", "up" + column),
+        ("gate", f, True, "act.in", "act+"),  # the fused SwiGLU keeps its inputs and recomputes silu(gate)
+        ("up", f, True, "act.in", "act+"),
+        ("down_input", f, True, "act.out", "down"),
     ]
     # What a core-attention rerun saves anew: explicit copies q (scaled) and keeps the
     # probabilities; the flash kernel copies q, k, v and keeps its output and logsumexp.
-    core_again = q + core[1] + (2 * kv + q if setup.attention == "flash" else 0)
-    return [_Term(ActivationTerm(n, v, split), role) for n, v, split, role in rows], core_again
+    core_again = q + core[1] + (2 * kv + q if flash else 0)
+    return [_Term(ActivationTerm(n, v, split), role, at) for n, v, split, role, at in rows], core_again
 
 
-__all__ = ["ActivationTerm", "LayerSpec", "RecomputeEvent", "layer_terms"]
+__all__ = ["ActivationTerm", "LayerSpec", "RecomputeEvent", "layer_terms", "saved_at"]

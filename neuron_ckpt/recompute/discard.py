@@ -37,7 +37,9 @@ recomputes wherever a later op needs the output (so the output is not kept there
 ``function``'s inputs are its autograd node's saved tensors (freed after its backward, as any).
 ``torch.autograd.grad`` and ``retain_graph`` backwards work (``function``'s parameters are inputs
 of the recompute's autograd node, found on the fenced modules as :func:`~.checkpoint` finds them);
-``backward(create_graph=True)`` through it is refused.
+``backward(create_graph=True)`` through it is refused. torch's ``FlopCounterMode`` and
+``MemTracker``, which hook every module's inputs, run through the rerun too (it reads views of
+its inputs: :func:`_rerun_input`) with unchanged gradients.
 """
 
 from __future__ import annotations
@@ -257,9 +259,9 @@ class _Call:
             inputs[k] = _gather_slices(inputs[k], shape, self.group)
         if runtime.is_xla():
             _xla_barrier([*inputs, *grads], self.modules)
-        inputs = [t.detach().requires_grad_(r) for t, r in zip(inputs, self.needs_grad)]
-        args, kwargs = self.inputs.fill(inputs)
         with _replaying(self.rng), torch.enable_grad(), _autocast(self.autocast, self.autocast_cache):
+            inputs = [_rerun_input(t, r) for t, r in zip(inputs, self.needs_grad)]
+            args, kwargs = self.inputs.fill(inputs)
             with _no_discarding():
                 outputs, _ = _Tree.split(self.function(*args, **kwargs))
         for i, (out, (shape, stride, dtype)) in enumerate(zip(outputs, self.roots)):
@@ -279,6 +281,17 @@ class _Call:
                 return _root(result[1][index]).detach()
             self.recomputed = result
         return _root(self.recomputed[1][index]).detach()
+
+
+def _rerun_input(t: torch.Tensor, needs_grad: bool) -> torch.Tensor:
+    """What the rerun reads for a kept input: detached from the forward's graph and, when it needs
+    a gradient, a view of a fresh leaf rather than the leaf itself. The backward asks
+    ``torch.autograd.grad`` for the gradients of these tensors; torch's module trackers
+    (``FlopCounterMode``, ``MemTracker``) hook every module's inputs, and a hook on a leaf raises
+    inside ``autograd.grad`` ("A leaf node was passed to _will_engine_execute_node ..."), while a
+    hook on a view does not. Same values, same storage, no copy."""
+    t = t.detach()
+    return t.requires_grad_().view_as(t) if needs_grad else t
 
 
 class _no_discarding:
@@ -323,7 +336,9 @@ class _DiscardFunction(torch.autograd.Function):
         call.autocast = _autocast_state(tensors)
         call.autocast_cache = torch.is_autocast_cache_enabled()
         call.keep_inputs(ctx, tensors)
-        args, kwargs = call.inputs.fill(tensors)
+        # Detached: a view the function takes of an input here (grad is off) would otherwise still
+        # say requires_grad with no grad_fn, which module trackers' input hooks cannot place.
+        args, kwargs = call.inputs.fill(t.detach() for t in tensors)
         outputs, call.outputs = _Tree.split(call.function(*args, **kwargs))
         if not outputs:
             raise TypeError("checkpoint_without_output: the function returned no tensor")

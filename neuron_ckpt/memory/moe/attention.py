@@ -30,10 +30,17 @@ layers scale q by an fp32 ``[s]`` factor (``attn_temperature_tuning``), which th
 Under TP a plan that splits heads gives each rank ``a/t`` and ``g/t`` heads of all of it; a plan
 that gathers (Phi-3, OLMoE) runs attention whole on every rank and ``o_proj`` keeps a ``1/t``
 slice of its input; GPT-OSS's plan leaves attention whole.
+
+**Ops and FLOPs** (:meth:`~.rules.LayerTensors.op`, in forward order): the projections (one
+matmul op: ``1/t`` of their columns on each rank under a gathering plan), the q/k norms, RoPE or
+Llama 4's temperature scaling, the core attention (:mod:`.core_ops`), ``o_proj`` (``1/t`` of its
+rows under a gathering plan).
 """
 
 from __future__ import annotations
 
+from ..rerun import ROTARY
+from .core_ops import kernel, unfused
 from .families import FAMILY
 from .mla import mla
 from .norms import FP32, rms_norm
@@ -55,6 +62,7 @@ def gqa(layer: LayerTensors, shape: MoEShape, setup: MoESetup, x: str, variant: 
     family, t, d = FAMILY[shape.family], shape.split("attention", setup.tp), shape.head_dim
     a, g = shape.heads // t, shape.kv_heads // t
     split = t > 1
+    layer.op("attn.proj", matmul=2 * setup.tokens * shape.hidden * (a + 2 * g) * d // _gathered(shape, setup))
     layer.keep(x, "attn.proj")
     q, k, v = _projections(layer, shape, setup, variant, a, g, split)
     if setup.attention != "eager":
@@ -75,6 +83,12 @@ def gqa(layer: LayerTensors, shape: MoEShape, setup: MoESetup, x: str, variant: 
     layer.unit("core_attn", ["attn.core"], [q, k, v])
 
 
+def _gathered(shape: MoEShape, setup: MoESetup) -> int:
+    """What a gathering plan divides the projections' and ``o_proj``'s matmuls by (else 1): each
+    rank computes ``1/t`` of the projections' columns and of ``o_proj``'s rows."""
+    return setup.tp if FAMILY[shape.family].split["attention"] == "gathered" else 1
+
+
 def _projections(layer, shape, setup, variant, a, g, split) -> tuple[str, str, str]:
     family, T, w, d = FAMILY[shape.family], setup.tokens, setup.width, shape.head_dim
     if family.qkv == "fused":  # q and k are slices of qkv_proj's output, v a view of all of it
@@ -90,9 +104,11 @@ def _projections(layer, shape, setup, variant, a, g, split) -> tuple[str, str, s
         k_in = rms_norm(layer, "attn.k_norm", k_in, T * g * d, T * g if per_head else T, w, split)
     if variant == "norope":  # Llama 4: no RoPE; k is the projection's output
         if shape.temperature_tuning:
+            layer.op("attn.temperature", elementwise=T * a * d)
             layer.save("attn.temperature_fp32", FP32 * setup.seq_len, False, "attn.temperature")
             return layer.save("q", w * T * a * d, split), k_in, v
         return q_in, k_in, v
+    layer.op("attn.rotary", elementwise=ROTARY * T * (a + g) * d)
     q = layer.save("q", w * T * a * d, split)  # RoPE's output
     k = layer.save("k", w * T * g * d, split)
     if family.qk_norm == "l2" and shape.qk_norm:
@@ -104,6 +120,7 @@ def _projections(layer, shape, setup, variant, a, g, split) -> tuple[str, str, s
 def _sdpa(layer, shape, setup, variant, qkv, a, g, split) -> str:
     q, k, v = qkv
     T, b, s, w, d = setup.tokens, setup.micro_batch, setup.seq_len, setup.width, shape.head_dim
+    kernel(layer, setup, a, d, d)
     layer.keep(q, "attn.core")
     if masked(shape, setup, variant):
         layer.save("attn.mask", w * b * s * s, False, "attn.core")
@@ -112,30 +129,32 @@ def _sdpa(layer, shape, setup, variant, qkv, a, g, split) -> str:
             v = layer.save("v_repeated", w * T * a * d, split)
     layer.keep(k, "attn.core")
     layer.keep(v, "attn.core")
-    layer.save("logsumexp_fp32", FP32 * b * a * s, split, "attn.core")
-    return layer.save("attn_out", w * T * a * d, split, "attn.core")
+    layer.save("logsumexp_fp32", FP32 * b * a * s, split, "attn.core+")
+    return layer.save("attn_out", w * T * a * d, split, "attn.core+")
 
 
 def _eager(layer, shape, setup, qkv, a, g, split) -> str:
     q, k, v = qkv
     family, T, w, d = FAMILY[shape.family], setup.tokens, setup.width, shape.head_dim
     b, s = setup.micro_batch, setup.seq_len
-    layer.keep(q, "attn.core")
+    unfused(layer, setup, a, d, d, softcap=shape.softcap and not family.sinks, sinks=family.sinks)
+    layer.keep(q, "attn.core.scores")
     if a == g:
-        layer.keep(k, "attn.core")
+        layer.keep(k, "attn.core.scores")
     else:
-        layer.save("k_repeated", w * T * a * d, split, "attn.core")
-    layer.save("v_repeated" if a != g else "v_contiguous", w * T * a * d, split, "attn.core")
+        layer.save("k_repeated", w * T * a * d, split, "attn.core.scores")
+    layer.save("v_repeated" if a != g else "v_contiguous", w * T * a * d, split, "attn.core.pv")
     probs = b * a * s * s
-    if family.sinks:
-        layer.save("sinks.max_indices", _INT64 * b * a * s, split, "attn.core")
-        layer.save("probs_with_sink", w * b * a * s * (s + 1), split, "attn.core")
+    if family.sinks:  # the max and the softmax keep their outputs, the matmul a slice of the softmax's
+        layer.save("sinks.max_indices", _INT64 * b * a * s, split, "attn.core.softmax+")
+        layer.save("probs_with_sink", w * b * a * s * (s + 1), split, "attn.core.softmax+", "attn.core.pv")
     else:
         if shape.softcap:
-            layer.save("softcap.tanh", w * probs, split, "attn.core")
-        layer.save("probs_fp32", FP32 * probs, split, "attn.core")
+            layer.save("softcap.tanh", w * probs, split, "attn.core.softcap+")
+        # the softmax keeps its output; in fp32 it is what the second matmul reads too
+        layer.save("probs_fp32", FP32 * probs, split, "attn.core.softmax+", *(["attn.core.pv"] if w == FP32 else []))
         if w != FP32:  # .to(dtype) is a copy the second matmul keeps
-            layer.save("probs", w * probs, split, "attn.core")
+            layer.save("probs", w * probs, split, "attn.core.pv")
     return layer.save("attn_out", w * T * a * d, split)  # transpose(1, 2).contiguous(): o_proj's input
 
 
@@ -143,6 +162,7 @@ def _o_proj(layer, shape, setup, out, a, split) -> None:
     """``o_proj``'s kept input: the attention output itself, its transposed copy, or (a gathering
     plan) this rank's contiguous ``1/t`` slice of it."""
     family, T, w, d = FAMILY[shape.family], setup.tokens, setup.width, shape.head_dim
+    layer.op("attn.o_proj", matmul=2 * T * a * d * shape.hidden // _gathered(shape, setup))
     if family.split["attention"] == "gathered" and setup.tp > 1:
         layer.save("o_proj.input_slice", w * T * a * d // setup.tp, True, "attn.o_proj")
     elif setup.attention == "eager" or not family.rope_copy:

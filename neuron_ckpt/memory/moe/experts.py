@@ -29,17 +29,25 @@ summed (nothing kept). It scales with E, not k.
 
 Under TP the experts' intermediate size F is split (GPT-OSS's plan leaves its experts whole);
 the router, the dispatch, the gathered rows and the experts' outputs are whole on every rank.
+
+**Ops and FLOPs** (:meth:`~.rules.LayerTensors.op`), summed over the experts: the eager loop runs
+them one after another, but its last ``index_add_`` comes after every expert's down projection,
+so a rerun up to the combine runs them all. ``dispatch`` (gathers: none), ``up`` (``2 S h 2F``
+matmul FLOPs), ``silu`` (GPT-OSS: its clamped GLU), ``mul``, ``down`` (``2 S F h``), ``combine``
+(the weighting and the sum). Llama 4: ``scale`` (the repeated input times its scores), then the
+same over ``E T`` rows, and the sum over the experts.
 """
 
 from __future__ import annotations
 
 from .families import FAMILY
-from .mlp import dense_mlp, shared_experts, swiglu
+from .mlp import SILU, dense_mlp, mlp_ops, shared_experts, shared_gate, swiglu
 from .routers import INT64, replay_indices, router, routing_weight_bytes
 from .rules import LayerTensors
 from .shape import MoESetup, MoEShape
 
 _INT32 = 4
+CLAMPED_GLU = 7  # elementwise FLOPs per element of GPT-OSS's _apply_gate: two clamps, sigmoid, *, +1, *
 
 
 def experts(layer: LayerTensors, shape: MoEShape, setup: MoESetup) -> None:
@@ -50,6 +58,9 @@ def experts(layer: LayerTensors, shape: MoEShape, setup: MoESetup) -> None:
     S, h, w, t = setup.tokens * shape.top_k, shape.hidden, setup.width, shape.split("experts", setup.tp)
     F, r, split = shape.moe_ffn // t, routing_weight_bytes(shape, setup), t > 1
     grouped = setup.experts == "grouped_mm"
+    layer.op("mlp.experts.dispatch")
+    mlp_ops(layer, "mlp.experts", S, h, F, CLAMPED_GLU if kind == "clamped" else SILU)
+    layer.op("mlp.experts.combine", elementwise=2 * S * h)  # the weighting and the sum over the top-k
     if grouped:
         layer.save("dispatch.token_index", INT64 * S, False, "mlp.experts.dispatch")
         layer.save("dispatch.perm", INT64 * S, False, "mlp.experts.dispatch")
@@ -80,6 +91,9 @@ def experts(layer: LayerTensors, shape: MoEShape, setup: MoESetup) -> None:
 def _all_experts(layer: LayerTensors, shape: MoEShape, setup: MoESetup) -> None:
     rows, h, w, t = shape.experts * setup.tokens, shape.hidden, setup.width, shape.split("experts", setup.tp)
     F, split = shape.moe_ffn // t, t > 1
+    layer.op("mlp.experts.scale", elementwise=rows * h)
+    mlp_ops(layer, "mlp.experts", rows, h, F)
+    layer.op("mlp.experts.sum", elementwise=rows * h)
     layer.save("experts.repeated_input", w * rows * h, False, "mlp.experts.scale")
     layer.save("experts.input", w * rows * h, False, "mlp.experts.up")
     gate_up = layer.save("experts.gate_up", w * rows * 2 * F, split, "mlp.experts.silu", "mlp.experts.mul")
@@ -88,4 +102,7 @@ def _all_experts(layer: LayerTensors, shape: MoEShape, setup: MoESetup) -> None:
     layer.unit("moe_act", ["mlp.experts.silu"], [gate_up], discards=[act])  # act_fn's output
 
 
-__all__ = ["dense_mlp", "experts", "replay_indices", "router", "routing_weight_bytes", "shared_experts", "swiglu"]
+__all__ = [
+    "dense_mlp", "experts", "replay_indices", "router", "routing_weight_bytes", "shared_experts", "shared_gate",
+    "swiglu",
+]  # fmt: skip

@@ -32,6 +32,10 @@ region's entry is one more output-discarding unit, on under every choice (:mod:`
 
 A selective choice may name several modules (``("core_attn", "mla_up_proj", "norm")``); a
 module a layer does not have changes nothing there, as ``apply_recompute`` skips it.
+
+The storages' places are the layer's ops in forward order, with their FLOPs, so the same rule also
+gives what each choice reruns in backward (:meth:`~.rules.LayerTensors.rerun`,
+:attr:`LayerMemory.rerun`).
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ...recompute import RecomputeConfig
+from ..rerun import ADD, Flops
 from ..terms import ActivationTerm
 from . import experts as mlp
 from .attention import gqa, mla
@@ -70,6 +75,7 @@ def layer_tensors(shape: MoEShape, setup: MoESetup, kind: str) -> LayerTensors:
     layer.unit("norm", ["norm1"], [x], discards=[n1])
     if family.sandwich:  # Gemma2's post_attention_layernorm, on the attention's output
         _sandwich_norm(layer, "norm_attn_out", "attn.out", setup, h, norm)
+    layer.op("residual1", elementwise=ADD * T * h)
     r = layer.save("residual", w * T * h, sp)  # the next norm's input: x + attention
     n2 = rms_norm(layer, "norm2", r, T * h, T, w, sp, norm)
     x2 = enter_region(layer, "mlp", n2, h, setup)
@@ -77,15 +83,21 @@ def layer_tensors(shape: MoEShape, setup: MoESetup, kind: str) -> LayerTensors:
     if mlp_kind == "dense":
         mlp.dense_mlp(layer, shape, setup, x2)
         outside: tuple[ActivationTerm, ...] = ()
-    else:
+    else:  # in forward order: Qwen2 runs its shared expert first and gates it after the routed experts
+        gated = family.shared == "gated"
+        if gated:
+            mlp.shared_experts(layer, shape, setup, x2)
         mlp.router(layer, shape, setup, x2)
         mlp.experts(layer, shape, setup)
-        if shape.shared_ffn:
+        if gated:
+            mlp.shared_gate(layer, shape, setup, x2)
+        elif shape.shared_ffn:
             mlp.shared_experts(layer, shape, setup, x2)
         outside = mlp.replay_indices(shape, setup)
         layer.unit("moe", ["mlp"], [x2], outside=outside)
     if family.sandwich:  # and its post_feedforward_layernorm, on the MLP's output
         _sandwich_norm(layer, "norm_mlp_out", "mlp.out", setup, h, norm)
+    layer.op("residual2", elementwise=ADD * T * h)
     layer.unit("full", [""], [x], outside=outside)
     return layer
 
@@ -136,12 +148,15 @@ def check(shape: MoEShape, setup: MoESetup, kind: str) -> None:
 @dataclass(frozen=True)
 class LayerMemory:
     """What one layer of ``kind`` keeps on one rank under ``modules``: ``terms`` (autograd's
-    saved storages, forward order) and ``outside`` (held outside autograd: the routing replay)."""
+    saved storages, forward order) and ``outside`` (held outside autograd: the routing replay);
+    and ``rerun``, the forward FLOPs its backward reruns (matmul and elementwise, per micro-batch
+    on one rank: :meth:`~.rules.LayerTensors.rerun`)."""
 
     kind: str
     modules: tuple[str, ...]
     terms: tuple[ActivationTerm, ...]
     outside: tuple[ActivationTerm, ...]
+    rerun: Flops = Flops()
 
     @property
     def autograd_bytes(self) -> int:
@@ -165,8 +180,9 @@ def layer_memory(
     kind = shape.kind_of(shape.layers - 1) if kind is None else kind
     check(shape, setup, kind)
     modules = modules_of(recompute)
-    terms, outside = layer_tensors(shape, setup, kind).kept(modules + always_on(setup))
-    return LayerMemory(kind, modules, tuple(terms), tuple(outside))
+    layer = layer_tensors(shape, setup, kind)
+    terms, outside = layer.kept(modules + always_on(setup))
+    return LayerMemory(kind, modules, tuple(terms), tuple(outside), layer.rerun(modules + always_on(setup)))
 
 
 def applies(shape: MoEShape, kind: str, module: str) -> bool:

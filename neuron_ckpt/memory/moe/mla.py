@@ -12,10 +12,17 @@ model's dtype. CUDA runs its memory-efficient kernel there, which keeps what the
 keeps: ``sdpa-fused`` prices that (the flash path's storages; on CPU measured where the head
 sizes are equal). DeepSeek-V3's plan leaves MLA whole on every rank; DeepSeek-V2's splits the
 heads (q/k/v and ``o_proj``'s input by ``t``; the latents, computed before the split, whole).
+
+**Ops and FLOPs** (:meth:`~.rules.LayerTensors.op`): the down projections (``q_a_proj``,
+``kv_a_proj_with_mqa``; whole on every rank), the latents' norms, the up part (``q_b_proj`` or
+``q_proj``, ``kv_b_proj``, RoPE and the concats: ``attn.mla.up``, what ``mla_up_proj`` reruns),
+the core attention (:mod:`.core_ops`; the math path as eager's three ops), ``o_proj``.
 """
 
 from __future__ import annotations
 
+from ..rerun import ROTARY
+from .core_ops import kernel, unfused
 from .norms import FP32, rms_norm
 from .rules import LayerTensors
 from .shape import MoESetup, MoEShape
@@ -26,8 +33,9 @@ def mla(layer: LayerTensors, shape: MoEShape, setup: MoESetup, x: str, variant: 
     ``mla_up_proj`` units."""
     m, t = shape.mla, shape.split("attention", setup.tp)
     assert m is not None  # an MLA family's shape carries its MLA sizes (checked at construction)
-    T, b, s, w = setup.tokens, setup.micro_batch, setup.seq_len, setup.width
+    T, b, s, w, h = setup.tokens, setup.micro_batch, setup.seq_len, setup.width, shape.hidden
     a, split = shape.heads // t, t > 1
+    layer.op("attn.proj", matmul=2 * T * h * ((m.q_lora_rank or 0) + m.kv_lora_rank + m.qk_rope_head_dim))
     layer.keep(x, "attn.proj")  # q_a_proj (or q_proj) and kv_a_proj_with_mqa
     if m.q_lora_rank is None:
         q_latent = layer.keep(x, "attn.mla.up")  # q_proj is the up part's
@@ -37,33 +45,41 @@ def mla(layer: LayerTensors, shape: MoEShape, setup: MoESetup, x: str, variant: 
         layer.keep(q_latent, "attn.mla.up")
     compressed = layer.save("kv_a_proj.out", w * T * (m.kv_lora_rank + m.qk_rope_head_dim), False)
     kv_latent = rms_norm(layer, "attn.kv_a_layernorm", compressed, T * m.kv_lora_rank, T, w, False)
+    q_in = m.q_lora_rank or h  # q_b_proj's input: the q latent, or q_proj's: the norm output
+    up = 2 * T * (q_in * a * m.qk_head_dim + m.kv_lora_rank * a * (m.qk_nope_head_dim + m.v_head_dim))
+    layer.op("attn.mla.up", matmul=up, elementwise=ROTARY * T * (a + 1) * m.qk_rope_head_dim)
     layer.keep(kv_latent, "attn.mla.up")
     q = layer.save("q", w * T * a * m.qk_head_dim, split)  # the concat of q_pass and q_rot
     k = layer.save("k", w * T * a * m.qk_head_dim, split)  # expand_kv's new_empty
     v = layer.save("kv_b_proj.out", w * T * a * (m.qk_nope_head_dim + m.v_head_dim), split)  # v: a slice of it
     dv = m.v_head_dim
     if setup.attention == "sdpa-fused" or (setup.attention == "sdpa" and m.qk_head_dim == dv):  # a fused kernel
+        kernel(layer, setup, a, m.qk_head_dim, dv)
         for name in (q, k, v):
             layer.keep(name, "attn.core")
-        layer.save("logsumexp_fp32", FP32 * b * a * s, split, "attn.core")
-        layer.save("attn_out", w * T * a * dv, split, "attn.core")
+        layer.save("logsumexp_fp32", FP32 * b * a * s, split, "attn.core+")
+        layer.save("attn_out", w * T * a * dv, split, "attn.core+")
         # q is the concat's [b, a, s, d] tensor, so the output is too: o_proj keeps its transposed copy
         layer.save("o_proj.input", w * T * a * dv, split, "attn.o_proj")
     elif setup.attention == "sdpa":  # the math path, in fp32 on CPU
-        layer.save("q_scaled_fp32", FP32 * T * a * m.qk_head_dim, split, "attn.core")
-        layer.save("k_scaled_fp32", FP32 * T * a * m.qk_head_dim, split, "attn.core")
-        layer.save("probs_fp32", FP32 * b * a * s * s, split, "attn.core")
-        layer.save("v_fp32", FP32 * T * a * dv, split, "attn.core")
+        unfused(layer, setup, a, m.qk_head_dim, dv)
+        layer.save("q_scaled_fp32", FP32 * T * a * m.qk_head_dim, split, "attn.core.scores")
+        layer.save("k_scaled_fp32", FP32 * T * a * m.qk_head_dim, split, "attn.core.scores")
+        layer.save("probs_fp32", FP32 * b * a * s * s, split, "attn.core.softmax+", "attn.core.pv")
+        layer.save("v_fp32", FP32 * T * a * dv, split, "attn.core.pv")
         layer.save("o_proj.input", w * T * a * dv, split, "attn.o_proj")
     else:
-        layer.keep(q, "attn.core")
-        layer.keep(k, "attn.core")  # one kv head per query head: nothing repeated, k's storage
-        layer.save("v_contiguous", w * T * a * dv, split, "attn.core")
+        unfused(layer, setup, a, m.qk_head_dim, dv)
+        layer.keep(q, "attn.core.scores")
+        layer.keep(k, "attn.core.scores")  # one kv head per query head: nothing repeated, k's storage
+        layer.save("v_contiguous", w * T * a * dv, split, "attn.core.pv")
         probs = b * a * s * s
-        layer.save("probs_fp32", FP32 * probs, split, "attn.core")
-        if w != FP32:  # .to(dtype) is a copy the second matmul keeps
-            layer.save("probs", w * probs, split, "attn.core")
+        fp32 = w == FP32  # .to(fp32) is the softmax output itself, which the second matmul keeps
+        layer.save("probs_fp32", FP32 * probs, split, "attn.core.softmax+", *(["attn.core.pv"] if fp32 else []))
+        if not fp32:  # .to(dtype) is a copy the second matmul keeps
+            layer.save("probs", w * probs, split, "attn.core.pv")
         layer.save("o_proj.input", w * T * a * dv, split, "attn.o_proj")
+    layer.op("attn.o_proj", matmul=2 * T * a * dv * h)
     layer.unit("core_attn", ["attn.core"], [q, k, v])
     # The up part keeps the latents and a contiguous copy of k_rot (recompute/mla.py: the slice
     # would keep all of kv_a_proj's output); q, k and v (kv_b_proj's output) become notes.

@@ -12,11 +12,14 @@ keeps the fp32 ``1/rms`` (one per row). Then the weight:
   fp32 ``1 + w`` it computes (``h`` values, per norm, on every rank).
 * ``"l2"`` (Llama 4's q/k norm): no weight; only the cast to fp32 and ``1/rms`` are kept.
 
-The output is kept by whatever reads it next (:func:`rms_norm` returns its name).
+The output is kept by whatever reads it next (:func:`rms_norm` returns its name). A norm is one
+op (:meth:`~.rules.LayerTensors.op`, ``RMSNORM`` FLOPs per element): what it computes and keeps
+(the fp32 copy, ``1/rms``, the normalised value) is saved as it runs, after its input.
 """
 
 from __future__ import annotations
 
+from ..rerun import RMSNORM
 from .rules import LayerTensors
 
 FP32 = 4
@@ -28,19 +31,21 @@ def rms_norm(
 ) -> str:
     """A norm at ``place`` over ``elements`` values in ``rows`` rows, read from the storage
     ``source``; returns its output's name (kept by nobody yet)."""
+    if kind not in KINDS:
+        raise ValueError(f"norm kind must be one of {KINDS}, got {kind!r}")
+    layer.op(place, elementwise=RMSNORM * elements)
+    made = place + "+"  # saved as the op runs: after its input
     if w == FP32:
         layer.keep(source, place)  # .to(float32) is the input: its whole storage stays
     else:
-        layer.save(f"{place}.input_fp32", FP32 * elements, split, place)
-    layer.save(f"{place}.rstd_fp32", FP32 * rows, split, place)
+        layer.save(f"{place}.input_fp32", FP32 * elements, split, made)
+    layer.save(f"{place}.rstd_fp32", FP32 * rows, split, made)
     if kind == "rms":
-        layer.save(f"{place}.normalized", w * elements, split, place)
+        layer.save(f"{place}.normalized", w * elements, split, made)
     elif kind in ("rms_fp32", "gemma"):
-        layer.save(f"{place}.normalized_fp32", FP32 * elements, split, place)
+        layer.save(f"{place}.normalized_fp32", FP32 * elements, split, made)
         if kind == "gemma":
-            layer.save(f"{place}.one_plus_weight_fp32", FP32 * (elements // rows), False, place)
-    elif kind != "l2":
-        raise ValueError(f"norm kind must be one of {KINDS}, got {kind!r}")
+            layer.save(f"{place}.one_plus_weight_fp32", FP32 * (elements // rows), False, made)
     return layer.save(f"{place}.out", w * elements, split)
 
 

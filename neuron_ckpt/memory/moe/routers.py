@@ -19,10 +19,15 @@ weight is fp32), and ``torch.topk`` its int64 ``[T, k]`` indices. Then, by :attr
   every token's copy for every expert by its ``[E T]`` scores (a transposed copy it keeps).
 
 The routing weights go on in fp32 (Mixtral, DeepSeek) or the activation dtype (the others).
+
+A router is one op (:meth:`~.rules.LayerTensors.op`): its linear (``2 T h E`` matmul FLOPs, whole
+on every rank) keeps its input; the scoring, top-k and renormalisation keep their outputs as they
+run (``mlp.router+``). Llama 4's transposed scores are kept by the block's scaling, later.
 """
 
 from __future__ import annotations
 
+from ..rerun import SOFTMAX
 from ..terms import ActivationTerm
 from .families import FAMILY
 from .norms import FP32
@@ -57,25 +62,27 @@ def replay_indices(shape: MoEShape, setup: MoESetup) -> tuple[ActivationTerm, ..
 def router(layer: LayerTensors, shape: MoEShape, setup: MoESetup, x: str) -> None:
     kind = FAMILY[shape.family].router
     T, E, k, w = setup.tokens, shape.experts, shape.top_k, setup.width
+    layer.op("mlp.router", matmul=2 * T * shape.hidden * E, elementwise=SOFTMAX * T * E)
+    made = "mlp.router+"  # the scoring, top-k and renormalisation: after the linear
     if kind in ("softmax_fp32", "sigmoid_group") and w != FP32:
         layer.save("router.input_fp32", FP32 * T * shape.hidden, False, "mlp.router")
     else:
         layer.keep(x, "mlp.router")
     if kind == "sigmoid_group":
-        layer.save("router.sigmoid_fp32", FP32 * T * E, False, "mlp.router")
+        layer.save("router.sigmoid_fp32", FP32 * T * E, False, made)
     elif kind in ("softmax", "softmax_fp32"):
-        layer.save("router.softmax_fp32", FP32 * T * E, False, "mlp.router")
+        layer.save("router.softmax_fp32", FP32 * T * E, False, made)
     if kind == "softmax_fp32" and shape.topk_method == "group_limited_greedy":
-        layer.save("router.group_mask", T * E, False, "mlp.router")  # bool
-    layer.save("router.topk_indices", INT64 * T * k, False, "mlp.router")
+        layer.save("router.group_mask", T * E, False, made)  # bool
+    layer.save("router.topk_indices", INT64 * T * k, False, made)
     if kind == "topk_softmax":
-        layer.save("router.topk_softmax", w * T * k, False, "mlp.router")
+        layer.save("router.topk_softmax", w * T * k, False, made)
     elif kind == "sigmoid_all":
-        layer.save("router.sigmoid_fp32", FP32 * T * E, False, "mlp.router")
+        layer.save("router.sigmoid_fp32", FP32 * T * E, False, made)
         layer.save("router.scores", w * E * T, False, "mlp.experts.scale")
     elif kind != "softmax_fp32" and (shape.family == "mixtral" or shape.norm_topk_prob):
-        layer.save("router.topk_sum_fp32", FP32 * T, False, "mlp.router")
-        layer.save("router.topk_values_fp32", FP32 * T * k, False, "mlp.router")
+        layer.save("router.topk_sum_fp32", FP32 * T, False, made)
+        layer.save("router.topk_values_fp32", FP32 * T * k, False, made)
 
 
 __all__ = ["replay_indices", "router", "routing_weight_bytes", "topk_calls"]

@@ -20,6 +20,13 @@ So a storage is kept when it is not a discarded output and some keeper sits outs
 active region, or an active unit keeps it as an input. A unit inside another active unit is off
 (the outermost wins, as ``apply_recompute`` installs them). Some units also hold memory outside
 autograd (the routing replay's recorded expert indices): :attr:`Unit.outside`.
+
+The places are also the layer's ops, in forward order, each with its FLOPs (:meth:`LayerTensors.op`),
+and a keeper ending in ``+`` keeps an output of its op (saved after the op ran; otherwise an input,
+saved before). What a unit reruns (:meth:`LayerTensors.rerun`) follows from that, as for our own
+layers (:mod:`neuron_ckpt.memory.rerun`): an ordinary checkpoint reruns its region up to the last
+save inside it (torch's early stop; on XLA the compiler drops the rest), an output-discarding unit
+its whole region.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from ..rerun import Flops
 from ..terms import ActivationTerm
 
 
@@ -41,6 +49,7 @@ class Saved:
 
 
 def _covers(prefix: str, place: str) -> bool:
+    place = place.removesuffix("+")  # a keeper of its op's output: the same place
     return prefix == "" or place == prefix or place.startswith(prefix + ".")
 
 
@@ -71,6 +80,13 @@ class LayerTensors:
     def __init__(self) -> None:
         self.saved: dict[str, Saved] = {}
         self.units: dict[str, list[Unit]] = {}
+        self.ops: list[tuple[str, Flops]] = []  # (place, FLOPs on one rank), in forward order
+
+    def op(self, place: str, matmul: float = 0.0, elementwise: float = 0.0) -> None:
+        """The op at ``place`` runs next in the forward, with these FLOPs."""
+        if any(p == place for p, _ in self.ops):
+            raise AssertionError(f"op {place!r} listed twice")
+        self.ops.append((place, Flops(float(matmul), float(elementwise))))
 
     def save(self, name: str, nbytes: int, split_by_tp: bool, *keepers: str) -> str:
         """A new storage (``keepers`` may be none: a storage only a checkpoint keeps); its name."""
@@ -99,11 +115,15 @@ class LayerTensors:
             Unit(module, tuple(region), tuple(inputs), tuple(discards), tuple(outside))
         )
 
+    def active(self, modules: Iterable[str]) -> list[Unit]:
+        """The units of ``modules`` the layer has, less those inside another (the outermost wins)."""
+        chosen = [u for m in modules for u in self.units.get(m, ())]
+        return [u for u in chosen if not any(u.inside(o) for o in chosen)]
+
     def kept(self, modules: Iterable[str]) -> tuple[list[ActivationTerm], list[ActivationTerm]]:
         """What the layer keeps with ``modules`` recomputed (those it has; the others skipped):
         the storages autograd keeps, in forward order, and what is held outside autograd."""
-        chosen = [u for m in modules for u in self.units.get(m, ())]
-        active = [u for u in chosen if not any(u.inside(o) for o in chosen)]
+        active = self.active(modules)
         discarded = {name for u in active for name in u.discards}
         as_input = {name for u in active for name in u.inputs}
         terms = [
@@ -113,6 +133,24 @@ class LayerTensors:
             and (s.name in as_input or any(not any(u.covers(k) for u in active) for k in s.keepers))
         ]
         return terms, [t for u in active for t in u.outside]
+
+    def rerun(self, modules: Iterable[str]) -> Flops:
+        """The forward FLOPs the layer's backward reruns with ``modules`` recomputed (see the
+        module docstring); the units add up."""
+        places = [p for p, _ in self.ops]
+        saves = [(places.index(k.removesuffix("+")), k.endswith("+")) for s in self.saved.values() for k in s.keepers]
+        out = Flops()
+        for unit in self.active(modules):
+            inside = [i for i, p in enumerate(places) if unit.covers(p)]
+            if not inside:
+                continue
+            first, last = inside[0], inside[-1]
+            if unit.discards:  # called again, all of it
+                stop = last + 1
+            else:  # up to the last save inside the region
+                stop = max([first, *(i + after for i, after in saves if first <= i <= last)])
+            out += sum((flops for _, flops in self.ops[first:stop]), Flops())
+        return out
 
 
 __all__ = ["LayerTensors", "Saved", "Unit"]

@@ -42,11 +42,13 @@ def stage_flops(model: ModelShape, setup: TrainingSetup, layers: int, holds_head
 @dataclass(frozen=True)
 class StagePlan:
     """One rank's recompute: its :class:`~.stage_budget.StageBudget`, what it was planned for and
-    its cost (recompute FLOPs against the rank's own model FLOPs, per micro-batch)."""
+    its cost (recompute FLOPs, matmul plus elementwise, and recompute_matmul_flops of them in
+    matmuls, against the rank's own model FLOPs, per micro-batch)."""
 
     budget: StageBudget
     limit_bytes: int
     recompute_flops: float
+    recompute_matmul_flops: float
     step_flops: float
 
     @property
@@ -80,7 +82,8 @@ class StagePlan:
         out.update(
             fits=self.fits, recompute=self.counts, recompute_text=self.describe(),
             recompute_configs=[[None if c is None else _config_dict(c) for c in chunk] for chunk in self.recompute()],
-            recompute_flops=self.recompute_flops, step_flops=self.step_flops, overhead=self.overhead,
+            recompute_flops=self.recompute_flops, recompute_matmul_flops=self.recompute_matmul_flops,
+            step_flops=self.step_flops, overhead=self.overhead,
         )  # fmt: skip
         return out
 
@@ -184,8 +187,9 @@ def _stage_plan(rank: RankModel, runs, limit: int) -> StagePlan:
     per_chunk = [[o for o, n in r for _ in range(n)] for r in runs]
     budget = rank.budget(per_chunk)
     flops = sum(o.recompute_flops for o in budget.options)
+    matmul = sum(o.recompute_matmul_flops for o in budget.options)
     holds_head = any(c.last for c in rank.chunks)
-    return StagePlan(budget, limit, flops, stage_flops(rank.model, rank.setup, rank.layers, holds_head))
+    return StagePlan(budget, limit, flops, matmul, stage_flops(rank.model, rank.setup, rank.layers, holds_head))
 
 
 def _offered(model: ModelShape, setup: TrainingSetup, allowed: tuple[str, ...] | None) -> dict[str, LayerOption]:
