@@ -30,9 +30,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-from neuron_ckpt.distributed.local import LocalWorld  # noqa: E402
+from neuron_ckpt.distributed.local import LocalWorld
 
 TP_PLAN = {"experts.gate_up_proj": "packed_colwise", "experts.down_proj": "rowwise", "experts": "moe_tp_experts"}
 EP_PLAN = {"experts.gate_up_proj": "grouped_gemm", "experts.down_proj": "grouped_gemm", "experts": "ep_dispatch_experts"}

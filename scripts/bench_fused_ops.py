@@ -160,8 +160,7 @@ def plain_masked_softmax(scores: torch.Tensor, mask: torch.Tensor, fill: float) 
 def layer_variants():
     """Name -> context manager factory: the layer as built, then each fused op swapped for its expression."""
     from neuron_ckpt.models.llama import SwiGLU
-    from neuron_ckpt.parallel import RMSNorm
-    from neuron_ckpt.parallel import attention
+    from neuron_ckpt.parallel import RMSNorm, attention
 
     def swiglu_forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return plain_swiglu(gate, up)

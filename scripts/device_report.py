@@ -50,12 +50,11 @@ import shlex
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
-
 from device_figures import device_info, memory_row, mib, per_layer_row, render_section, speed_rows, write_json
 from stage_clock import StageClock
 

@@ -29,10 +29,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: its tests package
 
-from neuron_ckpt.distributed.local import LocalWorld  # noqa: E402
-from tests import test_hf_moe_tensor_parallel as moe  # noqa: E402
-from tests import test_hf_sequence_parallel as sp  # noqa: E402
-from tests.test_hf_tensor_parallel import FAMILIES, PRESETS, _parity  # noqa: E402
+from neuron_ckpt.distributed.local import LocalWorld
+from tests import test_hf_moe_tensor_parallel as moe
+from tests import test_hf_sequence_parallel as sp
+from tests.test_hf_tensor_parallel import FAMILIES, PRESETS, _parity
 
 EXPERTS = ("grouped_mm", "eager", "batched_mm")
 

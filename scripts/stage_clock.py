@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 import traceback
-from typing import Callable
+from collections.abc import Callable
 
 
 class StageClock:

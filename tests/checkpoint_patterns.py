@@ -11,8 +11,9 @@ variant is checked against the un-checkpointed run (``ckpt = plain``) of the sam
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F

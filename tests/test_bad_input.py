@@ -25,7 +25,6 @@ from .helpers import run_prepare_data
 from .tutorial_run import TUTORIAL, tiny_run_files
 from .tutorial_run import train_error as _train_error
 
-
 # ---- token ids outside the vocabulary -----------------------------------------------------------
 
 

@@ -168,6 +168,8 @@ def test_a_directory_or_a_preset_name_reads_strictly(tmp_path):
     ({"decay": "constant", "min_lr_ratio": 0.0}, "--min-lr-ratio 0.0 applies only with --decay cosine or linear"),
     ({"lr": float("nan")}, "--lr must be a finite number"),
     ({"grad_clip": float("inf")}, "--grad-clip must be a finite number"),
+    ({"adam_eps": float("nan")}, "--adam-eps must be a finite number"),  # an optional float (float | None)
+    ({"collective_timeout": float("inf")}, "--collective-timeout must be a finite number"),
     ({"beta2": 1.0}, "--beta2 must be in [0, 1)"),
     ({"max_steps": 10, "stop_at_step": 12}, "--stop-at-step must be in [1, --max-steps 10]"),
     ({"recompute": "selective", "recompute_modules": "core_atn"}, "--recompute selective: modules: unknown module 'core_atn'"),
@@ -194,6 +196,14 @@ def test_parse_args_refuses_in_one_usage_error(capsys):
     with pytest.raises(SystemExit) as exc:
         train.parse_args(["--recompute-num-layers", "2"])
     assert exc.value.code == 2 and "applies only with --recompute full" in capsys.readouterr().err
+
+
+def test_parse_args_reads_each_flag_as_its_field_type():
+    """Optional numbers (``int | None``, ``float | None``) parse as numbers, not strings."""
+    train = _train_module()
+    cfg = train.parse_args(["--seed", "7", "--adam-eps", "1e-6", "--stop-at-step", "3", "--log-every", "5"])
+    assert (cfg.seed, cfg.adam_eps, cfg.stop_at_step, cfg.log_every) == (7, 1e-6, 3, 5)
+    assert type(cfg.seed) is int and type(cfg.adam_eps) is float and type(cfg.stop_at_step) is int
 
 
 def test_block_length_above_max_position_embeddings_is_raised_with_a_notice():

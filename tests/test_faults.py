@@ -24,8 +24,7 @@ import pytest
 import torch
 
 from neuron_ckpt.distributed.runtime import free_port
-from neuron_ckpt.train import CheckpointManager, NonFiniteError
-from neuron_ckpt.train import faults
+from neuron_ckpt.train import CheckpointManager, NonFiniteError, faults
 from neuron_ckpt.train.metrics import read_metrics
 
 from .helpers import patched
@@ -95,6 +94,7 @@ def _train_nan(argv: list[str], poison_rank: int | None = None, poison_step: int
     """Worker: train.main(argv); a NonFiniteError comes back as a dict. ``poison_rank`` sets one
     weight of that rank's MLP to NaN before step ``poison_step`` (NaN weights stay NaN)."""
     import torch.distributed as dist
+
     from neuron_ckpt.train import loop
 
     real = loop.train_step

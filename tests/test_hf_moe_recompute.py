@@ -247,7 +247,7 @@ def test_what_each_module_drops_to_the_byte(family, module, experts, attn):
       with ``core_attn`` (its checkpoint saves q/k/v as notes): q, k and v's root.
     """
     layer = 1
-    ROPE_COPY = T * 8 * 4  # noqa: N806
+    ROPE_COPY = T * 8 * 4
     model = tiny(family, experts, attn=attn)
     base = _kept(model, layer)
     expected = {

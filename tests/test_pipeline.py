@@ -40,7 +40,12 @@ import neuron_ckpt as nc
 from neuron_ckpt.distributed.parallel_state import Group, ParallelState, parallel_layout
 from neuron_ckpt.models import LlamaForCausalLM
 from neuron_ckpt.pipeline import (
-    LlamaPipeline, LlamaStage, PipelineConfig, apply_pipeline_recompute, check_tied_weights, cut_layers,
+    LlamaPipeline,
+    LlamaStage,
+    PipelineConfig,
+    apply_pipeline_recompute,
+    check_tied_weights,
+    cut_layers,
 )  # fmt: skip
 from neuron_ckpt.pipeline.hf_weights import stage_hf_state_dict
 from neuron_ckpt.recompute import Recompute, RecomputeConfig, apply_recompute

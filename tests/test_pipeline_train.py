@@ -44,9 +44,9 @@ from neuron_ckpt.distributed import runtime
 from neuron_ckpt.models import LlamaForCausalLM, save_hf_checkpoint
 from neuron_ckpt.optim import Zero1Optimizer
 from neuron_ckpt.pipeline import LlamaPipeline, LlamaStage, PipelineConfig, apply_pipeline_recompute, check_tied_weights
-from neuron_ckpt.recompute import RecomputeConfig
 from neuron_ckpt.pipeline.hf_checkpoint import load_pipeline_hf_checkpoint
 from neuron_ckpt.pipeline.xla import XLA_REFUSAL
+from neuron_ckpt.recompute import RecomputeConfig
 
 from .helpers import TINY, patched, rel_max
 from .test_pipeline import MB, SEQ, VOCAB, _one_process, _run, config

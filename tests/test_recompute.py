@@ -25,7 +25,13 @@ import neuron_ckpt as nc
 from neuron_ckpt.distributed.random import get_rng_tracker
 from neuron_ckpt.parallel import ColumnParallelLinear, CoreAttention, QKVParallelLinear, RMSNorm, RowParallelLinear
 from neuron_ckpt.recompute import (
-    Recompute, RecomputeConfig, apply_recompute, checkpoint, remove_recompute, run_layers, unwrapped,
+    Recompute,
+    RecomputeConfig,
+    apply_recompute,
+    checkpoint,
+    remove_recompute,
+    run_layers,
+    unwrapped,
 )
 
 from .helpers import counted_forwards

@@ -22,7 +22,6 @@ import pytest
 import torch
 
 from neuron_ckpt.parallel import CoreAttention, flash
-
 from tests.helpers import rel_norm
 
 from .helpers import TOL, hlo

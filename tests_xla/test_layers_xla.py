@@ -24,7 +24,6 @@ from neuron_ckpt.parallel import (
     VocabParallelEmbedding,
     vocab_parallel_cross_entropy,
 )
-
 from tests.helpers import rel_norm
 
 from .helpers import TOL

@@ -27,7 +27,6 @@ import torch_xla
 import neuron_ckpt.parallel.attention as attention
 from neuron_ckpt.distributed.parallel_state import Group
 from neuron_ckpt.parallel import CoreAttention, vocab_parallel_cross_entropy
-
 from tests.helpers import rel_norm
 
 from .helpers import TOL, hlo

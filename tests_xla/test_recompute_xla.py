@@ -29,7 +29,6 @@ import torch_xla
 import neuron_ckpt as nc
 from neuron_ckpt.parallel import CoreAttention, QKVParallelLinear, RMSNorm, RowParallelLinear
 from neuron_ckpt.recompute import RecomputeConfig, activation_checkpoint, apply_recompute, checkpoint, run_layers
-
 from tests.helpers import rel_norm
 
 from .helpers import TOL, hlo

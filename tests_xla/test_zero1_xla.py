@@ -24,7 +24,6 @@ from torch import nn
 from neuron_ckpt.distributed import collectives
 from neuron_ckpt.distributed.parallel_state import Group, ParallelState
 from neuron_ckpt.optim import Zero1Optimizer
-
 from tests.helpers import rel_norm
 
 from .helpers import hlo

@@ -31,7 +31,6 @@ import neuron_ckpt as nc
 from neuron_ckpt.recompute import RecomputeConfig, apply_recompute, unwrapped
 from neuron_ckpt.recompute import moe as moe_recompute
 from neuron_ckpt.recompute.routing import RoutingReplay
-
 from tests.test_hf_moe_recompute import _ids, _shift_bias
 from tests.test_hf_moe_recompute import tiny as cpu_tiny
 from tests_xla.helpers import hlo

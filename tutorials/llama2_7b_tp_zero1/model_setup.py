@@ -6,9 +6,8 @@ stage)."""
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
+from train_config import TrainConfig
 
 from neuron_ckpt.memory import ModelShape
 from neuron_ckpt.models import LlamaForCausalLM, load_hf_checkpoint
@@ -17,7 +16,7 @@ from neuron_ckpt.parallel.flash import unavailable as flash_unavailable
 from neuron_ckpt.pipeline import LlamaPipeline, PipelineConfig, apply_pipeline_recompute, cut_layers
 from neuron_ckpt.pipeline.hf_checkpoint import load_pipeline_hf_checkpoint
 from neuron_ckpt.recompute import apply_recompute
-from train_config import TrainConfig
+
 
 def _attention(cfg: TrainConfig, config, seq_len: int, device_type: str) -> tuple[str, str]:
     """The core attention this run uses and how to say it: flash where a kernel runs for this
@@ -60,7 +59,7 @@ def _setup(cfg: TrainConfig, parallel, seq_len: int, dtype: torch.dtype, attenti
 
 
 def predicted_peak(cfg: TrainConfig, config, parallel, seq_len: int, dtype: torch.dtype, attention: str,
-                    recompute, plan) -> Optional[int]:
+                    recompute, plan) -> int | None:
     """The planner's peak bytes per rank for this job (logged next to the device's measured peak),
     or None where the recompute is not one the planner models (e.g. full recompute in groups)."""
     from neuron_ckpt.memory import memory_budget
@@ -100,7 +99,7 @@ def attention_and_recompute(cfg: TrainConfig, config, parallel, seq_len: int, dt
     return attention, recompute, plan
 
 
-def pipeline_config(cfg: TrainConfig, config, grad_accum: int) -> Optional[PipelineConfig]:
+def pipeline_config(cfg: TrainConfig, config, grad_accum: int) -> PipelineConfig | None:
     """``--pp > 1``: the schedule over this step's ``grad_accum`` micro-batches (the loop's mean of
     micro-batch means, so ``--pp 1`` and ``--pp N`` train on the same loss), checked against the
     pipeline size and the model's layers before anything is built."""

@@ -27,9 +27,10 @@ import math
 import os
 import sys
 import time
-from typing import Optional
 
 import torch
+from model_setup import attention_and_recompute, build_model, pipeline_config, predicted_peak
+from train_config import DTYPES, TrainConfig, parse_args
 
 import neuron_ckpt as nc
 from neuron_ckpt.data import DataParallelBatches, PackedDataset
@@ -45,13 +46,13 @@ from neuron_ckpt.pipeline import PipelineConfig
 from neuron_ckpt.pipeline.xla import refuse_on_xla
 from neuron_ckpt.recompute.offload import offload_stats
 from neuron_ckpt.train import (
+    RECIPES,
     CheckpointManager,
-    Interrupted,
-    NonFiniteError,
     FitOptions,
+    Interrupted,
     LRSchedule,
     MetricsWriter,
-    RECIPES,
+    NonFiniteError,
     SavePolicy,
     TrainState,
     detect_device_kind,
@@ -59,8 +60,6 @@ from neuron_ckpt.train import (
     param_groups,
     peak_tflops,
 )
-from model_setup import attention_and_recompute, build_model, pipeline_config, predicted_peak  # noqa: E402
-from train_config import DTYPES, TrainConfig, parse_args  # noqa: E402  (this directory: the script's own)
 
 
 def open_dataset(path: str, rt) -> PackedDataset:
@@ -82,7 +81,7 @@ def open_dataset(path: str, rt) -> PackedDataset:
     return dataset or PackedDataset(path)
 
 
-def _check_device_kind(device_kind: Optional[str], backend: str) -> None:
+def _check_device_kind(device_kind: str | None, backend: str) -> None:
     """trn1/trn2 (NeuronCores) are reached through torch-xla only: refuse to label a CPU or GPU
     run as one (e.g. run_trn1.sh on a machine without the Neuron SDK 2.28 venv active)."""
     if device_kind in ("trn1", "trn2") and backend != "xla":
@@ -179,7 +178,7 @@ def _model_config_and_data(cfg: TrainConfig, rt):
 
 
 def _build(cfg: TrainConfig, config, dataset, parallel, device, dtype: torch.dtype, attention: str, recompute,
-           grad_accum: int, pipeline: Optional[PipelineConfig]):
+           grad_accum: int, pipeline: PipelineConfig | None):
     """The model (recompute applied, ``--init-hf`` weights loaded), the ZeRO-1 optimizer and the
     batch order, as one TrainState; and the LR schedule."""
     nc.model_parallel_manual_seed(cfg.seed)
