@@ -35,7 +35,11 @@ import torch
 from neuron_ckpt.distributed.local import LocalWorld
 
 TP_PLAN = {"experts.gate_up_proj": "packed_colwise", "experts.down_proj": "rowwise", "experts": "moe_tp_experts"}
-EP_PLAN = {"experts.gate_up_proj": "grouped_gemm", "experts.down_proj": "grouped_gemm", "experts": "ep_dispatch_experts"}
+EP_PLAN = {
+    "experts.gate_up_proj": "grouped_gemm",
+    "experts.down_proj": "grouped_gemm",
+    "experts": "ep_dispatch_experts",
+}
 
 
 def _block(a):

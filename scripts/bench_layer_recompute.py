@@ -50,8 +50,15 @@ def main() -> None:
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[a.dtype]
     state = nc.initialize_model_parallel(1)
     nc.model_parallel_manual_seed(0)
-    args = LlamaArgs(vocab_size=128, hidden_size=a.hidden, intermediate_size=a.ffn, num_hidden_layers=1,
-                     num_attention_heads=a.heads, num_key_value_heads=a.heads, max_position_embeddings=a.seq)
+    args = LlamaArgs(
+        vocab_size=128,
+        hidden_size=a.hidden,
+        intermediate_size=a.ffn,
+        num_hidden_layers=1,
+        num_attention_heads=a.heads,
+        num_key_value_heads=a.heads,
+        max_position_embeddings=a.seq,
+    )
     options = LlamaOptions(False, a.attention, dtype, state)
     layers = {}
     for name in PRESETS:
@@ -76,17 +83,23 @@ def main() -> None:
                 times[name].append(time.perf_counter() - t0)
     best = {k: min(v) for k, v in times.items()}
     med = {k: statistics.median(v) for k, v in times.items()}
-    print(f"one LlamaDecoderLayer: seq={a.seq} batch={a.batch} hidden={a.hidden} heads={a.heads} ffn={a.ffn} "
-          f"{a.attention} {a.dtype} threads={torch.get_num_threads()} iters={a.iters} (+{a.warmup} warmup) "
-          f"total {time.perf_counter() - start:.0f} s")
+    print(
+        f"one LlamaDecoderLayer: seq={a.seq} batch={a.batch} hidden={a.hidden} heads={a.heads} ffn={a.ffn} "
+        f"{a.attention} {a.dtype} threads={torch.get_num_threads()} iters={a.iters} (+{a.warmup} warmup) "
+        f"total {time.perf_counter() - start:.0f} s"
+    )
     for name in PRESETS:
-        print(f"  {name:24s} fwd+bwd best {best[name] * 1e3:8.1f} ms   median {med[name] * 1e3:8.1f} ms   "
-              f"vs none {best[name] / best['none']:.3f} (medians {med[name] / med['none']:.3f})   "
-              f"vs selective {best[name] / best['selective']:.3f} (medians {med[name] / med['selective']:.3f})")
+        print(
+            f"  {name:24s} fwd+bwd best {best[name] * 1e3:8.1f} ms   median {med[name] * 1e3:8.1f} ms   "
+            f"vs none {best[name] / best['none']:.3f} (medians {med[name] / med['none']:.3f})   "
+            f"vs selective {best[name] / best['selective']:.3f} (medians {med[name] / med['selective']:.3f})"
+        )
     lean = "selective+mlp_act+norm"
     paired = statistics.median(u / v for u, v in zip(times[lean], times["selective"]))
-    print(f"{lean} / selective: best {best[lean] / best['selective']:.3f}, medians {med[lean] / med['selective']:.3f}, "
-          f"median of the per-iteration ratios {paired:.3f}  target <= 1.03")
+    print(
+        f"{lean} / selective: best {best[lean] / best['selective']:.3f}, medians {med[lean] / med['selective']:.3f}, "
+        f"median of the per-iteration ratios {paired:.3f}  target <= 1.03"
+    )
     nc.destroy_distributed()
 
 

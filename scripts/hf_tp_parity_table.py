@@ -57,7 +57,9 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def moe_table() -> None:
-    print("| family | experts | loss abs diff | aux loss abs diff | logits rel | worst gradient rel (parameter) | experts' weights gradient rel | router gradient rel |")
+    print(
+        "| family | experts | loss abs diff | aux loss abs diff | logits rel | worst gradient rel (parameter) | experts' weights gradient rel | router gradient rel |"
+    )
     print("|---|---|---:|---:|---:|---|---:|---:|")
     with LocalWorld(2) as world:
         for family in moe.FAMILIES:
@@ -76,7 +78,9 @@ def sequence_parallel_table() -> None:
             r = max(world.run(sp._parity, family, recompute), key=lambda r: r["grad"])
             aux = "none" if r["aux"] is None else f"{r['aux']:.1e}"
             name = recompute if isinstance(recompute, str) else "+".join(recompute)
-            print(f"| {family} | {name} | {r['loss']:.1e} | {aux} | {r['logits']:.1e} | {r['grad']:.1e} ({r['worst']}) |")
+            print(
+                f"| {family} | {name} | {r['loss']:.1e} | {aux} | {r['logits']:.1e} | {r['grad']:.1e} ({r['worst']}) |"
+            )
 
 
 if __name__ == "__main__":

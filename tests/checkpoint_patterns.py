@@ -46,7 +46,11 @@ def _layer(w: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 def _loss(out: Any) -> torch.Tensor:
-    return sum(t.float().pow(2).sum() for t in torch.utils._pytree.tree_leaves(out) if torch.is_tensor(t) and t.is_floating_point())
+    return sum(
+        t.float().pow(2).sum()
+        for t in torch.utils._pytree.tree_leaves(out)
+        if torch.is_tensor(t) and t.is_floating_point()
+    )
 
 
 # Each forward: (ckpt, inputs) -> outputs. Each takes the "layer" through a checkpoint.

@@ -59,7 +59,9 @@ class _Job:
             e.pop("PJRT_DEVICE", None)
             self.logs.append(tmp / f"{script.stem}_{time.monotonic_ns()}_rank{r}.log")
             with open(self.logs[-1], "w") as log:
-                self.procs.append(subprocess.Popen([sys.executable, str(script), *argv], env=e, stdout=log, stderr=subprocess.STDOUT))
+                self.procs.append(
+                    subprocess.Popen([sys.executable, str(script), *argv], env=e, stdout=log, stderr=subprocess.STDOUT)
+                )
 
     def wait(self, timeout: float) -> list[int]:
         deadline = time.monotonic() + timeout
@@ -111,7 +113,13 @@ def _train_nan(argv: list[str], poison_rank: int | None = None, poison_step: int
         try:
             train_module().main(argv)
         except NonFiniteError as e:
-            return {"step": e.step, "loss": e.loss, "grad_norm": e.grad_norm, "last_finite": e.last_finite, "message": str(e)}
+            return {
+                "step": e.step,
+                "loss": e.loss,
+                "grad_norm": e.grad_norm,
+                "last_finite": e.last_finite,
+                "message": str(e),
+            }
     return {}
 
 

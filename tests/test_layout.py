@@ -46,7 +46,9 @@ def test_megatron_examples():
     assert layout.expert_data_parallel_size == 2
 
 
-@pytest.mark.parametrize("t, c, d, p, e", [(1, 1, 4, 1, 2), (2, 1, 2, 1, 2), (1, 2, 2, 1, 4), (2, 2, 1, 2, 4), (1, 1, 8, 2, 8)])
+@pytest.mark.parametrize(
+    "t, c, d, p, e", [(1, 1, 4, 1, 2), (2, 1, 2, 1, 2), (1, 2, 2, 1, 4), (2, 2, 1, 2, 4), (1, 1, 8, 2, 8)]
+)
 def test_expert_grid_is_carved_from_each_stage(t, c, d, p, e):
     world = t * c * d * p
     layout = parallel_layout(world, t, p, context_parallel_size=c, expert_model_parallel_size=e)

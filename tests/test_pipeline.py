@@ -365,8 +365,9 @@ def _dropout_runs() -> dict:
     # orders (1e-7 apart with dropout off too), so the gradients agree to rounding, not bit for bit;
     # with one stream per rank the masks differ and so do the gradients (by 80-90%).
     a, b = run("Interleaved1F1B", None, v=2), run("LoopedBFS", None, v=2)
-    same["interleaved_vs_bfs"] = (a[0] is None or torch.equal(a[0], b[0])) and \
-        max(rel_max(g, b[1][k]) for k, g in a[1].items()) < 1e-6
+    same["interleaved_vs_bfs"] = (a[0] is None or torch.equal(a[0], b[0])) and max(
+        rel_max(g, b[1][k]) for k, g in a[1].items()
+    ) < 1e-6
     changed = None if base[0] is None else not torch.equal(base[0], no_dropout[0])
     return {"same": same, "changed": changed, "untouched": base[2], "seeds": base[3]}
 

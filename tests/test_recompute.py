@@ -99,7 +99,11 @@ VARIANTS = {
     "block2": RecomputeConfig(granularity="full", method="block", num_layers=2),
 }
 VARIANTS.update(
-    {f"{k}_reentrant": RecomputeConfig(**{**v.__dict__, "use_reentrant": True}) for k, v in VARIANTS.items() if v.enabled}
+    {
+        f"{k}_reentrant": RecomputeConfig(**{**v.__dict__, "use_reentrant": True})
+        for k, v in VARIANTS.items()
+        if v.enabled
+    }
 )
 
 
@@ -197,8 +201,10 @@ def test_bit_identical_with_distributed_saved_activations_tp2(world):
 
 def test_dropout_is_active():
     # Guards the tests above: with another seed the loss changes, so equal results are meaningful.
-    assert not torch.equal(_single(lambda: _train_step(RecomputeConfig(), 1, False))[0],
-                           _single(lambda: _train_step(RecomputeConfig(), 1, False, seed=99))[0])
+    assert not torch.equal(
+        _single(lambda: _train_step(RecomputeConfig(), 1, False))[0],
+        _single(lambda: _train_step(RecomputeConfig(), 1, False, seed=99))[0],
+    )
 
 
 def _single(fn):
@@ -563,7 +569,12 @@ def test_recompute_presets_have_one_owner():
     assert RecomputeConfig.preset("selective+mlp_act").modules == ("core_attn", "mlp_act")
     assert RecomputeConfig.preset("selective+mlp_act+norm").modules == ("core_attn", "mlp_act", "norm")
     full = RecomputeConfig.preset("full", distribute_saved_activations=True)
-    assert (full.granularity, full.method, full.num_layers, full.distribute_saved_activations) == ("full", "uniform", 1, True)
+    assert (full.granularity, full.method, full.num_layers, full.distribute_saved_activations) == (
+        "full",
+        "uniform",
+        1,
+        True,
+    )
     assert [RecomputeConfig.preset(n).preset_name for n in PRESETS] == list(PRESETS)
     assert full.preset_name == "full"
     assert RecomputeConfig(granularity="full", method="block", num_layers=2).preset_name is None

@@ -88,7 +88,9 @@ def gather_as_two(monkeypatch):
     torch_xla._XLAC._set_all_reduce_token(ctx.device, None)
 
 
-def _lowered_step(xla, dtype: torch.dtype, cap_bytes: int | None, accumulate: bool | None) -> tuple[str, Zero1Optimizer]:
+def _lowered_step(
+    xla, dtype: torch.dtype, cap_bytes: int | None, accumulate: bool | None
+) -> tuple[str, Zero1Optimizer]:
     """HLO text of one optimizer step of :func:`_model` with a fake DP 2 (lowered, not run)."""
     model = _model(dtype, xla.device)
     opt = Zero1Optimizer(

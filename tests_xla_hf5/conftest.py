@@ -33,4 +33,6 @@ def pytest_report_header(config):
     import torch
     import transformers
 
-    return f"tests_xla_hf5: torch {torch.__version__}, transformers {transformers.__version__} ({transformers.__file__})"
+    return (
+        f"tests_xla_hf5: torch {torch.__version__}, transformers {transformers.__version__} ({transformers.__file__})"
+    )

@@ -173,12 +173,24 @@ def _model_config_and_data(cfg: TrainConfig, rt):
     for notice in dict.fromkeys(notices) if rt.rank == 0 else ():
         print(f"note: {notice}", flush=True)
     if dataset.info.vocab_size > config.vocab_size:
-        raise ValueError(f"{cfg.data}: tokenizer vocab {dataset.info.vocab_size} > model vocab_size {config.vocab_size}")
+        raise ValueError(
+            f"{cfg.data}: tokenizer vocab {dataset.info.vocab_size} > model vocab_size {config.vocab_size}"
+        )
     return config, dataset
 
 
-def _build(cfg: TrainConfig, config, dataset, parallel, device, dtype: torch.dtype, attention: str, recompute,
-           grad_accum: int, pipeline: PipelineConfig | None):
+def _build(
+    cfg: TrainConfig,
+    config,
+    dataset,
+    parallel,
+    device,
+    dtype: torch.dtype,
+    attention: str,
+    recompute,
+    grad_accum: int,
+    pipeline: PipelineConfig | None,
+):
     """The model (recompute applied, ``--init-hf`` weights loaded), the ZeRO-1 optimizer and the
     batch order, as one TrainState; and the LR schedule."""
     nc.model_parallel_manual_seed(cfg.seed)
@@ -196,7 +208,12 @@ def _build(cfg: TrainConfig, config, dataset, parallel, device, dtype: torch.dty
         cfg.lr, cfg.warmup_steps, cfg.max_steps, cfg.decay, cfg.min_lr_ratio, RECIPES[cfg.recipe].warmup_from_zero
     )
     batches = DataParallelBatches(
-        dataset, cfg.micro_batch_size, parallel.dp_rank, parallel.dp_size, cfg.seed, grad_accum=grad_accum,
+        dataset,
+        cfg.micro_batch_size,
+        parallel.dp_rank,
+        parallel.dp_size,
+        cfg.seed,
+        grad_accum=grad_accum,
         shuffle=cfg.data_order == "shuffled",
     )
     return TrainState(model, optimizer, batches), schedule
@@ -318,7 +335,7 @@ def _summary(records, wall_s: float, start_step: int, train_s: float = 0.0, log_
         return {"steps": 0, "start_step": start_step, "wall_s": wall_s}
     steady = records[1:] or records  # the first step includes warm-up (and XLA compilation)
     mean = lambda key: sum(getattr(r, key) for r in steady) / len(steady)  # noqa: E731
-    after = records[math.ceil(10 / log_every):] or records  # NxD's: the first ~10 steps dropped
+    after = records[math.ceil(10 / log_every) :] or records  # NxD's: the first ~10 steps dropped
     return {
         "start_step": start_step,
         "steps": len(records),

@@ -30,66 +30,85 @@ class TrainConfig:
     """All options of a run; validated at construction."""
 
     model_config: str | None = opt(
-        None, "a transformers LlamaConfig JSON (NxD's too) or a preset (llama2-7b, llama3-8b, llama3.1-8b); default: --init-hf's config.json, else configs/tiny.json"
+        None,
+        "a transformers LlamaConfig JSON (NxD's too) or a preset (llama2-7b, llama3-8b, llama3.1-8b); default: --init-hf's config.json, else configs/tiny.json",
     )
     data: str = opt("data/train.safetensors", "packed token file from prepare_data.py")
     # parallelism
     tp: int = opt(1, "tensor-parallel size (ranks per TP group, contiguous); DP = world / (tp x cp x pp)")
     cp: int = opt(
-        1, "context-parallel size: each sequence split over this many ranks (stride TP: rank = ... + cp_rank x TP + "
+        1,
+        "context-parallel size: each sequence split over this many ranks (stride TP: rank = ... + cp_rank x TP + "
         "tp_rank), attention all-gathering keys and values over them; the sequence length must be a multiple of 2 x cp "
-        "(2 x cp x tp with --sequence-parallel); docs/context_parallel.md"
+        "(2 x cp x tp with --sequence-parallel); docs/context_parallel.md",
     )
     pp: int = opt(
-        1, "pipeline-parallel size (stages, outermost: rank = pp_rank x DP x CP x TP + dp_rank x CP x TP + cp_rank x TP + "
+        1,
+        "pipeline-parallel size (stages, outermost: rank = pp_rank x DP x CP x TP + dp_rank x CP x TP + cp_rank x TP + "
         "tp_rank); each step's "
-        "micro-batches (--global-batch-size / (--micro-batch-size x DP)) run through the stages; not on XLA (trn1)"
+        "micro-batches (--global-batch-size / (--micro-batch-size x DP)) run through the stages; not on XLA (trn1)",
     )
     pp_schedule: str = opt(
-        "1f1b", "--pp > 1: gpipe (all forwards, then all backwards), 1f1b (at most pp - stage micro-batches in "
+        "1f1b",
+        "--pp > 1: gpipe (all forwards, then all backwards), 1f1b (at most pp - stage micro-batches in "
         "flight; needs micro-batches >= pp) or interleaved (--virtual-stages stages per rank: a smaller bubble)",
         list(PP_SCHEDULES),
     )
     virtual_stages: int | None = opt(None, "--pp-schedule interleaved: stages per rank (default 2)")
     sequence_parallel: bool = opt(False, "split norms/residuals along the sequence over the TP group")
     recompute: str = opt(
-        "none", "activation recompute: a preset (selective: --recompute-modules, default core attention; full: one "
+        "none",
+        "activation recompute: a preset (selective: --recompute-modules, default core attention; full: one "
         "layer per activation checkpoint unless --recompute-method and --recompute-num-layers say otherwise), or auto "
         "(planned per layer to fit --device-memory)",
         [*PRESETS, "auto"],
     )
     device_memory: str | None = opt(
-        None, "--recompute auto: memory per rank, GiB or 'trn1' (default: trn1 on XLA, detected on CUDA; required on CPU)"
+        None,
+        "--recompute auto: memory per rank, GiB or 'trn1' (default: trn1 on XLA, detected on CUDA; required on CPU)",
     )
-    recompute_method: str | None = opt(None, "full recompute: uniform (groups) or block (first N)", ["uniform", "block"])
+    recompute_method: str | None = opt(
+        None, "full recompute: uniform (groups) or block (first N)", ["uniform", "block"]
+    )
     recompute_num_layers: int | None = opt(
         None, "full recompute: group size (uniform) / layers recomputed (block); with --pp > 1 per stage (Megatron's)"
     )
-    recompute_modules: str = opt("core_attn", "selective recompute: comma-separated modules (core_attn,mlp,mlp_act,norm)")
+    recompute_modules: str = opt(
+        "core_attn", "selective recompute: comma-separated modules (core_attn,mlp,mlp_act,norm)"
+    )
     offload_modules: str = opt(
-        "", "activation offload: comma-separated modules whose kept activations go to host memory during the step, "
+        "",
+        "activation offload: comma-separated modules whose kept activations go to host memory during the step, "
         "copied beside the compute (layer,core_attn,mlp,mlp_act,norm; every layer but the last; with --recompute full "
-        "only layer); CUDA copies on side streams, on CPU the mechanics only; not on XLA (docs/offload.md)"
+        "only layer); CUDA copies on side streams, on CPU the mechanics only; not on XLA (docs/offload.md)",
     )
     attention: str | None = opt(
-        None, "core attention: flash (a fused kernel, no s x s tensor: torch SDPA's flash on CPU/CUDA, NxD's NKI kernel "
+        None,
+        "core attention: flash (a fused kernel, no s x s tensor: torch SDPA's flash on CPU/CUDA, NxD's NKI kernel "
         "on trn1) or explicit (softmax(QK^T) written out); default: flash where the device has a kernel for the "
-        "shape, explicit otherwise (printed at start)", list(ATTENTION)
+        "shape, explicit otherwise (printed at start)",
+        list(ATTENTION),
     )
     compile: bool = opt(
-        False, "torch.compile the model (inductor on CPU/CUDA, the neuron backend on TorchNeuron; not on XLA, which compiles already)"
+        False,
+        "torch.compile the model (inductor on CPU/CUDA, the neuron backend on TorchNeuron; not on XLA, which compiles already)",
     )
-    dtype: str = opt("auto", "parameter/compute dtype; auto: bf16 on XLA and CUDA, fp32 on CPU", ["auto", "fp32", "bf16"])
+    dtype: str = opt(
+        "auto", "parameter/compute dtype; auto: bf16 on XLA and CUDA, fp32 on CPU", ["auto", "fp32", "bf16"]
+    )
     backend: str | None = opt(None, "torch.distributed backend (default: detected)", list(backends()))
     collective_timeout: float | None = opt(
-        None, "seconds a collective waits for the other ranks; then the run fails naming the ranks that stopped "
+        None,
+        "seconds a collective waits for the other ranks; then the run fails naming the ranks that stopped "
         "answering (default: 7200 on XLA, where the first step compiles for up to an hour on each rank while the "
-        "ranks done first wait, 1800 elsewhere)"
+        "ranks done first wait, 1800 elsewhere)",
     )
     recipe: str = opt(
-        "default", "hyperparameters of the options marked 'per --recipe' that are not given: default (Llama-2 paper: "
+        "default",
+        "hyperparameters of the options marked 'per --recipe' that are not given: default (Llama-2 paper: "
         "cosine to 10%%, beta2 0.95, shuffled blocks) or nxd (NxD's Llama tutorial: linear warmup from 0 then to 0, "
-        "beta2 0.999, eps 1e-6, weight decay 0.01, seed 12349, blocks in file order); docs/recipes.md", list(RECIPES)
+        "beta2 0.999, eps 1e-6, weight decay 0.01, seed 12349, blocks in file order); docs/recipes.md",
+        list(RECIPES),
     )
     # batch and optimizer
     micro_batch_size: int = opt(1, "sequences per rank per forward/backward")
@@ -97,7 +116,9 @@ class TrainConfig:
     lr: float = opt(3e-4, "peak learning rate")
     min_lr_ratio: float | None = opt(None, "final learning rate as a fraction of --lr (per --recipe: 0.1, nxd 0)")
     warmup_steps: int = opt(100, "linear warmup steps")
-    decay: str | None = opt(None, "decay after warmup (per --recipe: cosine, nxd linear)", ["cosine", "linear", "constant"])
+    decay: str | None = opt(
+        None, "decay after warmup (per --recipe: cosine, nxd linear)", ["cosine", "linear", "constant"]
+    )
     max_steps: int = opt(10000, "total optimizer steps (decay ends here)")
     stop_at_step: int | None = opt(None, "stop (and checkpoint) after this step; --resume continues the same schedule")
     weight_decay: float | None = opt(
@@ -109,13 +130,15 @@ class TrainConfig:
     grad_clip: float = opt(1.0, "clip the global gradient norm to this (0: no clipping)")
     seed: int | None = opt(None, "seed for init, data order and the TP RNG streams (per --recipe: 1234, nxd 12349)")
     data_order: str | None = opt(
-        None, "blocks per step: shuffled (a seeded permutation per epoch) or sequential (file order, dealt to the "
+        None,
+        "blocks per step: shuffled (a seeded permutation per epoch) or sequential (file order, dealt to the "
         "DP ranks as DistributedSampler(shuffle=False) does) (per --recipe: shuffled, nxd sequential)",
         ["shuffled", "sequential"],
     )
     # logging, checkpoints
     log_every: int | None = opt(
-        None, "log loss, grad norm and throughput every N steps (default: 10 on XLA, where a logged step waits for the device; 1 elsewhere)"
+        None,
+        "log loss, grad norm and throughput every N steps (default: 10 on XLA, where a logged step waits for the device; 1 elsewhere)",
     )
     metrics_file: str | None = opt(None, "append one JSON line per logged step here (rank 0)")
     tensorboard_dir: str | None = opt(None, "also log the step scalars to TensorBoard here (needs tensorboard)")
@@ -129,9 +152,12 @@ class TrainConfig:
     )
     resume: str | None = opt(None, "'latest' (under --checkpoint-dir; a fresh start if none) or a checkpoint path")
     init_hf: str | None = opt(
-        None, "initial weights: a transformers checkpoint directory (save_pretrained's) or one .safetensors / torch file"
+        None,
+        "initial weights: a transformers checkpoint directory (save_pretrained's) or one .safetensors / torch file",
     )
-    export_hf: str | None = opt(None, "at the end, write a transformers checkpoint directory here (from_pretrained loads it)")
+    export_hf: str | None = opt(
+        None, "at the end, write a transformers checkpoint directory here (from_pretrained loads it)"
+    )
 
     def __post_init__(self) -> None:
         if self.recipe not in RECIPES:
@@ -192,13 +218,17 @@ class TrainConfig:
         ]  # fmt: skip
         for name, applies, needed in needs:
             if not applies and given[name] != default[name]:
-                raise ValueError(f"{flag(name)} {getattr(self, name)} applies only with {needed}; this run would "
-                                 f"ignore it: drop it or add {needed}")
+                raise ValueError(
+                    f"{flag(name)} {getattr(self, name)} applies only with {needed}; this run would "
+                    f"ignore it: drop it or add {needed}"
+                )
         self._check_pipeline()
         if self.offload_modules:
-            refused = [("--recompute auto", self.recompute == "auto", "the planner does not weigh offload yet"),
-                       ("--compile", self.compile, "offload's hooks run eagerly; compiled graphs keep what they keep"),
-                       ("--backend xla", self.backend == "xla", "XLA (trn1) has no streams and no host placement")]
+            refused = [
+                ("--recompute auto", self.recompute == "auto", "the planner does not weigh offload yet"),
+                ("--compile", self.compile, "offload's hooks run eagerly; compiled graphs keep what they keep"),
+                ("--backend xla", self.backend == "xla", "XLA (trn1) has no streams and no host placement"),
+            ]
             for option, given_, why in refused:
                 if given_:
                     raise ValueError(f"--offload-modules {self.offload_modules} does not combine with {option}: {why}")
@@ -222,9 +252,11 @@ class TrainConfig:
         refused = [("compile", self.compile, "--compile"), ("recompute", self.recompute == "auto", "--recompute auto")]
         for name, given, flag in refused:
             if given:
-                why = {"compile": "torch.distributed.pipelining runs the stages eagerly",
-                       "recompute": "the planner here plans one model; plan per stage with neuron-ckpt plan --pp and "
-                                    "pass a preset (each stage applies it)"}[name]
+                why = {
+                    "compile": "torch.distributed.pipelining runs the stages eagerly",
+                    "recompute": "the planner here plans one model; plan per stage with neuron-ckpt plan --pp and "
+                    "pass a preset (each stage applies it)",
+                }[name]
                 raise ValueError(f"{flag} does not combine with --pp {self.pp}: {why}")
 
     def _check_context_parallel(self) -> None:
@@ -252,8 +284,12 @@ class TrainConfig:
             modules = tuple(m for m in self.recompute_modules.split(",") if m)
             return RecomputeConfig(granularity="selective", modules=modules, offload_modules=offload)
         if self.recompute == "full" and (self.recompute_method, self.recompute_num_layers) != (None, None):
-            return RecomputeConfig(granularity="full", method=self.recompute_method,
-                                   num_layers=self.recompute_num_layers, offload_modules=offload)
+            return RecomputeConfig(
+                granularity="full",
+                method=self.recompute_method,
+                num_layers=self.recompute_num_layers,
+                offload_modules=offload,
+            )
         return dataclasses.replace(RecomputeConfig.preset(self.recompute), offload_modules=offload)
 
     def recompute_config(self) -> RecomputeConfig | None:
