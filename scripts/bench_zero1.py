@@ -318,9 +318,11 @@ def wire_table(wire: dict[str, dict[str, list[float]]], param_bytes: int, p: int
     """The bytes-on-the-wire lines: each variant's collectives next to ZeRO-1's minimum."""
     minimum = 2 * (p - 1) / p * param_bytes
     lines = [
-        f"  bytes each rank sends per step (MiB; per call, averaged over ranks, for gloo's algorithms: "
-        f"see the docstring); ZeRO-1's minimum, a reduce-scatter and an all-gather of the "
-        f"{param_bytes / 2**20:.1f} MiB of parameters: 2(p-1)/p of them = {minimum / 2**20:.1f}"
+        (
+            f"  bytes each rank sends per step (MiB; per call, averaged over ranks, for gloo's algorithms: "
+            f"see the docstring); ZeRO-1's minimum, a reduce-scatter and an all-gather of the "
+            f"{param_bytes / 2**20:.1f} MiB of parameters: 2(p-1)/p of them = {minimum / 2**20:.1f}"
+        )
     ]
     for name, ops in wire.items():
         parts = " + ".join(

@@ -445,8 +445,10 @@ def capture(args: argparse.Namespace, argv: list[str]) -> int:
     notes = [
         f"command: scripts/capture_trn1_memory.py {shlex.join(argv)}",
         f"ranks: {args.nproc} = TP {args.tp} x DP {dp}; {args.steps} steps a run; each run compiles into its own cache",
-        "sysfs peak counters were not cleared (that needs root, and whether a write resets peak is unconfirmed): "
-        "a peak can be an earlier process's; total (kind current) is the largest over the run's 1 s polls",
+        (
+            "sysfs peak counters were not cleared (that needs root, and whether a write resets peak is unconfirmed): "
+            "a peak can be an earlier process's; total (kind current) is the largest over the run's 1 s polls"
+        ),
         (
             "a system profile per run (NEURON_RT_INSPECT_ENABLE=1), no device profile (its buffers take HBM), "
             "ingested with neuron-explorer"

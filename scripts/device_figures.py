@@ -204,19 +204,25 @@ def render_section(r: dict) -> str:
         "",
         f"## {r['date'][:10]}: {d['name']} ({d['type']}{', tiny: plumbing only' if r['mode'] == 'tiny' else ''})",
         "",
-        f"Device {d['name']}, driver {d['driver'] or 'n/a'}, memory {mib(d['memory_bytes'])} MiB, dense bf16 peak "
-        f"{d['peak_tflops_bf16']:g} TFLOP/s ({d['kind']}); torch {r['torch']}. Ran {r['elapsed_s']:.0f} s:",
+        (
+            f"Device {d['name']}, driver {d['driver'] or 'n/a'}, memory {mib(d['memory_bytes'])} MiB, dense bf16 peak "
+            f"{d['peak_tflops_bf16']:g} TFLOP/s ({d['kind']}); torch {r['torch']}. Ran {r['elapsed_s']:.0f} s:"
+        ),
         "",
         f"    {r['command']}",
         "",
-        f"Llama h {s['hidden']}, {s['layers'][1]} layers ({s['layers'][0]} for the difference), {s['heads']} heads, "
-        f"{s['kv_heads']} kv heads, f {s['ffn']}, v {s['vocab']}, s {s['seq']}, micro-batch 1, bf16, TP 1, "
-        f"ZeRO-1 AdamW at dp 1.",
+        (
+            f"Llama h {s['hidden']}, {s['layers'][1]} layers ({s['layers'][0]} for the difference), {s['heads']} heads, "
+            f"{s['kv_heads']} kv heads, f {s['ffn']}, v {s['vocab']}, s {s['seq']}, micro-batch 1, bf16, TP 1, "
+            f"ZeRO-1 AdamW at dp 1."
+        ),
         "",
         "Memory, one step after a warm-up (MiB; goal: the device's peak within 2% of the budget's total):",
         "",
-        "| layers | attention | preset | device peak | budget total | peak / budget | goal met | kept (recorder) "
-        "| budget activations | budget activation peak | budget workspace |",
+        (
+            "| layers | attention | preset | device peak | budget total | peak / budget | goal met | kept (recorder) "
+            "| budget activations | budget activation peak | budget workspace |"
+        ),
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for m in r["memory"]:
@@ -259,9 +265,11 @@ def render_section(r: dict) -> str:
     if "hf_saved_bytes" in e:
         lines += [
             "",
-            f"Equal memory: transformers keeps {mib(e['hf_saved_bytes'])} MiB (+{mib(e['hf_closure_bytes'])} "
-            f"MiB held by its checkpoints' arguments, not counted), ours as planned ({e['plan']}) "
-            f"{mib(e['ours_saved_bytes'])} MiB measured, {mib(e['planned_bytes'])} MiB planned.",
+            (
+                f"Equal memory: transformers keeps {mib(e['hf_saved_bytes'])} MiB (+{mib(e['hf_closure_bytes'])} "
+                f"MiB held by its checkpoints' arguments, not counted), ours as planned ({e['plan']}) "
+                f"{mib(e['ours_saved_bytes'])} MiB measured, {mib(e['planned_bytes'])} MiB planned."
+            ),
         ]
     if "compile_s" in e:
         lines += ["", f"torch.compile: the first two compiled steps took {e['compile_s']:.1f} s."]

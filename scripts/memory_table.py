@@ -228,8 +228,10 @@ def format_table(rows: list[Row], max_ram_gib: float = DEFAULT_MAX_RAM_GIB) -> s
     """The Markdown table (what the script prints and what ``--markdown`` writes) and a caption."""
     max_ram_bytes = int(max_ram_gib * GIB)
     lines = [
-        "| model | s | t | SP | attention | recompute | analytic bytes | analytic MiB | measured MiB "
-        "| measured / analytic |",
+        (
+            "| model | s | t | SP | attention | recompute | analytic bytes | analytic MiB | measured MiB "
+            "| measured / analytic |"
+        ),
         "| --- | ---: | ---: | --- | --- | --- | ---: | ---: | ---: | ---: |",
     ]
     for row in rows:

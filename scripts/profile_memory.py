@@ -79,7 +79,7 @@ def _step(model: ModelShape, setup: TrainingSetup, recompute: str, device: torch
             prof.export_memory_timeline(str(path), device="cuda:0" if device.type == "cuda" else "cpu")
             figures["profiler"] = _timeline_peak(path)
             return figures
-        except Exception as exc:  # torch's data-flow analysis rejects some graphs (see docs/memory.md)
+        except Exception as exc:  # noqa: BLE001  torch's data-flow analysis rejects some graphs (see docs/memory.md)
             figures["timeline_error"] = f"{type(exc).__name__}: {str(exc)[:120]}"
     figures["profiler"] = sum(max(e.self_cpu_memory_usage, 0) for e in prof.key_averages())
     return figures

@@ -154,7 +154,7 @@ def report(out: Path, runs: list[Run], dtype: str) -> bool:
     controls = []
     for preset in presets:
 
-        def per_layer(category: str) -> float:
+        def per_layer(category: str, preset: str = preset) -> float:  # this preset's, bound
             return float(slope([(n, readings[preset, n][category]) for n in layers]))
 
         temp, params, outputs = per_layer("temp"), per_layer("parameters"), per_layer("outputs")
@@ -214,14 +214,20 @@ def main(argv: list[str] | None = None) -> int:
         "attention": "explicit",
     }
     notes = [
-        f"XLA:CPU ({versions}), world size 1: each run is one compiled graph, forward + backward of the LM loss "
-        "(torch_xla.sync() after backward); the optimizer step is not in it. Weights are its parameters, "
-        "gradients its outputs.",
-        "flash attention not captured: NxD's NKI flash kernel runs on Neuron only; on XLA:CPU CoreAttention "
-        "falls back to explicit attention (with a warning), so a flash run here would be an explicit one.",
+        (
+            f"XLA:CPU ({versions}), world size 1: each run is one compiled graph, forward + backward of the LM loss "
+            "(torch_xla.sync() after backward); the optimizer step is not in it. Weights are its parameters, "
+            "gradients its outputs."
+        ),
+        (
+            "flash attention not captured: NxD's NKI flash kernel runs on Neuron only; on XLA:CPU CoreAttention "
+            "falls back to explicit attention (with a warning), so a flash run here would be an explicit one."
+        ),
         "the causal mask was materialised before the first run: every graph takes it as a parameter.",
-        "XLA:CPU removes optimization barriers before scheduling (cse_barrier_expander), so the recompute "
-        "that activation checkpoints add can be scheduled into the forward here.",
+        (
+            "XLA:CPU removes optimization barriers before scheduling (cse_barrier_expander), so the recompute "
+            "that activation checkpoints add can be scheduled into the forward here."
+        ),
     ]
     write_capture(out, job, runs, notes)
     return 0 if report(out, runs, args.dtype) else 1

@@ -281,7 +281,7 @@ def outcome(fn: Callable[..., Any], *args: Any) -> tuple[str, Any]:
     """("ran", ``fn(*args)``) or ("error", its one-line message); the tracker is reset after."""
     try:
         return "ran", fn(*args)
-    except Exception as e:  # the verdict, checked by the caller
+    except Exception as e:  # noqa: BLE001  any error is the verdict, checked by the caller
         return "error", one_line(e)
     finally:
         get_rng_tracker().reset()

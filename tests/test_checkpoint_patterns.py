@@ -189,7 +189,7 @@ def _llama_run(preset: str, variant: str, pattern: str) -> list:
 def _llama_cells() -> dict[tuple[str, str, str], tuple[str, list[str] | str]]:
     nc.initialize_model_parallel(2)
     cells = {}
-    for variant, (_, sp) in LLAMA_VARIANTS.items():
+    for variant in LLAMA_VARIANTS:  # _llama_run reads its options and sequence parallel
         for pattern in LLAMA_PATTERNS:
             ref_kind, ref = cp.outcome(_llama_run, "none", variant, pattern)
             for preset in PRESETS[1:]:

@@ -156,8 +156,10 @@ def test_refusals_come_in_one_line_before_any_work(tmp_path: Path) -> None:
         done = _run("--out", tmp_path / "device")
         assert done.returncode == 2 and done.stdout == ""
         assert done.stderr.strip().splitlines() == [
-            "device_report.py: no accelerator is visible to torch (torch.accelerator.is_available() is False); "
-            "--tiny is the CPU mode"
+            (
+                "device_report.py: no accelerator is visible to torch (torch.accelerator.is_available() is False); "
+                "--tiny is the CPU mode"
+            )
         ]
         assert not (tmp_path / "device").exists()
     blocker = tmp_path / "a-file"

@@ -381,10 +381,10 @@ def _tp2_recompute(
 
     nc.initialize_model_parallel(2)
     results = []
-    config = RecomputeConfig(
+    recompute = RecomputeConfig(
         "selective", modules=modules, use_reentrant=reentrant, distribute_saved_activations=distribute
     )
-    for config in (None, config):
+    for config in (None, recompute):
         nc.model_parallel_manual_seed(1234)
         model = nc.apply_tensor_parallel(tiny(family, experts))
         if config is not None:

@@ -235,7 +235,7 @@ def _saved_bytes_and_counts(names: list[str], t: int, sp: bool, seq: int):
         params = {q.untyped_storage().data_ptr() for q in model.parameters()}
         storages: dict[int, int] = {}
 
-        def pack(tensor):
+        def pack(tensor, params=params, storages=storages):  # this iteration's, bound
             ptr = tensor.untyped_storage().data_ptr()
             if ptr not in params:
                 storages[ptr] = tensor.untyped_storage().nbytes()

@@ -167,7 +167,7 @@ def test_any_accelerator_gives_its_device_and_torchs_backend(monkeypatch, device
     cuda/nccl; torch-neuronx without torch-xla is then the TorchNeuron eager path, not an error."""
     _stand_in_accelerator(monkeypatch, device_type, None if device_type == "xpu" else backend)
     for installed in (set(), {"torch_neuronx"}):
-        monkeypatch.setattr(runtime, "_module_available", lambda name: name in installed)
+        monkeypatch.setattr(runtime, "_module_available", lambda name, installed=installed: name in installed)
         assert runtime.accelerator_type() == device_type
         assert runtime.detect_device_type() == device_type
         assert runtime.detect_backend() == backend

@@ -93,7 +93,10 @@ class StandInKernel:
             }
         )
         scale = d**-0.5 if softmax_scale is None else softmax_scale
-        t = lambda x: x.transpose(-1, -2)  # [b, h, d, s] -> [b, h, s, d]
+
+        def t(x):  # [b, h, d, s] -> [b, h, s, d]
+            return x.transpose(-1, -2)
+
         return _StandIn.apply(t(q), t(k), t(v), scale)
 
 
