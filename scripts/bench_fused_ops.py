@@ -1,4 +1,5 @@
-"""Saved bytes and forward + backward time of ``fused_ops.rms_norm`` / ``swiglu`` / ``masked_softmax`` against the plain expressions.
+"""Saved bytes and forward + backward time of ``fused_ops.rms_norm`` / ``swiglu`` / ``masked_softmax``
+against the plain expressions.
 
 Two parts: the ops alone (``--part ops``; RMSNorm and SwiGLU) and one whole ``LlamaDecoderLayer``
 (``--part layer``; all three)::

@@ -10,10 +10,10 @@ gradient, for every preset in :data:`neuron_ckpt.recompute.PRESETS`; the presets
 iteration (drift hits them alike), ``--iters`` timed steps after ``--warmup``. Prints each preset's
 best and median step and its ratios to ``none`` and to ``selective`` (best of each: on a shared
 machine interference only adds time), and for the leanest layer also the median of its
-per-iteration ratios to ``selective`` (the two ran back to back, so slow drift cancels). The target printed beside them, not asserted: the leanest
-selective layer (``selective+mlp_act+norm``: output-discarding norms and SwiGLU) within 1.03x of
-``selective``: it reruns two RMSNorms and SwiGLU, elementwise passes over ``[s, b, h]`` and
-``[s, b, f]``, against the layer's matmuls.
+per-iteration ratios to ``selective`` (the two ran back to back, so slow drift cancels). The
+target printed beside them, not asserted: the leanest selective layer (``selective+mlp_act+norm``:
+output-discarding norms and SwiGLU) within 1.03x of ``selective``: it reruns two RMSNorms and
+SwiGLU, elementwise passes over ``[s, b, h]`` and ``[s, b, f]``, against the layer's matmuls.
 """
 
 from __future__ import annotations

@@ -288,13 +288,10 @@ def main(argv: list[str] | None = None) -> None:
     med = {k: statistics.median(v) for k, v in t.items()}
     for k in t:
         extra = f" ({r0['ours'][k]['buckets']} buckets)" if k in r0["ours"] else " (DDP + ZeroRedundancyOptimizer)"
-        ratio = (
-            ""
-            if k == "torch"
-            else (
-                f"  ratio to torch: best {best[k] / best['torch']:.3f}, median {med[k] / med['torch']:.3f} (target <= 1.0)"
-            )
-        )
+        ratio = ""
+        if k != "torch":
+            ratio = f"  ratio to torch: best {best[k] / best['torch']:.3f}, median {med[k] / med['torch']:.3f}"
+            ratio += " (target <= 1.0)"
         print(f"  step {k:14s}: best {best[k]:.3f} s  median {med[k]:.3f} s{extra}{ratio}")
     # Dense = one unsharded optimizer of the same kind: ours fp32 master + 2 moments (12 bytes a
     # parameter), torch's 2 moments in the parameter dtype.

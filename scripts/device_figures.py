@@ -212,9 +212,9 @@ def render_section(r: dict) -> str:
         f"    {r['command']}",
         "",
         (
-            f"Llama h {s['hidden']}, {s['layers'][1]} layers ({s['layers'][0]} for the difference), {s['heads']} heads, "
-            f"{s['kv_heads']} kv heads, f {s['ffn']}, v {s['vocab']}, s {s['seq']}, micro-batch 1, bf16, TP 1, "
-            f"ZeRO-1 AdamW at dp 1."
+            f"Llama h {s['hidden']}, {s['layers'][1]} layers ({s['layers'][0]} for the difference), "
+            f"{s['heads']} heads, {s['kv_heads']} kv heads, f {s['ffn']}, v {s['vocab']}, s {s['seq']}, "
+            f"micro-batch 1, bf16, TP 1, ZeRO-1 AdamW at dp 1."
         ),
         "",
         "Memory, one step after a warm-up (MiB; goal: the device's peak within 2% of the budget's total):",

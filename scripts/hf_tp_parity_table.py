@@ -58,7 +58,8 @@ def main(argv: list[str] | None = None) -> None:
 
 def moe_table() -> None:
     print(
-        "| family | experts | loss abs diff | aux loss abs diff | logits rel | worst gradient rel (parameter) | experts' weights gradient rel | router gradient rel |"
+        "| family | experts | loss abs diff | aux loss abs diff | logits rel | worst gradient rel (parameter) "
+        "| experts' weights gradient rel | router gradient rel |"
     )
     print("|---|---|---:|---:|---:|---|---:|---:|")
     with LocalWorld(2) as world:

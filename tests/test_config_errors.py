@@ -171,8 +171,10 @@ def test_a_directory_or_a_preset_name_reads_strictly(tmp_path):
 
 @pytest.mark.parametrize("kwargs, needle", [
     ({"recompute_method": "uniform"}, "--recompute-method uniform applies only with --recompute full"),
-    ({"recompute": "selective", "recompute_num_layers": 2}, "--recompute-num-layers 2 applies only with --recompute full"),
-    ({"recompute": "full", "recompute_modules": "core_attn,mlp"}, "--recompute-modules core_attn,mlp applies only with --recompute selective"),
+    ({"recompute": "selective", "recompute_num_layers": 2},
+     "--recompute-num-layers 2 applies only with --recompute full"),
+    ({"recompute": "full", "recompute_modules": "core_attn,mlp"},
+     "--recompute-modules core_attn,mlp applies only with --recompute selective"),
     ({"recompute": "selective", "device_memory": "16"}, "--device-memory 16 applies only with --recompute auto"),
     ({"checkpoint_every": 5}, "--checkpoint-every 5 applies only with --checkpoint-dir"),
     ({"keep_last": 2}, "--keep-last 2 applies only with --checkpoint-dir"),
@@ -184,7 +186,8 @@ def test_a_directory_or_a_preset_name_reads_strictly(tmp_path):
     ({"collective_timeout": float("inf")}, "--collective-timeout must be a finite number"),
     ({"beta2": 1.0}, "--beta2 must be in [0, 1)"),
     ({"max_steps": 10, "stop_at_step": 12}, "--stop-at-step must be in [1, --max-steps 10]"),
-    ({"recompute": "selective", "recompute_modules": "core_atn"}, "--recompute selective: modules: unknown module 'core_atn'"),
+    ({"recompute": "selective", "recompute_modules": "core_atn"},
+     "--recompute selective: modules: unknown module 'core_atn'"),
 ])  # fmt: skip
 def test_options_that_would_be_ignored_are_errors(kwargs, needle):
     train = _train_module()

@@ -55,7 +55,8 @@ class _Job:
         for r in range(n):
             e = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(r),
                  "WORLD_SIZE": str(n), "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(n), "OMP_NUM_THREADS": "1",
-                 "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), **(env or {})}  # fmt: skip
+                 "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+                 **(env or {})}  # fmt: skip
             e.pop("PJRT_DEVICE", None)
             self.logs.append(tmp / f"{script.stem}_{time.monotonic_ns()}_rank{r}.log")
             with open(self.logs[-1], "w") as log:

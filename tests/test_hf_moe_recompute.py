@@ -40,7 +40,8 @@ FAMILIES = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
                   dict(num_key_value_heads=2, moe_intermediate_size=F, num_experts=4, head_dim=8)),
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
-                  dict(num_key_value_heads=2, moe_intermediate_size=F, shared_expert_intermediate_size=S_F, num_experts=4)),
+                  dict(num_key_value_heads=2, moe_intermediate_size=F, shared_expert_intermediate_size=S_F,
+                       num_experts=4)),
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(moe_intermediate_size=F, **MLA)),
 }  # fmt: skip
 MODULES = {  # which of the four each family has
@@ -119,8 +120,8 @@ def test_each_module_is_bit_exact_with_dropout_and_jitter(family, module, expert
     model = tiny(family, experts)
     names = apply_recompute(model, selective(module, reentrant=reentrant))
     moe_layers = [1] if family == "deepseek_v3" else [0, 1]  # DeepSeek's first layer is dense: skipped
-    where = {"moe": "mlp", "moe_act": "mlp.experts", "shared_experts": "mlp.shared_expert" + "s" * (family != "qwen2_moe"),
-             "mla_up_proj": "self_attn"}[module]  # fmt: skip
+    where = {"moe": "mlp", "moe_act": "mlp.experts", "mla_up_proj": "self_attn",
+             "shared_experts": "mlp.shared_expert" + "s" * (family != "qwen2_moe")}[module]  # fmt: skip
     assert names == [f"{i}.{where}" for i in ([0, 1] if module == "mla_up_proj" else moe_layers)]
     exact = not (family == "qwen2_moe" and module == "shared_experts" and reentrant)
     assert_equal(step(model), reference(family, experts), exact)

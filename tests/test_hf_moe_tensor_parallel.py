@@ -34,8 +34,10 @@ FAMILIES = {  # 4 experts, top 2 (the defaults of several exceed 4), intermediat
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",  # shared expert and its sigmoid gate: replicated by the plan
                   dict(moe_intermediate_size=16, shared_expert_intermediate_size=32, num_experts=4)),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(intermediate_size=16, num_experts=4, eos_token_id=2)),
-    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(moe_intermediate_size=16, n_routed_experts=4, **MLA)),
-    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", dict(moe_intermediate_size=16, n_routed_experts=4, **MLA)),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
+                    dict(moe_intermediate_size=16, n_routed_experts=4, **MLA)),
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM",
+                    dict(moe_intermediate_size=16, n_routed_experts=4, **MLA)),
     # transposed expert weights [E, h, 2i] / [E, i, h]: packed_rowwise gate_up, colwise down
     "aria": ("AriaTextConfig", "AriaTextForCausalLM", dict(intermediate_size=16, moe_num_experts=4, moe_topk=2)),
     "llama4": ("Llama4TextConfig", "Llama4ForCausalLM",  # its own experts forward (batched bmm, no top_k_weights)
@@ -147,14 +149,17 @@ def _errors() -> dict:
     before = _snapshot(model), _snapshot(gpt_oss)
     out = {}
     for key, call in {
-        "style": lambda: nc.apply_tensor_parallel(model, {**plan, moe: "moe_identity_expert"}),  # a 5.24 style not mapped
+        # a 5.24 style not mapped
+        "style": lambda: nc.apply_tensor_parallel(model, {**plan, moe: "moe_identity_expert"}),
         "divisible": lambda: nc.apply_tensor_parallel(tiny("mixtral", intermediate_size=15)),
         "unsummed": lambda: nc.apply_tensor_parallel(model, without(moe)),
         "unsplit": lambda: nc.apply_tensor_parallel(model, without(f"{moe}.down_proj")),
         "dim": lambda: nc.apply_tensor_parallel(model, {**plan, f"{moe}.gate_up_proj": "rowwise"}),
-        "module": lambda: nc.apply_tensor_parallel(model, {**plan, "model.layers.*.self_attn.q_proj": "packed_colwise"}),
+        "module": lambda: nc.apply_tensor_parallel(model, {**plan,
+                                                            "model.layers.*.self_attn.q_proj": "packed_colwise"}),
         "biases": lambda: nc.apply_tensor_parallel(gpt_oss, {**gpt_oss.tp_plan, moe: "moe_tp_experts",
-                                                            f"{moe}.gate_up_proj": "packed_rowwise", f"{moe}.down_proj": "colwise"}),
+                                                            f"{moe}.gate_up_proj": "packed_rowwise",
+                                                            f"{moe}.down_proj": "colwise"}),
     }.items():  # fmt: skip
         with pytest.raises(ValueError) as e:
             call()

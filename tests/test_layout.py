@@ -69,12 +69,16 @@ def test_without_cp_and_ep_the_new_kinds_are_the_old_groups():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(world_size=8, tensor_parallel_size=2, context_parallel_size=3), "tensor_parallel_size=2 x context_parallel_size=3 = 6 does not divide the world size 8"),
+    (dict(world_size=8, tensor_parallel_size=2, context_parallel_size=3),
+     "tensor_parallel_size=2 x context_parallel_size=3 = 6 does not divide the world size 8"),
     (dict(world_size=8, context_parallel_size=0), "context_parallel_size must be a positive integer"),
     (dict(world_size=8, expert_model_parallel_size=3), "expert_model_parallel_size=3 does not divide the 8 ranks"),
-    (dict(world_size=8, pipeline_parallel_size=2, expert_model_parallel_size=8), "does not divide the 4 ranks of a pipeline stage"),
-    (dict(world_size=8, tensor_parallel_size=2, expert_model_parallel_size=2, expert_tensor_parallel_size=2), "expert_tensor_parallel_size must be 1"),
-    (dict(world_size=8, tensor_parallel_size=2, expert_tensor_parallel_size=1), "expert_tensor_parallel_size must be 2"),
+    (dict(world_size=8, pipeline_parallel_size=2, expert_model_parallel_size=8),
+     "does not divide the 4 ranks of a pipeline stage"),
+    (dict(world_size=8, tensor_parallel_size=2, expert_model_parallel_size=2, expert_tensor_parallel_size=2),
+     "expert_tensor_parallel_size must be 1"),
+    (dict(world_size=8, tensor_parallel_size=2, expert_tensor_parallel_size=1),
+     "expert_tensor_parallel_size must be 2"),
     (dict(world_size=8, expert_model_parallel_size=True), "expert_model_parallel_size must be a positive integer"),
 ])  # fmt: skip
 def test_sizes_that_do_not_fit_are_refused_in_one_line(kwargs, message):

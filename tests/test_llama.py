@@ -307,8 +307,8 @@ def test_longrope_switches_to_the_long_factors_like_transformers(seq):
 # Tied parity (``TIED_TOL``, relative to the largest value): fp32, the same weights on both sides.
 # Measured max rel errors at TP 1 and 2, with and without SP and under every recompute preset:
 # logits 0 (TP 1) and 1.4e-7 (TP 2), loss 0, gradients <= 4.8e-7 (TP 1) and 6.0e-7 (TP 2): a few
-# fp32 ulps from the TP-split and fused-QKV sums; ``TOL`` (1e-5) leaves >15x headroom while a head that is not the table, a lost gradient term or
-# a wrong RoPE band gives errors of order 1e-2 or more.
+# fp32 ulps from the TP-split and fused-QKV sums; ``TOL`` (1e-5) leaves >15x headroom while a head
+# that is not the table, a lost gradient term or a wrong RoPE band gives errors of order 1e-2 or more.
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}  # fmt: skip

@@ -448,7 +448,8 @@ def _groups_at_pp4() -> tuple:
 
 def test_middle_stages_are_outside_the_embedding_group(world):
     assert _run(world, 4, _groups_at_pp4) == [
-        ((0, 1, 2, 3), (0, 3), (0,)), ((0, 1, 2, 3), None, (1,)), ((0, 1, 2, 3), None, (2,)), ((0, 1, 2, 3), (0, 3), (3,)),
+        ((0, 1, 2, 3), (0, 3), (0,)), ((0, 1, 2, 3), None, (1,)),
+        ((0, 1, 2, 3), None, (2,)), ((0, 1, 2, 3), (0, 3), (3,)),
     ]  # fmt: skip
 
 

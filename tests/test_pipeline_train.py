@@ -26,8 +26,8 @@ eps 1e-6 (NxD's, used here). A real error moves a weight by about lr (a stage's 
 end not summed: its update's sign or size), 1000 times the tolerance; errors of scale show in the
 norm.
 
-Every multi-process call is bounded (``_run`` of tests/test_pipeline.py: 120 s), so a pipeline that hangs on gloo fails the
-test instead of hanging CI.
+Every multi-process call is bounded (``_run`` of tests/test_pipeline.py: 120 s), so a pipeline that
+hangs on gloo fails the test instead of hanging CI.
 """
 
 from __future__ import annotations

@@ -27,7 +27,8 @@ echo '{"step": 1, "loss": 2.5, "tokens_per_s": 10, "seq_per_s": 1, "mfu": 0.01}'
 
 # What run_cpu.sh ran before PP_DEGREE existed (its commit 152cee6), argument for argument.
 DEFAULT_ARGV = (
-    "--standalone --nproc_per_node 4 train.py --model-config configs/tiny.json --data ../../data/tiny_train.safetensors "
+    "--standalone --nproc_per_node 4 train.py --model-config configs/tiny.json "
+    "--data ../../data/tiny_train.safetensors "
     "--tp 2 --sequence-parallel --recompute selective --dtype fp32 --micro-batch-size 2 --global-batch-size 8 "
     "--lr 2e-3 --min-lr-ratio 0.1 --warmup-steps 10 --max-steps 120 --weight-decay 0.1 --grad-clip 1.0 "
     "--checkpoint-dir ../../runs/cpu_tiny/checkpoints --checkpoint-every 50 --keep-last 2 --resume latest "

@@ -299,7 +299,8 @@ def test_checkpoint_writes_model_once_per_tp_rank(world, run_files, tmp_path):
     new = sum(sizes.values())
     model_bytes = sum(sizes[m] for m in models)
     print(
-        f"\ncheckpoint bytes at TP 2 x DP 2: old layout {old}, new layout {new} ({new / old:.1%}); model files {model_bytes}"
+        f"\ncheckpoint bytes at TP 2 x DP 2: old layout {old}, new layout {new} ({new / old:.1%}); "
+        f"model files {model_bytes}"
     )
     assert new < old
     assert old - new > 0.8 * model_bytes  # DP - 1 = 1 extra copy of every TP rank's model slice gone

@@ -45,9 +45,9 @@ MOE_LAYERS = {"mixtral": [0, 1], "deepseek_v3": [1]}  # DeepSeek's first layer i
 # down projection's output is read by no gradient); moe_act: the experts' SiLU; shared_experts:
 # its gate and up projections; mla_up_proj: q_b_proj and kv_b_proj.
 UNITS = {"moe": "mlp", "moe_act": "mlp.experts", "shared_experts": "mlp.shared_experts", "mla_up_proj": "self_attn"}
-RERUN = {("mixtral", "moe"): (" dot(", 3), ("deepseek_v3", "moe"): (" dot(", 5), ("mixtral", "moe_act"): ("logistic(", 1),
-         ("deepseek_v3", "moe_act"): ("logistic(", 1), ("deepseek_v3", "shared_experts"): (" dot(", 2),
-         ("deepseek_v3", "mla_up_proj"): (" dot(", 2)}  # fmt: skip
+RERUN = {("mixtral", "moe"): (" dot(", 3), ("deepseek_v3", "moe"): (" dot(", 5),
+         ("mixtral", "moe_act"): ("logistic(", 1), ("deepseek_v3", "moe_act"): ("logistic(", 1),
+         ("deepseek_v3", "shared_experts"): (" dot(", 2), ("deepseek_v3", "mla_up_proj"): (" dot(", 2)}  # fmt: skip
 
 
 def tiny(family: str):

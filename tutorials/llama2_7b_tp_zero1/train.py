@@ -249,8 +249,9 @@ def main(argv: list[str] | None = None) -> dict:
     train_state, schedule = _build(cfg, config, dataset, parallel, rt.device, dtype, attention, recompute, grad_accum,
                                    pipeline)  # fmt: skip
     model = train_state.model
-    layout = {"tp_size": parallel.tp_size, "dp_size": parallel.dp_size, "pp_size": parallel.pp_size, "cp_size": parallel.cp_size,
-              "model": {k: getattr(config, k) for k in PARAMETER_SHAPE_FIELDS}, "dtype": str(dtype)}  # fmt: skip
+    layout = {"tp_size": parallel.tp_size, "dp_size": parallel.dp_size, "pp_size": parallel.pp_size,
+              "cp_size": parallel.cp_size, "model": {k: getattr(config, k) for k in PARAMETER_SHAPE_FIELDS},
+              "dtype": str(dtype)}  # fmt: skip
     if pipeline is not None:  # which layers each stage's files hold
         layout["stage_layers"] = list(model.cut.layers_per_stage)
     resumed = train_state.resume(checkpoints, cfg.resume, layout) if cfg.resume else None
@@ -295,7 +296,8 @@ def main(argv: list[str] | None = None) -> dict:
     env = {k: v for k, v in sorted(os.environ.items()) if k.startswith(("NEURON", "XLA"))}
     metrics.write_header(
         env, dataclasses.asdict(cfg), start_step=start_step, world_size=rt.world_size, backend=rt.backend,
-        tp=parallel.tp_size, dp=parallel.dp_size, pp=parallel.pp_size, cp=parallel.cp_size, seq_len=seq_len, grad_accum=grad_accum, dtype=str(dtype),
+        tp=parallel.tp_size, dp=parallel.dp_size, pp=parallel.pp_size, cp=parallel.cp_size, seq_len=seq_len,
+        grad_accum=grad_accum, dtype=str(dtype),
         attention=attention, predicted_peak_bytes=predicted,
     )  # fmt: skip
     options = FitOptions(

@@ -31,7 +31,8 @@ class TrainConfig:
 
     model_config: str | None = opt(
         None,
-        "a transformers LlamaConfig JSON (NxD's too) or a preset (llama2-7b, llama3-8b, llama3.1-8b); default: --init-hf's config.json, else configs/tiny.json",
+        "a transformers LlamaConfig JSON (NxD's too) or a preset (llama2-7b, llama3-8b, llama3.1-8b); "
+        "default: --init-hf's config.json, else configs/tiny.json",
     )
     data: str = opt("data/train.safetensors", "packed token file from prepare_data.py")
     # parallelism
@@ -91,7 +92,8 @@ class TrainConfig:
     )
     compile: bool = opt(
         False,
-        "torch.compile the model (inductor on CPU/CUDA, the neuron backend on TorchNeuron; not on XLA, which compiles already)",
+        "torch.compile the model (inductor on CPU/CUDA, the neuron backend on TorchNeuron; "
+        "not on XLA, which compiles already)",
     )
     dtype: str = opt(
         "auto", "parameter/compute dtype; auto: bf16 on XLA and CUDA, fp32 on CPU", ["auto", "fp32", "bf16"]
@@ -138,7 +140,8 @@ class TrainConfig:
     # logging, checkpoints
     log_every: int | None = opt(
         None,
-        "log loss, grad norm and throughput every N steps (default: 10 on XLA, where a logged step waits for the device; 1 elsewhere)",
+        "log loss, grad norm and throughput every N steps "
+        "(default: 10 on XLA, where a logged step waits for the device; 1 elsewhere)",
     )
     metrics_file: str | None = opt(None, "append one JSON line per logged step here (rank 0)")
     tensorboard_dir: str | None = opt(None, "also log the step scalars to TensorBoard here (needs tensorboard)")
@@ -192,7 +195,8 @@ class TrainConfig:
             ("lr", self.lr > 0, "> 0"), ("weight_decay", self.weight_decay >= 0, ">= 0"),
             ("beta1", 0 <= self.beta1 < 1, "in [0, 1)"), ("beta2", 0 <= self.beta2 < 1, "in [0, 1)"),
             ("adam_eps", self.adam_eps > 0, "> 0"), ("grad_clip", self.grad_clip >= 0, ">= 0 (0: no clipping)"),
-            ("min_lr_ratio", 0 <= self.min_lr_ratio <= 1, "in [0, 1]"), ("warmup_steps", self.warmup_steps >= 0, ">= 0"),
+            ("min_lr_ratio", 0 <= self.min_lr_ratio <= 1, "in [0, 1]"),
+            ("warmup_steps", self.warmup_steps >= 0, ">= 0"),
             ("checkpoint_every", self.checkpoint_every >= 0, ">= 0 (0: only at the end)"),
             ("peak_tflops", self.peak_tflops is None or self.peak_tflops > 0, "> 0"),
             ("collective_timeout", self.collective_timeout is None or self.collective_timeout > 0, "> 0 seconds"),
@@ -211,7 +215,8 @@ class TrainConfig:
             ("device_memory", self.recompute == "auto", "--recompute auto"),
             ("checkpoint_every", self.checkpoint_dir is not None, "--checkpoint-dir"),
             ("keep_last", self.checkpoint_dir is not None, "--checkpoint-dir"),
-            ("checkpoint_writers", self.checkpoint_dir is not None or self.resume is not None, "--checkpoint-dir or --resume"),
+            ("checkpoint_writers", self.checkpoint_dir is not None or self.resume is not None,
+             "--checkpoint-dir or --resume"),
             ("min_lr_ratio", self.decay != "constant", "--decay cosine or linear (constant has no floor)"),
             ("pp_schedule", self.pp > 1, "--pp 2 or more"),
             ("virtual_stages", self.pp_schedule == "interleaved", "--pp-schedule interleaved"),
