@@ -2,17 +2,21 @@
 
 For each recompute preset P and layer count N it runs the tutorial's training step
 (``tutorials/llama2_7b_tp_zero1/train.py`` with run_trn1.sh's model, parallelism and Neuron
-settings) for ``--steps`` steps with ``neuron-monitor`` alongside, and writes ``OUT/P_LN/``:
-``neuron-monitor.ndjson`` (memory reports every 1 s, our ranks only), ``sysfs.json`` (the driver's
-counters polled once a second: per NeuronCore and category the largest ``total`` and the last
-``peak``), ``step.neff`` (the NEFF with the largest scratchpad in the run's own compile cache,
-``cache/``), ``train.log`` and ``model_config.json``; and ``OUT/config.json`` and
-``OUT/manifest.json``, rewritten after every run::
+settings) for ``--steps`` steps with ``neuron-monitor`` alongside and a Neuron system profile, and
+writes ``OUT/P_LN/``: ``neuron-monitor.ndjson`` (memory reports every 1 s, our ranks only),
+``sysfs.json`` (the driver's counters polled once a second: per NeuronCore and category the largest
+``total`` and the last ``peak``), ``step.neff`` (the NEFF with the largest scratchpad in the run's
+own compile cache, ``cache/``), ``inspect/`` (the raw system profile) and
+``explorer/profiles/global/P_LN@latest/`` (it ingested by ``neuron-explorer view --ingest-only``:
+the profiler's HBM usage per category over the run, SDK 2.29+), ``train.log`` and
+``model_config.json``; and ``OUT/config.json`` and ``OUT/manifest.json``, rewritten after every run::
 
     python scripts/capture_trn1_memory.py --data ~/data/llama2_train.safetensors --out ~/capture_7b
+    neuron-ckpt compare --capture ~/capture_7b
 
 Not yet run on a trn1: tests/test_memory_capture.py runs it on CPU with stand-ins for
-neuron-monitor, the driver's sysfs tree and the compiler. Choices, and why:
+neuron-monitor, neuron-explorer, the driver's sysfs tree, the compiler and the runtime's profile.
+Choices, and why:
 
 * ``--nproc`` defaults to ``--tp``, one data-parallel replica: one NeuronCore per TP rank. The
   comparison is per core, and every replica's cores hold the same bytes but for the ZeRO-1
@@ -24,6 +28,12 @@ neuron-monitor, the driver's sysfs tree and the compiler. Choices, and why:
 * The sysfs ``peak`` counters outlive processes and only root can clear them; this script does
   not. Each run's note names the cores on which the scratchpad peak rose during the run.
 * The ``--attention`` train.py runs is checked from its log: a fallback to explicit stops the capture.
+* The profile is a **system** profile only (``NEURON_RT_INSPECT_ENABLE=1``,
+  ``NEURON_RT_INSPECT_SYSTEM_PROFILE=1``, ``NEURON_RT_INSPECT_DEVICE_PROFILE=0``, set over the
+  environment's): a device profile allocates profiler buffers in HBM (~2 GB on trn1, AWS's
+  device-memory page) that every reading would include, while "system profiles do not" need device
+  memory. ``--no-system-profile`` removes every ``NEURON_RT_INSPECT_*`` variable instead. Reading
+  the ingested tables needs pyarrow (``pip install 'neuron_ckpt[profiler]'``), checked before any run.
 """
 
 from __future__ import annotations
@@ -42,7 +52,7 @@ from pathlib import Path
 from neuron_ckpt.memory import ModelShape, TrainingSetup
 from neuron_ckpt.memory.capture import Run, write_capture
 from neuron_ckpt.memory.options import offered_presets
-from neuron_ckpt.memory.readers import ReadError, neff, neuron_monitor, sysfs
+from neuron_ckpt.memory.readers import ReadError, explorer, neff, neuron_monitor, sysfs
 from neuron_ckpt.parallel.attention import ATTENTION
 
 TRAIN = Path(__file__).resolve().parents[1] / "tutorials" / "llama2_7b_tp_zero1" / "train.py"
@@ -55,7 +65,11 @@ TUTORIAL_ENV = {"NEURON_CC_FLAGS": "--model-type transformer", "NEURON_FUSE_SOFT
                 "NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS": "3", "NEURON_RT_STOCHASTIC_ROUNDING_EN": "0",
                 "MALLOC_ARENA_MAX": "64"}
 SCRATCHPAD = "model_shared_scratchpad"
-DEFAULT_MONITOR = "/opt/aws/neuron/bin/neuron-monitor"
+NEURON_BIN = Path("/opt/aws/neuron/bin")
+# A system profile, never a device profile (its buffers take HBM): set over the environment's values.
+INSPECT_ENV = {"NEURON_RT_INSPECT_ENABLE": "1", "NEURON_RT_INSPECT_SYSTEM_PROFILE": "1",
+               "NEURON_RT_INSPECT_DEVICE_PROFILE": "0"}
+INGEST_TIMEOUT = 3600  # seconds neuron-explorer may take to ingest one run's profile
 
 
 class CaptureError(Exception):
@@ -82,7 +96,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", required=True, help="capture directory: new, or empty")
     p.add_argument("--nproc", type=int, default=None, help="ranks (default --tp: one data-parallel replica)")
     p.add_argument("--steps", type=int, default=3, help="training steps a run: the first compiles and loads")
-    p.add_argument("--neuron-monitor", default=None, help=f"executable (default: on PATH, else {DEFAULT_MONITOR})")
+    p.add_argument("--neuron-monitor", default=None, help=f"executable (default: on PATH, else in {NEURON_BIN})")
+    p.add_argument("--system-profile", action=argparse.BooleanOptionalAction, default=True,
+                   help="a Neuron system profile per run, ingested by neuron-explorer (HBM usage from SDK 2.29)")
+    p.add_argument("--neuron-explorer", default=None, help=f"executable (default: on PATH, else in {NEURON_BIN})")
     p.add_argument("--sysfs-root", default="/sys/devices/virtual/neuron_device")
     p.add_argument("--launcher", default="torchrun --nproc_per_node {nproc}", help="'{nproc}' is replaced")
     p.add_argument("--python", default=sys.executable, help="the interpreter every rank runs train.py with")
@@ -97,11 +114,17 @@ def _checked(args: argparse.Namespace) -> tuple[dict, list[int], list[str]]:
     out = Path(args.out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise CaptureError(f"--out {out}: exists and is not an empty directory (a capture starts afresh)")
-    found = shutil.which(args.neuron_monitor or "neuron-monitor") or (None if args.neuron_monitor else DEFAULT_MONITOR)
-    if not found or not Path(found).is_file() or not os.access(found, os.X_OK):
-        where = repr(args.neuron_monitor) if args.neuron_monitor else f"none on PATH nor at {DEFAULT_MONITOR}"
-        raise CaptureError(f"no neuron-monitor executable: {where} (install aws-neuronx-tools or pass --neuron-monitor)")
-    args.neuron_monitor, args.nproc = found, args.nproc or args.tp
+    args.neuron_monitor = _executable("neuron-monitor", args.neuron_monitor,
+                                      "install aws-neuronx-tools or pass --neuron-monitor")
+    if args.system_profile:
+        args.neuron_explorer = _executable("neuron-explorer", args.neuron_explorer, "install aws-neuronx-tools "
+                                           "of SDK 2.29+, pass --neuron-explorer, or --no-system-profile")
+        try:
+            import pyarrow.parquet  # noqa: F401  (explorer.read needs it; refuse before any run, not after)
+        except ImportError:
+            raise CaptureError("--system-profile: reading the ingested profile needs pyarrow: "
+                               "pip install 'neuron_ckpt[profiler]' (or --no-system-profile)") from None
+    args.nproc = args.nproc or args.tp
     if min(args.tp, args.nproc, args.steps, args.micro_batch) < 1 or args.nproc % args.tp:
         raise CaptureError(f"--tp {args.tp} --nproc {args.nproc} --steps {args.steps} --micro-batch {args.micro_batch}: "
                            "need positive values, --nproc a multiple of --tp")
@@ -132,8 +155,22 @@ def _checked(args: argparse.Namespace) -> tuple[dict, list[int], list[str]]:
     return config, layers, presets
 
 
-def _train_env(cache: Path) -> dict:
-    env = {**TUTORIAL_ENV, **os.environ, "NEURON_COMPILE_CACHE_URL": str(cache)}
+def _executable(name: str, given: str | None, remedy: str) -> str:
+    """``given``, else ``name`` on PATH, else in /opt/aws/neuron/bin: an executable file, or a CaptureError."""
+    found = shutil.which(given or name) or (None if given else str(NEURON_BIN / name))
+    if not found or not Path(found).is_file() or not os.access(found, os.X_OK):
+        where = repr(given) if given else f"none on PATH nor at {NEURON_BIN / name}"
+        raise CaptureError(f"no {name} executable: {where} ({remedy})")
+    return found
+
+
+def _train_env(cache: Path, inspect: Path | None = None) -> dict:
+    """The environment of a run: the tutorial's Neuron settings, its own compile cache, and a system
+    profile into ``inspect`` (None: no profile at all)."""
+    env = {k: v for k, v in {**TUTORIAL_ENV, **os.environ}.items() if not k.startswith("NEURON_RT_INSPECT_")}
+    env["NEURON_COMPILE_CACHE_URL"] = str(cache)
+    if inspect is not None:
+        env.update(INSPECT_ENV, NEURON_RT_INSPECT_OUTPUT_DIR=str(inspect))
     env["NEURON_CC_FLAGS"] = " ".join(re.sub(r"--cache_dir[= ]\S+", "", env["NEURON_CC_FLAGS"]).split())
     for name in ("XLA_USE_BF16", "XLA_DOWNCAST_BF16", "NEURON_EXTRACT_GRAPHS_ONLY"):  # as run_trn1.sh; real runs
         env.pop(name, None)
@@ -225,6 +262,28 @@ def _step_neff(cache: Path) -> tuple[Path | None, str]:
     return best, f"{best.relative_to(cache)}: scratchpad {sizes[best]} B, the largest of {len(sizes)} of {len(neffs)} NEFFs"
 
 
+def _ingest(args: argparse.Namespace, run_dir: Path, name: str) -> tuple[Path | None, str]:
+    """``neuron-explorer view --ingest-only`` of the run's system profile into ``run_dir/explorer``;
+    (the profile directory, or None, and why not)."""
+    workspace = run_dir / "explorer"
+    command = [args.neuron_explorer, "view", "-d", str(run_dir / "inspect"), "--ingest-only",
+               "--ignore-device-profile", "--display-name", name, "--data-path", str(workspace)]
+    print(f"== {name}: {shlex.join(command)}", flush=True)
+    with open(run_dir / "neuron-explorer.log", "wb") as log:
+        try:
+            code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, timeout=INGEST_TIMEOUT).returncode
+        except subprocess.TimeoutExpired:
+            return None, f"neuron-explorer took over {INGEST_TIMEOUT} s (log: {name}/neuron-explorer.log)"
+    if code != 0:
+        return None, f"neuron-explorer exited with {code} (log: {name}/neuron-explorer.log)"
+    profile = workspace / "profiles" / "global" / f"{name}@latest"
+    try:
+        explorer.read(profile)
+    except ReadError as e:
+        return None, str(e)
+    return profile, f"{profile.relative_to(run_dir.parent)}: ingested"
+
+
 def _run(args: argparse.Namespace, out: Path, config: dict, preset: str, layers: int, root: Path | None):
     """One training run with its readings; (its manifest entry, its notes)."""
     name = f"{preset}_L{layers}"
@@ -243,7 +302,9 @@ def _run(args: argparse.Namespace, out: Path, config: dict, preset: str, layers:
     with open(nm_path, "wb") as nm, open(run_dir / "neuron-monitor.log", "wb") as nm_log, open(log, "wb") as log_file:
         monitor = subprocess.Popen([args.neuron_monitor, "-c", str(out / "neuron-monitor.conf.json")], stdout=nm, stderr=nm_log)
         try:
-            proc = subprocess.Popen(command, env=_train_env(run_dir / "cache"), stdout=log_file, stderr=subprocess.STDOUT)
+            inspect = run_dir / "inspect" if args.system_profile else None
+            proc = subprocess.Popen(command, env=_train_env(run_dir / "cache", inspect), stdout=log_file,
+                                    stderr=subprocess.STDOUT)
             code, first, merged, error = _wait(proc, root, log, args.attention)
         finally:
             _stop(monitor, nm_path)
@@ -263,6 +324,11 @@ def _run(args: argparse.Namespace, out: Path, config: dict, preset: str, layers:
                      "elsewhere it is an earlier process's")
     elif root is not None:
         notes.append(f"{name}: no sysfs reading: {error or 'the job ended before the first poll'}")
+    if args.system_profile:
+        profile, why = _ingest(args, run_dir, name)
+        if profile is not None:
+            files["explorer"] = str(profile.relative_to(out))
+        notes.append(f"{name}: explorer: {why}" if profile else f"{name}: no explorer reading: {why}")
     step, why = _step_neff(run_dir / "cache")
     if step is not None:
         shutil.copyfile(step, run_dir / "step.neff")
@@ -287,6 +353,8 @@ def capture(args: argparse.Namespace, argv: list[str]) -> int:
              f"ranks: {args.nproc} = TP {args.tp} x DP {dp}; {args.steps} steps a run; each run compiles into its own cache",
              "sysfs peak counters were not cleared (that needs root, and whether a write resets peak is unconfirmed): "
              "a peak can be an earlier process's; total (kind current) is the largest over the run's 1 s polls",
+             ("a system profile per run (NEURON_RT_INSPECT_ENABLE=1), no device profile (its buffers take HBM), "
+              "ingested with neuron-explorer") if args.system_profile else "no Neuron profile (--no-system-profile)",
              *_facts()]
     try:
         sysfs.snapshot(root)

@@ -25,7 +25,10 @@ most telling figures first (``stage_clock.py`` stops it before the time budget, 
 3. **ours against transformers' checkpointing** at equal activation memory
    (``scripts/bench_equal_memory.py``'s functions: HF with ``gradient_checkpointing_enable()``,
    eager attention; ours as ``plan_activations`` plans it), forward + backward.
-4. **torch.compile against eager** (selective, flash): inductor (``neuron`` on TorchNeuron;
+4. **offload of one module** (``scripts/bench_offload.py``'s :func:`measure`: the MLP of every layer
+   but the last, selective recompute, flash): step time with and without, the copies alone, the
+   exposed copy time, peak allocated memory of each (``details["offload"]`` of the JSON).
+5. **torch.compile against eager** (selective, flash): inductor (``neuron`` on TorchNeuron;
    ``aot_eager`` with ``--tiny``: inductor's code generation takes 2 minutes on 2 cores).
 
 Writes ``DIR/device_report.json`` (rewritten after every stage, so an interrupted run keeps what
@@ -270,8 +273,17 @@ def equal_memory(ctx: Context) -> None:
                         "ours planned": (noop, forward_backward(ours))})
 
 
+def offload_one_module(ctx: Context) -> None:
+    """Stage 4: step time with and without offloading the MLP, and the copy time left exposed."""
+    from bench_offload import measure
+
+    config = ctx.job.config(ctx.job.layers[1])
+    ctx.details["offload"] = measure(config, ctx.device, DTYPE, ctx.ids, "mlp", "selective", "flash",
+                                     ctx.job.iters, ctx.job.warmup)  # fmt: skip
+
+
 def compiled_eager(ctx: Context) -> None:
-    """Stage 4: ``torch.compile`` of the whole model against eager, full steps (selective, flash)."""
+    """Stage 5: ``torch.compile`` of the whole model against eager, full steps (selective, flash)."""
     from neuron_ckpt.recompute import RecomputeConfig, apply_recompute
 
     model, opt = build(ctx, ctx.job.layers[1], "flash")
@@ -379,6 +391,7 @@ def main(argv: list[str] | None = None) -> int:
         (f"memory, explicit, {lo} layers", 30, lambda: measure_presets(ctx, lo, "explicit", timed=False)),
         ("per-layer bytes by difference", 0, lambda: per_layer.extend(compare_layers(ctx))),
         ("hf checkpointing / ours planned", 90, lambda: equal_memory(ctx)),
+        ("offload mlp / none", 40, lambda: offload_one_module(ctx)),
         ("compiled / eager", 200, lambda: compiled_eager(ctx)),
     ]
     for name, need_s, run in stages:

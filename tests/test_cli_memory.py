@@ -158,6 +158,47 @@ def test_config_with_sequence_parallel(capsys):
     assert "t=8 (the model's TP plan, sequence parallel)" in capsys.readouterr().out
 
 
+def _gemma2_dir(tmp_path) -> Path:
+    """transformers' own save_pretrained files of a tiny Gemma2: sliding and full layers (window 8),
+    soft-capped eager attention, four norms a layer."""
+    import transformers
+
+    transformers.Gemma2Config(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
+                              max_position_embeddings=128).save_pretrained(tmp_path)  # fmt: skip
+    return tmp_path
+
+
+def test_config_of_a_dense_family_prices_each_layer_kind_in_its_attention(capsys, tmp_path):
+    """A dense family's file: its kinds are its attention variants, the attention defaults to what
+    transformers runs (eager for Gemma2), the MoE modules are left out of the table; sdpa is
+    refused in one line."""
+    report = _run_json(capsys, "--config", str(_gemma2_dir(tmp_path)), "--seq", "16", "--tp", "2")
+    assert report["spec"]["attention"] == "eager" and report["spec"]["kinds"] == {"dense/sliding": 1, "dense": 1}
+    assert report["per_layer_bytes"]["dense"]["moe"] is None and "use_cache" in report["notices"][0]
+    assert main(["memory", "--config", str(tmp_path), "--seq", "16"]) == 0
+    table = capsys.readouterr().out
+    assert "dense/sliding layer" in table and "\nmoe " not in table and "experts" not in table.splitlines()[2]
+    _exits_2_with_one_line(capsys, ["--config", str(tmp_path), "--seq", "16", "--attention", "sdpa"], "eager only")
+
+
+def test_config_measure_runs_one_layer_of_each_kind_on_tp_ranks(capsys, tmp_path, monkeypatch, world):
+    """--measure with --config: one real layer of each kind on --tp gloo ranks under every module;
+    what autograd keeps there is the analytic figure to the byte, on both ranks. (On the test
+    session's pool of ranks: the command's own spawn is the one ``--model llama --measure`` runs.)"""
+    from neuron_ckpt.distributed import local
+
+    monkeypatch.setattr(local, "run_local", lambda fn, n, *a, **k: world(n).run(fn, *a, **k))
+    args = ("--config", str(_gemma2_dir(tmp_path)), "--seq", "16", "--micro-batch", "2", "--tp", "2")
+    report = _run_json(capsys, *args, "--sequence-parallel", "--measure")
+    assert list(report["measured"]) == ["dense/sliding", "dense"]
+    for kind, rows in report["measured"].items():
+        assert set(rows) == {c for c, v in report["per_layer_bytes"][kind].items() if v is not None}
+        for choice, row in rows.items():
+            assert row["per_rank"] == [row["measured"]] * 2 and row["measured"] == row["analytic"], (kind, choice)
+            assert row["analytic"] == report["per_layer_bytes"][kind][choice]  # a dense layer: nothing outside autograd
+
+
 def test_config_file_or_directory_and_the_dropped_quantization_notice(capsys, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(TINY_QWEN3))
     report = _run_json(capsys, "--config", str(tmp_path), "--seq", "16", "--tp", "2", "--dtype", "fp32")
@@ -171,11 +212,11 @@ def test_config_file_or_directory_and_the_dropped_quantization_notice(capsys, tm
 
 
 @pytest.mark.parametrize("change,needle", [
-    ({"num_hiden_layers": 3}, "did you mean 'num_hidden_layers'"),
+    ({"num_hidden_layers": None, "num_hiden_layers": 3}, "is 'num_hiden_layers' a misspelling of it?"),
     ({"moe_intermediate_size": None}, "missing key 'moe_intermediate_size'"),
     ({"hidden_size": "64"}, "hidden_size"),
-    ({"hidden_act": "gelu"}, "silu"),
-    ({"model_type": "llama"}, "MoE families"),
+    ({"hidden_act": "relu"}, "the activation is 'relu'"),
+    ({"model_type": "bert"}, "this reads the families ['llama'"),
     ({"num_experts_per_tok": 8}, "top_k"),
 ])  # fmt: skip
 def test_bad_config_files_are_one_line_and_exit_2(capsys, tmp_path, change, needle):
@@ -186,12 +227,14 @@ def test_bad_config_files_are_one_line_and_exit_2(capsys, tmp_path, change, need
 
 @pytest.mark.parametrize("args,needle", [
     (["--config", "mixtral-8x7b", "--seq", "64", "--hidden", "128"], "drop --hidden"),
-    (["--config", "mixtral-8x7b", "--seq", "64", "--recompute", "full", "--measure"], "drop --recompute, --measure"),
+    (["--config", "mixtral-8x7b", "--seq", "64", "--recompute", "full", "--measure"], "drop --recompute"),
+    (["--config", "llama2-7b", "--seq", "64", "--experts", "eager"], "--experts: llama has no experts"),
+    (["--config", "mixtral-8x7b", "--seq", "64", "--plot", "x.png"], "drop --plot"),
     (["--config", "mixtral-8x7b", "--seq", "64", "--attention", "flash"], "sdpa"),
     (["--config", "mixtral-8x7b", "--seq", "64", "--tp", "16"], "kv_heads"),
     (["--config", "mixtral-8x7b", "--seq", "60", "--tp", "8", "--sequence-parallel"],
      "seq_len (60) must be a multiple of tp (8) when sequence_parallel is True"),
-    (["--config", "no-such-model", "--seq", "64"], "MoE presets: deepseek-v3, mixtral-8x7b"),
+    (["--config", "no-such-model", "--seq", "64"], "or preset (deepseek-v3, llama2-70b"),
     (["--hidden", "128", "--heads", "8", "--seq", "64", "--experts", "eager"], "--experts"),
     (["--heads", "8", "--seq", "64"], "--hidden is required"),
 ])  # fmt: skip

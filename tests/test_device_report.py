@@ -125,6 +125,8 @@ def test_every_speed_row_is_measured(tiny) -> None:
     assert by_name["explicit: selective / none"]["goal"] == "<= 1.03"
     assert r["details"]["ours_saved_bytes"] <= r["details"]["hf_saved_bytes"]
     assert r["details"]["compile_s"] > 0
+    offload = r["details"]["offload"]  # bench_offload.measure: the MLP of every layer but the last
+    assert offload["offloaded_bytes_per_step"] == offload["kept_bytes"]["plain"] - offload["kept_bytes"]["offload"] > 0
 
 
 def test_markdown_section_is_written_beside_the_json(tiny) -> None:
@@ -141,7 +143,7 @@ def test_a_spent_budget_skips_every_stage_and_still_reports(tmp_path: Path) -> N
     done = _run("--tiny", "--out", tmp_path, "--budget-s", "0")
     assert done.returncode == 0, done.stderr[-4000:]
     r = json.loads((tmp_path / "device_report.json").read_text())
-    assert len(r["skipped"]) == 7 and r["errors"] == []
+    assert len(r["skipped"]) == 8 and r["errors"] == []
     assert all(m["measured"] is False and m["budget_total_bytes"] > 0 for m in r["memory"])
     assert r["per_layer"] == [] and all(s["ratio"] is None for s in r["speed"])
     assert "Skipped:" in (tmp_path / "device-figures.md").read_text()

@@ -236,9 +236,8 @@ def _block_bytes(model, layer: int) -> int:
 def test_what_each_module_drops_to_the_byte(family, module, experts, attn):
     """fp32, T = 24 tokens, k = 2 (S = 48 routed rows), h = 32, expert ffn F = 16.
 
-    * ``moe_act``: grouped_mm drops ``act(gate)`` and the product the down projection keeps
-      (2 F per routed row); the eager loop only ``act_fn``'s output (F per routed row): its
-      product is an inline ``*``.
+    * ``moe_act``: ``act(gate)`` and the product the down projection keeps (2 F per routed row),
+      on grouped_mm and on the eager loop alike (run through ``_apply_gate``, .experts_loop).
     * ``shared_experts``: the shared MLP's gate, up, activation and product (4 T F_shared; its
       output is kept by what follows either way).
     * ``moe``: everything the block keeps but its input, which the checkpoint keeps.
@@ -252,7 +251,7 @@ def test_what_each_module_drops_to_the_byte(family, module, experts, attn):
     model = tiny(family, experts, attn=attn)
     base = _kept(model, layer)
     expected = {
-        ("moe_act", "grouped_mm"): T * K * 2 * F * 4, ("moe_act", "eager"): T * K * F * 4,
+        ("moe_act", "grouped_mm"): T * K * 2 * F * 4, ("moe_act", "eager"): T * K * 2 * F * 4,
         ("shared_experts", "deepseek_v3"): 4 * T * F * 4, ("shared_experts", "qwen2_moe"): 4 * T * S_F * 4,
         ("mla_up_proj", "eager"): 2 * (2 * 4 * 12 * 16 * 4) - ROPE_COPY, ("mla_up_proj", "sdpa"): -ROPE_COPY,
     }  # fmt: skip

@@ -168,7 +168,7 @@ def test_bad_moe_plans_fail_in_one_line_before_anything_changes(world):
     assert r["style"].startswith(
         "apply_tensor_parallel: plan entry 'model.layers.*.mlp.experts' has style 'moe_identity_expert', which "
         "neuron_ckpt does not map (supported: colwise, "
-    ) and r["style"].endswith("moe_tp_experts, mla_kv_a_proj, packed_colwise, packed_rowwise)")
+    ) and r["style"].endswith("moe_tp_experts, mla_kv_a_proj, ep_dispatch_experts, packed_colwise, packed_rowwise, grouped_gemm)")
     assert r["divisible"] == (
         "apply_tensor_parallel: model.layers.0.mlp.experts.gate_up_proj (packed_colwise): intermediate_dim=15 is not "
         "divisible by the tensor-parallel size 2"

@@ -229,7 +229,7 @@ def test_bad_plans_fail_in_one_line_before_anything_changes(world):
         "apply_tensor_parallel: plan entry 'model.layers.*.self_attn.q_proj' has style 'local_colwise', which "
         "neuron_ckpt does not map (supported: colwise, colwise_gather_output, colwise_rep, rowwise, "
         "rowwise_split_input, rowwise_rep, embedding_rowwise, replicated_with_grad_allreduce, replicate, "
-        "moe_tp_experts, mla_kv_a_proj, packed_colwise, packed_rowwise)"
+        "moe_tp_experts, mla_kv_a_proj, ep_dispatch_experts, packed_colwise, packed_rowwise, grouped_gemm)"
     )
     assert r["kind"] == "apply_tensor_parallel: model.norm (colwise): needs a torch.nn.Linear, got LlamaRMSNorm"
     assert r["heads"].startswith("apply_tensor_parallel: model.layers.0.self_attn.k_proj (colwise): 1 heads of 8 do not split")

@@ -237,10 +237,48 @@ def test_pp_refused_on_trn1(tmp_path: Path, env: dict[str, str]) -> None:
     assert not out.exists()
 
 
+def test_dry_run_cp_recipe(tmp_path: Path) -> None:
+    """CP_DEGREE=4 on Llama-3.1 8B: seq 8192 x 4 (each rank NxD's 8192), TP 32 x CP 4, 1024 / 4 sequences per
+    step (NxD's tokens), explicit attention, selective recompute, the 32k data file; CP_DEGREE=1 drops --cp."""
+    home = tmp_path / "home"
+    nodes = dict(NUM_NODES="8", NODE_RANK="0", MASTER_ADDR="10.0.0.1", DRY_RUN="1", MODEL="llama3.1-8b")
+    r = _run(["bash", str(RUN_TRN1)], tmp_path, CP_DEGREE="4", **nodes)
+    _, argv = _dry(r.stdout)
+    assert (_opt(argv, "--tp"), _opt(argv, "--cp"), _opt(argv, "--global-batch-size")) == ("32", "4", "256")
+    assert (_opt(argv, "--attention"), _opt(argv, "--recompute")) == ("explicit", "selective")
+    assert "--sequence-parallel" in argv and "--pp" not in argv
+    assert _opt(argv, "--data") == f"{home}/data/llama3_train_32k.safetensors"
+    assert _opt(argv, "--checkpoint-dir") == f"{home}/runs/llama3.1_8b_tp32_cp4_zero1/checkpoints"
+    assert "# TP 32 x CP 4 = 128 ranks split each sequence of 32768 tokens (8192 per rank): DP 2 on 8 node(s), 256 " \
+           "sequences per step" in r.stdout
+    _, argv = _dry(_run(["bash", str(RUN_TRN1)], tmp_path, CP_DEGREE="1", **nodes).stdout)
+    assert "--cp" not in argv and _opt(argv, "--tp") == "8" and _opt(argv, "--global-batch-size") == "1024"
+    r = _run(["bash", str(RUN_TRN1)], tmp_path, CP_DEGREE="2", TP_DEGREE="8", RECOMPUTE="full", **nodes)
+    _, argv = _dry(r.stdout)
+    assert (_opt(argv, "--tp"), _opt(argv, "--cp"), _opt(argv, "--recompute")) == ("8", "2", "full")
+
+
+def test_cp_recipe_parses_in_train_py(tmp_path: Path) -> None:
+    """The CP recipe's train.py options are accepted as they are (parse only: no process group)."""
+    r = _run(["bash", str(RUN_TRN1)], tmp_path, DRY_RUN="1", MODEL="llama3.1-8b", CP_DEGREE="4")
+    argv = _dry(r.stdout)[1]
+    sys.path.insert(0, str(TUTORIAL))
+    try:
+        from train_config import parse_args
+    finally:
+        sys.path.remove(str(TUTORIAL))
+    cfg = parse_args(argv[argv.index("train.py") + 1 :])
+    assert (cfg.tp, cfg.cp, cfg.attention, cfg.recompute) == (32, 4, "explicit", "selective")
+
+
 @pytest.mark.parametrize(
     "env, message",
     [
         (dict(MODEL="llama2-70b", TP_DEGREE="8"), "TP_DEGREE must be 32 for MODEL=llama2-70b"),
+        (dict(CP_DEGREE="0"), "CP_DEGREE must be a positive integer"),
+        (dict(CP_DEGREE="3"), "CP_DEGREE must divide 1024"),
+        (dict(MODEL="llama2-70b", CP_DEGREE="2"), "CP_DEGREE=2 does not combine with PP_DEGREE=8"),
+        (dict(MODEL="llama3-8b", CP_DEGREE="2", RECOMPUTE="auto"), "RECOMPUTE=auto does not combine with CP_DEGREE=2"),
         (dict(MODEL="llama3.1-70b", TP_DEGREE="16"), "TP_DEGREE must be 32 for MODEL=llama3.1-70b"),
         (dict(PP_DEGREE="0"), "PP_DEGREE must be a positive integer"),
         (dict(PP_DEGREE="two"), "PP_DEGREE must be a positive integer"),

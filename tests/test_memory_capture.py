@@ -1,11 +1,15 @@
 """``scripts/capture_trn1_memory.py`` end to end on CPU, with stand-ins for what only a trn1 has.
 
 The real tutorial ``train.py`` runs under real torchrun (gloo, world size 1). Stand-ins:
-``neuron-monitor`` (an executable printing hand-made reports in its schema while it runs), the
-driver's sysfs tree (2 NeuronCores, 5 categories) and, in the interpreter every rank starts
+``neuron-monitor`` (an executable printing hand-made reports in its schema while it runs),
+``neuron-explorer`` (``view -d INSPECT --ingest-only ...`` writes, where ``--data-path`` and
+``--display-name`` put it, an ingested profile in schema 7.4.0's shape: tests/explorer_profiles.py),
+the driver's sysfs tree (2 NeuronCores, 5 categories) and, in the interpreter every rank starts
 (``--python``), the runtime and compiler: it records the rank's environment, writes two NEFFs into
-``$NEURON_COMPILE_CACHE_URL`` and holds a scratchpad of N MiB in sysfs while the run lasts. The
-tests of per-rank tags and of a failed run fake the training too, under a stand-in torchrun.
+``$NEURON_COMPILE_CACHE_URL``, holds a scratchpad of N MiB in sysfs while the run lasts and, when
+``NEURON_RT_INSPECT_ENABLE=1``, leaves a system trace in ``$NEURON_RT_INSPECT_OUTPUT_DIR`` saying
+what it held. The tests of per-rank tags and of a failed run fake the training too, under a
+stand-in torchrun.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import pytest
 from neuron_ckpt.cli import main as cli_main
 from neuron_ckpt.data import write_packed
 from neuron_ckpt.memory.capture import read_capture
-from neuron_ckpt.memory.readers import NEURON_CATEGORIES, neff, neuron_monitor, sysfs
+from neuron_ckpt.memory.readers import NEURON_CATEGORIES, explorer, neff, neuron_monitor, sysfs
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "tutorials" / "llama2_7b_tp_zero1" / "configs" / "tiny.json"
@@ -61,9 +65,14 @@ import io, json, os, subprocess, sys, tarfile
 from pathlib import Path
 args, rank = sys.argv[1:], os.environ["RANK"]
 layers = json.loads(Path(args[args.index("--model-config") + 1]).read_text())["num_hidden_layers"]
+inspect = {{k: v for k, v in os.environ.items() if k.startswith("NEURON_RT_INSPECT_")}}
 with open({record!r}, "a") as f:
     f.write(json.dumps({{"rank": rank, "tag": os.environ.get("NEURON_PROCESS_TAG"), "layers": layers,
-                        "cache": os.environ.get("NEURON_COMPILE_CACHE_URL")}}) + "\\n")
+                        "cache": os.environ.get("NEURON_COMPILE_CACHE_URL"), "inspect": inspect}}) + "\\n")
+if inspect.get("NEURON_RT_INSPECT_ENABLE") == "1":  # the runtime's system trace: here, what this rank held
+    trace = Path(inspect["NEURON_RT_INSPECT_OUTPUT_DIR"]) / f"i-0abc_pid_{{os.getpid()}}" / "1766072156"
+    trace.mkdir(parents=True)
+    (trace / "ntrace.pb").write_text(json.dumps({{"core": int(rank), "scratchpad": (16 + layers) * 64 * {mib}}}))
 
 def neff(path, scratchpad, padding):
     definition = json.dumps({{"var": {{"v": {{"type": "virtual", "backing_variable_off": 0, "size": scratchpad}}}}}})
@@ -99,6 +108,26 @@ counter(0)
 sys.exit(code)
 '''
 STEP_BYTES = 3 * 4096
+
+EXPLORER = '''#!{python}
+"""Stand-in neuron-explorer: view -d INSPECT --ingest-only --ignore-device-profile --display-name NAME
+--data-path WS writes WS/profiles/global/NAME@latest from the ranks' traces (trn1.2xlarge: 1 device, 2 HBMs)."""
+import json, sys
+from pathlib import Path
+sys.path.insert(0, {root!r})
+from tests import explorer_profiles as ep
+Path(sys.argv[0] + ".started").touch()
+args = sys.argv[1:]
+assert args[:4] == ["view", "-d", args[2], "--ingest-only"] and "--ignore-device-profile" in args, args
+name, workspace = args[args.index("--display-name") + 1], Path(args[args.index("--data-path") + 1])
+traces = [json.loads(p.read_text()) for p in sorted(Path(args[2]).glob("*/*/ntrace.pb"))]
+assert traces, "no system trace under " + args[2]
+samples = []
+for trace in traces:
+    samples += ep.step_samples(trace["scratchpad"], (trace["core"] + 1) << 30, [trace["core"]])
+ep.write_profile(workspace / "profiles" / "global" / f"{{name}}@latest", samples, devices=1, hbms=2, parts=2)
+print("View profile at http://localhost:3001/profile/" + name)
+'''
 
 LAUNCHER = '''#!{python}
 """Stand-in torchrun for the runs that fake training: --nproc_per_node N --no-python CMD... starts
@@ -141,6 +170,7 @@ def _standins(root: Path) -> dict:
     rank_python = RANK_PYTHON.format(python=python, record=str(root / "ranks.jsonl"), sysfs=str(root / "sysfs"),
                                      step_bytes=STEP_BYTES, mib=MIB)
     return {"monitor": _executable(root / "neuron-monitor", MONITOR.format(python=python)),
+            "explorer": _executable(root / "neuron-explorer", EXPLORER.format(python=python, root=str(ROOT))),
             "python": _executable(root / "rank-python", rank_python), "root": root,
             "torchrun": f"{python} -m torch.distributed.run --standalone --nproc_per_node {{nproc}}",
             "launcher": f"{_executable(root / 'launcher', LAUNCHER.format(python=python))} --nproc_per_node {{nproc}}"}
@@ -149,6 +179,7 @@ def _standins(root: Path) -> dict:
 def _argv(s: dict, out: Path, *more: str, launcher: str = "launcher") -> list[str]:
     return ["--model-config", str(TINY), "--data", str(s["root"] / "train.safetensors"), "--tp", "1", "--seq", str(SEQ),
             "--dtype", "fp32", "--steps", "2", "--out", str(out), "--neuron-monitor", str(s["monitor"]),
+            "--neuron-explorer", str(s["explorer"]),
             "--sysfs-root", str(s["root"] / "sysfs"), "--python", str(s["python"]), "--launcher", s[launcher],
             "--extra=--device-kind cpu", *more]
 
@@ -174,7 +205,7 @@ def test_manifest_reads_back_with_every_run_and_the_job(captured):
     capture = read_capture(out)
     assert [(r.recompute, r.layers, r.attention) for r in capture.runs] == [
         ("none", 1, "flash"), ("none", 2, "flash"), ("full", 1, "flash"), ("full", 2, "flash")]
-    assert all(set(r.files) == {"neuron_monitor", "sysfs", "neff"} for r in capture.runs)
+    assert all(set(r.files) == {"neuron_monitor", "sysfs", "neff", "explorer"} for r in capture.runs)
     assert capture.job == {"model": "llama", "config": "config.json", "tp": 1, "dp": 1, "seq": SEQ, "micro_batch": 1,
                            "dtype": "fp32", "sequence_parallel": True, "zero1": True, "attention": "flash"}
     assert json.loads((out / "config.json").read_text()) == json.loads(TINY.read_text())
@@ -190,6 +221,27 @@ def test_each_rank_is_tagged_and_compiles_into_its_runs_cache(captured):
     s, out = captured
     assert [(r["rank"], r["tag"], r["layers"], r["cache"]) for r in _ranks(s)] == [
         ("0", "neuron_ckpt_rank0", n, str(out / f"{p}_L{n}" / "cache")) for p in ("none", "full") for n in (1, 2)]
+
+
+def test_each_run_has_a_system_profile_without_a_device_profile(captured):
+    """NEURON_RT_INSPECT_ENABLE=1 with the device profile off (its ~2 GB of buffers would be measured),
+    into the run's inspect/; neuron-explorer ingests it into explorer/, which the explorer reader reads."""
+    s, out = captured
+    for record in _ranks(s):
+        run = out / f"{'none' if record['cache'].startswith(str(out / 'none')) else 'full'}_L{record['layers']}"
+        assert record["inspect"] == {"NEURON_RT_INSPECT_ENABLE": "1", "NEURON_RT_INSPECT_SYSTEM_PROFILE": "1",
+                                     "NEURON_RT_INSPECT_DEVICE_PROFILE": "0",
+                                     "NEURON_RT_INSPECT_OUTPUT_DIR": str(run / "inspect")}
+    capture = read_capture(out)
+    for run in capture.runs:
+        name = f"{run.recompute}_L{run.layers}"
+        assert run.files["explorer"] == f"{name}/explorer/profiles/global/{name}@latest"
+        reading = explorer.read(capture.path(run, "explorer"))
+        assert reading.core(0)["shared_scratchpad"] == (16 + run.layers) * 64 * MIB
+        assert reading.core(0)["tensors"] == 1 << 30
+        assert reading.core(1)["tensors"] == 0  # the idle core: the runtime's baseline only
+        assert "View profile at" in (out / name / "neuron-explorer.log").read_text()
+    assert any("no device profile (its buffers take HBM)" in note for note in capture.notes)
 
 
 def test_sysfs_keeps_the_largest_total_polled_while_the_job_ran(captured):
@@ -224,17 +276,44 @@ def test_neuron_ckpt_compare_reads_the_capture_as_it_is(captured, capsys):
     assert cli_main(["compare", "--capture", str(out), "--json"]) == 1
     compared = json.loads(capsys.readouterr().out)
     assert {(c["source"], c["recompute"]) for c in compared["comparisons"]} == {
-        (source, preset) for source in ("neuron-monitor", "sysfs", "neff") for preset in ("none", "full")}
+        (source, preset) for source in ("neuron-monitor", "sysfs", "neff", "neuron-explorer")
+        for preset in ("none", "full")}
 
 
 def test_every_rank_gets_its_own_tag(script, tmp_path, monkeypatch):
     monkeypatch.setenv("FAKE_TRAIN", "1")
+    monkeypatch.setenv("NEURON_RT_INSPECT_DEVICE_PROFILE", "session")  # the capture overrides it
     s = _standins(tmp_path / "standins")
     argv = _argv(s, tmp_path / "out", "--layers", "1,2", "--presets", "none", "--nproc", "2")
     assert script.main(argv) == 0
     assert sorted((r["rank"], r["tag"]) for r in _ranks(s)) == [
         ("0", "neuron_ckpt_rank0"), ("0", "neuron_ckpt_rank0"), ("1", "neuron_ckpt_rank1"), ("1", "neuron_ckpt_rank1")]
-    assert read_capture(tmp_path / "out").job["dp"] == 2
+    assert {r["inspect"]["NEURON_RT_INSPECT_DEVICE_PROFILE"] for r in _ranks(s)} == {"0"}
+    capture = read_capture(tmp_path / "out")
+    assert capture.job["dp"] == 2
+    both = explorer.read(capture.path(capture.runs[1], "explorer"))  # one trace per rank, ingested together
+    assert both.core(0)["tensors"] == 1 << 30 and both.core(1)["tensors"] == 2 << 30
+
+
+def test_no_system_profile_leaves_the_runtime_unprofiled(script, tmp_path, monkeypatch):
+    monkeypatch.setenv("FAKE_TRAIN", "1")
+    monkeypatch.setenv("NEURON_RT_INSPECT_ENABLE", "1")  # set by the user: removed, with the rest
+    s = _standins(tmp_path / "standins")
+    assert script.main(_argv(s, tmp_path / "out", "--layers", "1,2", "--presets", "none", "--no-system-profile")) == 0
+    assert [r["inspect"] for r in _ranks(s)] == [{}, {}]
+    assert not Path(str(s["explorer"]) + ".started").exists()
+    capture = read_capture(tmp_path / "out")
+    assert all("explorer" not in r.files for r in capture.runs) and "no Neuron profile" in " ".join(capture.notes)
+
+
+def test_a_missing_neuron_explorer_is_refused_before_anything_runs(script, tmp_path, capsys):
+    s = _standins(tmp_path / "standins")
+    argv = _argv(s, tmp_path / "out", "--layers", "1,2")
+    argv[argv.index("--neuron-explorer") + 1] = str(tmp_path / "nowhere" / "neuron-explorer")
+    assert script.main(argv) == 1
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "no neuron-explorer executable" in err and "--no-system-profile" in err
+    assert not (tmp_path / "out").exists() and not (s["root"] / "ranks.jsonl").exists()
 
 
 def test_a_failed_run_stops_the_capture_and_keeps_the_runs_before_it(script, tmp_path, monkeypatch, capsys):

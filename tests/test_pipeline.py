@@ -386,6 +386,10 @@ def _init_and_tied(t: int, p: int, cut) -> dict:
     whole = LlamaStage(cfg, range(0, 4), 0, 1, parallel_state=_one_process(), seed=3)  # pp=1, t=1
     reference = stage_hf_state_dict(whole)
     same_init = all(torch.equal(v, reference[k]) for k, v in pipe.hf_state_dict().items())
+    # LlamaForCausalLM from the same seed is that model too (one seed, one model, any layout).
+    model = LlamaForCausalLM(cfg, parallel_state=_one_process(), seed=3).hf_state_dict()
+    same_init = same_init and model.keys() == reference.keys()
+    same_init = same_init and all(torch.equal(v, reference[k]) for k, v in model.items())
     tied_at_init = check_tied_weights(pipe.modules, state)
     optimizer = torch.optim.SGD(pipe.parameters(), lr=0.5)
     pipe.step(*batch(2))

@@ -178,8 +178,8 @@ def test_init_hf_of_another_depth_is_refused_on_every_stage(world, tmp_path):
 
 @pytest.fixture(scope="module")
 def run_files(tmp_path_factory) -> tuple[Path, list[str]]:
-    """A 4-layer tiny Llama as a transformers checkpoint (every run starts from it: the pipeline
-    and the whole model draw their initial weights differently) and the tiny corpus."""
+    """A 4-layer tiny Llama as a transformers checkpoint (the runs that resume or load start from
+    it) and the tiny corpus."""
     root = tmp_path_factory.mktemp("pp_train")
     data = tiny_run_files(root)[2:]  # --data <file>
     torch.manual_seed(0)
@@ -209,7 +209,10 @@ PARITY = {
 
 @pytest.fixture(scope="module")
 def parity(world, run_files) -> dict[str, dict]:
+    """Every layout from the seed alone (no checkpoint): each draws the same model from it."""
     root, common = run_files
+    init = common.index("--init-hf")
+    common = common[:init] + ["--model-config", str(root / "init" / "config.json"), "--seed", "5"] + common[init + 2 :]
     return {name: _run(world, 4, train, common + args)[0] for name, (args, _) in PARITY.items()}
 
 

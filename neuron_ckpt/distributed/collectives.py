@@ -15,6 +15,13 @@ One contract on every backend: a collective returns its result and never modifie
 (nothing to communicate) and :func:`split` returns a chunk that may share the input's storage:
 an in-place write to those results reaches the input.
 
+:func:`all_to_all` (expert parallelism's token exchange) takes uneven split sizes on the eager
+backends (gloo and nccl both run ``all_to_all_single`` with ``input/output_split_sizes``; gloo's
+list ``all_to_all`` refuses unequal tensors). XLA has no uneven all-to-all (torch-xla's process
+group ignores the split sizes and the subgroup, and trn1's runtime lists no all-to-all at all),
+so there it is refused in one line: experts on XLA use the all-gather dispatch
+(:mod:`neuron_ckpt.parallel.experts`), built from the all-gather and reduce-scatter above.
+
 Forms per backend. What a collective computes is fixed; the calls it is made of may differ where
 one form is measurably faster on a backend. gloo's reduce-scatter and all-gather run at a fraction
 of the bandwidth of its all-to-all and broadcast for the same bytes, and a fresh output above
@@ -165,6 +172,39 @@ def reduce_scatter(tensor: torch.Tensor, dim: int, group: Group) -> torch.Tensor
         flat = tensor.movedim(dim, 0).contiguous()
         return _funcol().reduce_scatter_tensor(flat, "sum", 0, group.process_group).movedim(0, dim)
     return reduce_scatter_start(tensor.movedim(dim, 0), group).wait().movedim(0, dim)
+
+
+def all_to_all(
+    tensor: torch.Tensor,
+    group: Group,
+    output_splits: list[int] | None = None,
+    input_splits: list[int] | None = None,
+) -> torch.Tensor:
+    """Send rows ``[sum(input_splits[:j]), ...)`` of ``tensor`` (dim 0) to rank ``j`` of ``group``
+    and return what every rank sent here, in rank order (``output_splits[j]`` rows from rank ``j``).
+
+    Splits None: equal chunks of ``tensor.shape[0] / size`` rows each way. Eager backends only (module
+    docstring); a group of size 1 returns ``tensor``.
+    """
+    if group.size == 1:
+        return tensor
+    if (output_splits is None) != (input_splits is None):
+        raise ValueError("all_to_all: give both output_splits and input_splits, or neither (equal splits)")
+    if input_splits is None and tensor.shape[0] % group.size:
+        raise ValueError(
+            f"all_to_all: {tensor.shape[0]} rows do not split equally over the group size {group.size}; pass splits"
+        )
+    if runtime.is_xla():
+        raise ValueError(
+            "all_to_all: XLA has no uneven all-to-all (torch-xla ignores split sizes; trn1 has no all-to-all): "
+            "use the all-gather expert dispatch (ExpertDispatch(form='all_gather'))"
+        )
+    rows = sum(output_splits) if output_splits is not None else tensor.shape[0]
+    if _compiling():
+        return _funcol().all_to_all_single(tensor.contiguous(), output_splits, input_splits, group.process_group)
+    out = tensor.new_empty((rows,) + tuple(tensor.shape[1:]))
+    dist.all_to_all_single(out, tensor.contiguous(), output_splits, input_splits, group=group.process_group)
+    return out
 
 
 class Pending:

@@ -13,12 +13,21 @@ scatter_to_sequence_parallel_region    split (dim 0)        all-gather (dim 0)
 gather_from_sequence_parallel_region   all-gather (dim 0)   reduce-scatter (dim 0)
 reduce_scatter_to_sequence_parallel_   reduce-scatter (0)   all-gather (dim 0)
 region
+gather_from_context_parallel_region    all-gather (dim 0)   reduce-scatter (dim 0)
+all_to_all_in_expert_parallel_region   all-to-all (dim 0)   all-to-all, splits
+                                                            swapped
 =====================================  ===================  =====================
 
 Sequence-parallel activations are ``[s, b, h]``: the sequence is dim 0 (the sequence functions
 take ``dim=1`` for transformers' ``[b, s, h]``). All functions take the
 group explicitly (a :class:`~neuron_ckpt.distributed.parallel_state.Group`); ``None`` means the
-tensor-parallel group of the current parallel state.
+tensor-parallel group of the current parallel state (the context-parallel group for the context
+function).
+
+The context-parallel pair is the sequence-parallel one over the CP group: each CP rank holds its
+share of the sequence's keys and values, attention needs all of them, and each rank's gradient of
+the gathered tensor is partial (its own queries' share), so backward sums over CP and keeps this
+rank's rows (:mod:`neuron_ckpt.parallel.context_parallel`).
 
 The backwards that communicate are once-differentiable: their collectives keep no autograd
 history, so a double backward through them would silently drop terms; it raises instead.
@@ -35,6 +44,15 @@ from .parallel_state import Group, get_parallel_state
 
 def _tp(group: Group | None) -> Group:
     return group if group is not None else get_parallel_state().tp
+
+
+def _cp(group: Group | None) -> Group:
+    if group is not None:
+        return group
+    cp = get_parallel_state().cp
+    if cp is None:
+        raise ValueError("gather_from_context_parallel_region: context parallelism is off (context_parallel_size 1)")
+    return cp
 
 
 class _CopyToRegion(torch.autograd.Function):
@@ -111,6 +129,21 @@ class _ReduceScatter(torch.autograd.Function):
         return C.all_gather(g, ctx.dim, ctx.group).contiguous(), None, None
 
 
+class _AllToAll(torch.autograd.Function):
+    """Rows sent by ``input_splits``, received by ``output_splits``; backward sends the gradient
+    back the way the rows came (the splits swapped)."""
+
+    @staticmethod
+    def forward(ctx, x, group, output_splits, input_splits):
+        ctx.group, ctx.output_splits, ctx.input_splits = group, output_splits, input_splits
+        return C.all_to_all(x, group, output_splits, input_splits)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g):
+        return C.all_to_all(g.contiguous(), ctx.group, ctx.input_splits, ctx.output_splits), None, None, None
+
+
 def copy_to_tensor_parallel_region(x: torch.Tensor, group: Group | None = None) -> torch.Tensor:
     """Enter a TP region with a replicated input: identity forward, all-reduce of the gradient."""
     return _CopyToRegion.apply(x, _tp(group))
@@ -155,3 +188,25 @@ def reduce_scatter_to_sequence_parallel_region(
 ) -> torch.Tensor:
     """``[s, b, h]`` partial sums ``-> [s/t, b, h]`` summed (along ``dim``); the gradient is all-gathered."""
     return _ReduceScatter.apply(x, dim, _tp(group))
+
+
+def gather_from_context_parallel_region(
+    x: torch.Tensor, group: Group | None = None, dim: int = 0, partial_grad: bool = True
+) -> torch.Tensor:
+    """This CP rank's rows ``-> every CP rank's rows`` along ``dim``, in CP rank order.
+
+    ``partial_grad`` (the usual case, K and V for attention): each rank's gradient of the gathered
+    tensor is a partial sum, so backward reduce-scatters it; ``False``: every rank holds the whole
+    gradient (a replicated consumer, e.g. gathered logits) and backward keeps this rank's rows.
+    """
+    fn = _GatherReduceScatterBack if partial_grad else _GatherSplitBack
+    return fn.apply(x, dim, _cp(group))
+
+
+def all_to_all_in_expert_parallel_region(
+    x: torch.Tensor, group: Group, output_splits: list[int] | None = None, input_splits: list[int] | None = None
+) -> torch.Tensor:
+    """Exchange rows of ``x`` over the expert-parallel ``group`` (``input_splits[j]`` rows to rank
+    ``j``, ``output_splits[j]`` rows from it; None: equal chunks); the gradient goes back the same
+    way. The tokens' trip to their experts and back (:mod:`neuron_ckpt.parallel.experts`)."""
+    return _AllToAll.apply(x, group, output_splits, input_splits)

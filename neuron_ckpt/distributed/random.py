@@ -5,7 +5,9 @@ TP ranks, while dropout on replicated activations must agree. Megatron's convent
 
 * the default stream, seeded with ``seed`` on every rank, is used outside TP regions;
 * the ``"model-parallel-rng"`` stream, seeded with ``seed + 2718 + tp_rank``, is used inside
-  them via ``with get_rng_tracker().fork(): ...``.
+  them via ``with get_rng_tracker().fork(): ...``. Under context parallelism the CP ranks hold
+  different queries of the same heads, so the stream is per (TP, CP) rank:
+  ``seed + 2718 + tp_rank + tp_size * cp_rank`` (the same as before at CP 1).
 
 A stream here is the pair (CPU generator state, device generator state). Some peers save only
 the CPU state; a dropout on an accelerator or XLA tensor draws from the device generator, so that
@@ -183,7 +185,8 @@ def get_rng_tracker() -> RNGStatesTracker:
 
 
 def model_parallel_manual_seed(seed: int) -> None:
-    """Seed the default stream with ``seed`` and the TP stream with ``seed + 2718 + tp_rank``.
+    """Seed the default stream with ``seed`` and the TP stream with ``seed + 2718 + tp_rank``
+    (``+ tp_size * cp_rank`` under context parallelism).
 
     What it does to the default generators, and why: it calls ``torch.manual_seed(seed)`` (the CPU
     generator and every accelerator's; on XLA also ``xm.set_rng_state(seed)``) with the same
@@ -195,10 +198,17 @@ def model_parallel_manual_seed(seed: int) -> None:
     ``model_parallel_cuda_manual_seed`` seeds only the CUDA generator; ours seeds the CPU one too,
     because dropout on CPU tensors draws from it.
 
+    Context parallelism: Megatron and torchtitan give every CP rank the same streams, so the CP
+    ranks draw the same attention-dropout masks, each on its own queries (masks correlated along
+    the sequence). Here each CP rank's model-parallel stream is its own, as each TP rank's is: the
+    masks of the whole ``[s, s]`` attention are independent draws, as at CP 1 (not the same
+    draws: a CP run matches a CP 1 run with attention dropout off). The default stream stays one
+    seed everywhere (what is drawn outside forks must agree across the replicas of a weight).
+
     The tracker is reset first: every other stream is dropped, and the TP stream restarts from its
     seed. Not allowed inside a fork.
     """
-    tp_rank = get_parallel_state().tp_rank
+    ps = get_parallel_state()
     _TRACKER.reset()
     _seed_all(seed)
-    _TRACKER.add(MODEL_PARALLEL_RNG, seed + TP_SEED_OFFSET + tp_rank)
+    _TRACKER.add(MODEL_PARALLEL_RNG, seed + TP_SEED_OFFSET + ps.tp_rank + ps.tp_size * ps.cp_rank)

@@ -29,9 +29,22 @@ from ..recompute import PRESETS
 
 MANIFEST = "manifest.json"
 FORMAT, VERSION = "neuron_ckpt.memory-capture", 1
-# In the order compare shows them: exact figures first (a NEFF's def.json), then the page-rounded
-# device counters that confirm them (docs/memory.md, "Checking the model against a device").
-SOURCES = ("neff", "xla_buffers", "recorder", "sysfs", "neuron_monitor", "prometheus", "cuda_snapshot", "cuda_stats")
+# In the order compare shows them: exact figures first (a NEFF's def.json, the runtime's per-NEFF
+# load log), then the page-rounded device figures that confirm them, the profiler's first
+# (docs/memory.md, "Checking the model against a device").
+SOURCES = (
+    "neff",
+    "load_log",
+    "xla_buffers",
+    "recorder",
+    "explorer",
+    "sysfs",
+    "oom_table",
+    "neuron_monitor",
+    "prometheus",
+    "cuda_snapshot",
+    "cuda_stats",
+)
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,9 @@ COVERAGE = {
     "prometheus": Coverage(("model_shared_scratchpad",), control=("tensors", "state")),
     "sysfs": Coverage(("model_shared_scratchpad", "nonshared_scratchpad"), control=("tensors", "state")),
     "neff": Coverage(("model_shared_scratchpad",)),
+    "neuron-explorer": Coverage(("shared_scratchpad", "scratchpad"), control=("tensors", "state")),
+    "neuron-oom-table": Coverage(("shared_scratchpad", "scratchpad"), control=("tensors", "state")),
+    "neuron-load-log": Coverage(("neff_scratchpad",)),
     "xla-buffer-assignment": Coverage(("temp",), control=("parameters", "weights")),
     "cuda-memory-stats": Coverage(("allocated_bytes",), with_state=True),
     "cuda-snapshot": Coverage(("requested",), with_state=True),
@@ -182,14 +185,19 @@ class Comparison:
         )
 
 
-def _used_cores(cores: list[int], readings: list[MemoryReading]) -> list[int]:
-    """The cores the job used: those holding bytes in some report. Neuron's tools list every core
-    of the instance, zeros on the ones no process used (a 32-core trn1.32xlarge running 8 ranks),
-    and those have nothing to compare. A core used in some runs and idle in others means the runs
-    ran on different cores, and a per-core slope across them would be wrong: refused."""
-    used = [c for c in cores if any(any(r.core(c).values()) for r in readings if c in r.cores)]
+def _used_cores(cores: list[int], readings: list[MemoryReading], categories: tuple[str, ...]) -> list[int]:
+    """The cores the job used: those holding bytes of the compared ``categories`` in some report.
+    Neuron's tools list every core of the instance, zeros or only the runtime's baseline on the
+    ones no process of the job used (a 32-core trn1.32xlarge running 8 ranks), and those have
+    nothing to compare. A core used in some runs and idle in others means the runs ran on
+    different cores, and a per-core slope across them would be wrong: refused."""
+
+    def holds(reading: MemoryReading, core: int) -> bool:
+        return any(reading.core(core).get(c, 0) for c in categories)
+
+    used = [c for c in cores if any(holds(r, c) for r in readings if c in r.cores)]
     for core in used:
-        idle = [r.path for r in readings if core in r.cores and not any(r.core(core).values())]
+        idle = [r.path for r in readings if core in r.cores and not holds(r, core)]
         if idle:
             raise ValueError(
                 f"{idle[0]}: NeuronCore {core} holds nothing there but does in other runs: the runs ran "
@@ -218,7 +226,9 @@ def compare(
     cores = sorted(set.intersection(*(set(r.cores) for _, r in runs)))
     if not cores:
         raise ValueError(f"--run: the reports share no core ({[sorted(r.cores) for _, r in runs]})")
-    cores = _used_cores(cores, [r for _, r in [*runs, *recompute_runs]])
+    coverage = COVERAGE[source]
+    compared = coverage.measured + ((coverage.control[0],) if coverage.control else ())
+    cores = _used_cores(cores, [r for _, r in [*runs, *recompute_runs]], compared)
     quantum = max((r.quantum or 0) for _, r in runs) or None
     per_core = {c: fit_slope([(n, measured_bytes(r, c)) for n, r in runs], quantum) for c in cores}
     result = Comparison(source, predicted_per_layer(model, setup, preset, source), per_core, quantum)

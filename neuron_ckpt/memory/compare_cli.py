@@ -242,7 +242,9 @@ def _print(model, job, results, capture) -> None:
     for attention, preset, c in results:
         if (c.source, attention) != shown:
             shown = (c.source, attention)
-            page = f"page {c.quantum / MIB:,.0f} MiB" if c.quantum else "exact bytes, no page"
+            page = "exact bytes, no page"
+            if c.quantum:
+                page = f"page {c.quantum / MIB:,.0f} MiB" if c.quantum >= 64 * MIB else f"printed to {c.quantum:,} B"
             what = " + ".join(COVERAGE[c.source].measured) + (
                 " (with the layers' state)" if COVERAGE[c.source].with_state else ""
             )

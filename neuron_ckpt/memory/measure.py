@@ -119,6 +119,11 @@ class SavedTensorHooks:
         assert self._hooks is not None
         self._hooks.__exit__(*exc)
 
+    def exclude(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Leave these storages out from now on too (tensors a forward makes and hands every
+        layer, such as a model's per-layer-type masks, known only once it runs)."""
+        self._excluded |= {key for key in map(storage_key, tensors) if key is not None}
+
     def _pack(self, tensor: torch.Tensor) -> object:
         raise NotImplementedError
 

@@ -5,8 +5,8 @@ The command's logic lives here; :mod:`neuron_ckpt.cli` only dispatches. The argu
 (:func:`case_from_args`); :func:`build_report` returns a plain dict (what ``--json`` prints);
 :func:`format_report` renders it as a table. ``--measure`` spawns ``--tp`` local gloo processes
 (``run_local``) and runs up to two real layers (:mod:`.layers`); per-layer figures do not
-depend on the layer count. ``--plot`` draws :mod:`.plot`. ``--config`` (a transformers MoE
-config.json or preset) is :mod:`.moe.report`'s.
+depend on the layer count. ``--plot`` draws :mod:`.plot`. ``--config`` (a transformers
+config.json of any family ``apply_tensor_parallel`` splits, or a preset) is :mod:`.moe.report`'s.
 """
 
 from __future__ import annotations
@@ -61,9 +61,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add(
         "--config",
         metavar="CONFIG",
-        help="a transformers MoE config.json (model_type mixtral, qwen3_moe, qwen2_moe, deepseek_v3), a directory "
-        "holding one, or a preset (mixtral-8x7b, deepseek-v3): its dense and MoE layers under every recompute "
-        "module, analytic (the sizes come from the file)",
+        help="a transformers config.json of any family apply_tensor_parallel splits (llama, mistral, qwen2, qwen3, "
+        "gemma2, phi3, mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v2, deepseek_v3, gpt_oss, aria, llama4), a "
+        "directory holding one, or a preset (mixtral-8x7b, deepseek-v3, llama2-7b, llama3-8b): each of its layer "
+        "kinds under every recompute module, analytic (the sizes come from the file; --measure: and measured)",
     )
     add("--hidden", type=positive_int, help="h, model width (required without --config)")
     add("--heads", type=positive_int, help="a, attention heads (required without --config)")
@@ -269,7 +270,7 @@ def check_plot_path(path: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """The ``memory`` command. Raises ``ValueError`` on bad input (the CLI prints one line)."""
-    if args.config is not None:  # a transformers MoE model: its own report (.moe.report)
+    if args.config is not None:  # a transformers model: its own report (.moe.report)
         from .moe import report as moe_report
 
         return moe_report.run(args)

@@ -8,6 +8,12 @@ Data flow of one forward, ``t`` = tensor-parallel size (activations sequence-fir
                 -> down (row) + residual
     RMSNorm -> lm_head (column) -> vocab-parallel logits [s, b, v/t] -> vocab-parallel CE
 
+Under context parallelism (``parallel_state.cp``, ``c`` ranks) every CP rank takes the whole
+``[b, s]`` ids and labels, shifts the labels to next-token targets, and keeps its ``s/c`` tokens
+(two chunks of the ``2c``, causal load balance) of ids, targets and RoPE positions; ``s`` above is
+then ``s/c`` everywhere, and core attention all-gathers keys and values over CP
+(:mod:`neuron_ckpt.parallel.context_parallel`, docs/context_parallel.md).
+
 Module and parameter names mirror ``transformers`` (``embed_tokens``, ``layers.N.self_attn``,
 ``mlp.gate_proj``...) so the conversion in :mod:`.hf_conversion` is a short table; the only
 structural difference is the fused ``self_attn.qkv`` (``q_weight``/``k_weight``/``v_weight``).
@@ -23,8 +29,11 @@ With ``tie_word_embeddings`` the LM head's weight *is* the embedding's parameter
 gradient autograd sums over both uses, one optimizer slot. ``named_parameters()`` and
 ``state_dict()`` name it once (``embed_tokens.weight``), as ``save_pretrained`` writes it.
 
-Initialisation draws every full weight from the default generator (``normal_init`` with the
-config's ``initializer_range``), so the model built at any ``t`` from one seed is the same model.
+Initialisation draws every full weight (``normal_init`` with the config's ``initializer_range``)
+and keeps this rank's slice, so the model does not depend on ``t``. With ``seed=S`` each part is
+drawn from its own seeded stream (:func:`~neuron_ckpt.parallel.init.drawn_for`), so every layout
+(TP, CP, the stages of any pipeline cut, virtual stages) holds the same model from one seed;
+without it every part comes from the default generator in turn, as it stands.
 """
 
 from __future__ import annotations
@@ -35,7 +44,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..distributed.mappings import gather_from_tensor_parallel_region
+from ..distributed import collectives
+from ..distributed.mappings import gather_from_context_parallel_region, gather_from_tensor_parallel_region
 from ..distributed.parallel_state import ParallelState, get_parallel_state
 from ..parallel import (
     ColumnParallelLinear,
@@ -46,9 +56,10 @@ from ..parallel import (
     VocabParallelEmbedding,
     vocab_parallel_cross_entropy,
 )
+from ..parallel import context_parallel as cp_split
 from ..parallel.attention import ATTENTION
 from ..parallel.fused_ops import swiglu
-from ..parallel.init import normal_init
+from ..parallel.init import drawn_for, normal_init
 from ..parallel.linear import parallel_linear
 from ..recompute import run_layers
 from . import hf_conversion
@@ -98,10 +109,13 @@ class LlamaOptions:
 
 @dataclass
 class CausalLMOutput:
-    """``loss``: mean cross entropy over the non-ignored next-token targets (None without labels).
+    """``loss``: mean cross entropy over the non-ignored next-token targets (None without labels);
+    under context parallelism this CP rank's share, scaled so that the CP ranks' mean is that mean
+    (:meth:`LlamaForCausalLM._loss`).
 
-    ``logits``: ``[s, b, v/t]`` vocab-parallel and sequence-first (``"local"``), ``[b, s, v]``
-    gathered like ``transformers`` (``"full"``), or None.
+    ``logits``: ``[s, b, v/t]`` vocab-parallel and sequence-first (``"local"``; under context
+    parallelism this rank's ``s/c`` tokens in the order it holds them), ``[b, s, v]`` gathered
+    like ``transformers`` (``"full"``), or None.
     """
 
     loss: torch.Tensor | None
@@ -125,6 +139,7 @@ class LlamaAttention(torch.nn.Module):
             attention_dropout=float(args.attention_dropout),
             softmax_in_fp32=True,
             implementation=options.attention_implementation,
+            context_parallel_group=options.parallel_state.cp,
         )
         self.o_proj = RowParallelLinear(
             args.num_attention_heads * self.head_dim, args.hidden_size, input_is_parallel=True, **linear
@@ -203,7 +218,8 @@ class LlamaDecoderLayer(torch.nn.Module):
 
 
 class LlamaForCausalLM(torch.nn.Module):
-    """A Llama model, tensor parallel over the TP group of ``parallel_state``.
+    """A Llama model, tensor parallel over the TP group of ``parallel_state`` (and context
+    parallel over its CP group, when it has one).
 
     Args:
         config: a :class:`LlamaArgs`, or a ``transformers.LlamaConfig`` (read with
@@ -211,6 +227,9 @@ class LlamaForCausalLM(torch.nn.Module):
         sequence_parallel, attention_implementation, dtype, parallel_state: the
             :class:`LlamaOptions` fields, kept as ``self.options``; under sequence parallel the
             sequence length must be divisible by ``t``.
+        seed: draw each part from its own stream seeded by ``seed`` (the model every layout
+            builds from that seed, ``LlamaPipeline``'s stages included); None: from the default
+            generator as it stands.
 
     Activation recompute is applied to the built model:
     ``neuron_ckpt.recompute.apply_recompute(model, config)``.
@@ -223,8 +242,11 @@ class LlamaForCausalLM(torch.nn.Module):
         attention_implementation: str = "explicit",
         dtype: torch.dtype = torch.float32,
         parallel_state: ParallelState | None = None,
+        seed: int | None = None,
     ):
         super().__init__()
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+            raise ValueError(f"seed must be an int or None, got {seed!r}")
         self.args = args = LlamaArgs.from_hf(config)
         self.options = options = LlamaOptions(
             sequence_parallel,
@@ -234,12 +256,18 @@ class LlamaForCausalLM(torch.nn.Module):
         )
         sp, state = options.sequence_parallel, options.parallel_state
         init = normal_init(args.initializer_range)
-        self.embed_tokens = VocabParallelEmbedding(
-            args.vocab_size, args.hidden_size, sp, init, dtype, parallel_state=state
-        )
-        self.layers = torch.nn.ModuleList(LlamaDecoderLayer(args, options) for _ in range(args.num_hidden_layers))
+        with drawn_for(seed, "embedding"):
+            self.embed_tokens = VocabParallelEmbedding(
+                args.vocab_size, args.hidden_size, sp, init, dtype, parallel_state=state
+            )
+        layers = []
+        for i in range(args.num_hidden_layers):
+            with drawn_for(seed, f"layer {i}"):
+                layers.append(LlamaDecoderLayer(args, options))
+        self.layers = torch.nn.ModuleList(layers)
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, sp, dtype, parallel_state=state)
-        self.lm_head = ColumnParallelLinear(args.hidden_size, args.vocab_size, **options.linear(args, bias=False))
+        with drawn_for(seed, "head"):
+            self.lm_head = ColumnParallelLinear(args.hidden_size, args.vocab_size, **options.linear(args, bias=False))
         if args.tie_word_embeddings:  # drawn above all the same, so the other weights do not depend on tying
             self.lm_head.weight = self.embed_tokens.weight
             self._register_state_dict_hook(_drop_tied_head)
@@ -270,20 +298,45 @@ class LlamaForCausalLM(torch.nn.Module):
             raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
         if labels is not None and labels.shape != input_ids.shape:
             raise ValueError(f"labels shape {tuple(labels.shape)} must equal input_ids shape {tuple(input_ids.shape)}")
+        ps = self.parallel_state
         ids = input_ids.t()  # [s, b]
+        s = ids.shape[0]
+        # Next-token targets on the whole sequence, before any context-parallel split.
+        target = F.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:].t() if labels is not None else None
+        positions = None
+        if ps.cp is not None:  # this rank's two chunks of ids, targets and positions (parallel.context_parallel)
+            cp_split.check_sequence(s, ps.cp_size, ps.tp_size, self.options.sequence_parallel)
+            ids = cp_split.shard(ids, 0, ps.cp)
+            target = cp_split.shard(target, 0, ps.cp) if target is not None else None
+            positions = cp_split.positions(s, ps.cp_size, ps.cp_rank, ids.device)
         hidden = self.embed_tokens(ids)
-        cos, sin = self.rotary(ids.shape[0], hidden.dtype, hidden.device)
+        cos, sin = self.rotary(s, hidden.dtype, hidden.device, positions)
         hidden = run_layers(self.layers, hidden, cos, sin)
-        logits = self.lm_head(self.norm(hidden))  # [s, b, v/t]
+        logits = self.lm_head(self.norm(hidden))  # [s/c, b, v/t]
         loss = None
-        if labels is not None:
-            target = F.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:].t()  # [s, b], next token
-            loss = vocab_parallel_cross_entropy(logits, target, IGNORE_INDEX, group=self.parallel_state.tp)
+        if target is not None:
+            loss = self._loss(logits, target)
         if return_logits is None:
             return_logits = "local" if labels is None else None
         if return_logits == "full":
-            logits = gather_from_tensor_parallel_region(logits, self.parallel_state.tp).transpose(0, 1)
+            logits = gather_from_tensor_parallel_region(logits, ps.tp)
+            if ps.cp is not None:
+                logits = gather_from_context_parallel_region(logits, ps.cp, partial_grad=False)
+                logits = cp_split.unshard(logits, 0, ps.cp_size)
+            logits = logits.transpose(0, 1)
         return CausalLMOutput(loss=loss, logits=logits if return_logits else None)
+
+    def _loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The mean cross entropy over the non-ignored targets. Under context parallelism each CP
+        rank holds some of them: its loss is ``c x`` (its summed loss) / (the count over CP), so the
+        CP ranks' mean is the token mean over the whole sequence however the targets fall (never a
+        mean of per-rank means), and the mean over DP x CP of the gradients (ZeRO-1's) is its gradient."""
+        ps = self.parallel_state
+        if ps.cp is None:
+            return vocab_parallel_cross_entropy(logits, target, IGNORE_INDEX, group=ps.tp)
+        total = vocab_parallel_cross_entropy(logits, target, IGNORE_INDEX, reduction="sum", group=ps.tp)
+        count = collectives.all_reduce((target != IGNORE_INDEX).sum().to(total.dtype), ps.cp)
+        return total * (ps.cp_size / count)
 
     @property
     def tied(self) -> bool:

@@ -55,7 +55,9 @@ def longrope_long_frequencies(args: LlamaArgs) -> tuple[torch.Tensor, int]:
 class RotaryEmbedding(torch.nn.Module):
     """``forward(s, dtype, device) -> (cos, sin)``, each ``[s, 1, 1, d]`` for ``[s, b, heads, d]``.
 
-    Positions are ``0 .. s-1``. With ``rope_type="longrope"`` a sequence longer than
+    Positions are ``0 .. s-1``, or ``positions`` (this rank's tokens' global positions under
+    context parallelism, where ``s`` is still the whole sequence's length; the tables are then
+    ``[len(positions), 1, 1, d]``). With ``rope_type="longrope"`` a sequence longer than
     ``original_max_position_embeddings`` (``long_after``) uses the long factors for every
     position, a shorter one the short factors, as ``transformers``' ``LlamaRotaryEmbedding`` does.
     """
@@ -70,10 +72,15 @@ class RotaryEmbedding(torch.nn.Module):
             long_inv_freq, self.long_after = longrope_long_frequencies(args)
             self.register_buffer("long_inv_freq", long_inv_freq, persistent=False)
 
-    def forward(self, seq_len: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, seq_len: int, dtype: torch.dtype, device: torch.device, positions: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         long = self.long_after is not None and seq_len > self.long_after
         inv_freq = self.long_inv_freq if long else self.inv_freq
-        positions = torch.arange(seq_len, dtype=torch.float32, device=device)
+        if positions is None:
+            positions = torch.arange(seq_len, dtype=torch.float32, device=device)
+        else:
+            positions = positions.to(device=device, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq.to(device=device, dtype=torch.float32)[None, :]  # type: ignore[index]  # torch types a module's attributes as Tensor | Module
         emb = torch.cat((freqs, freqs), dim=-1)
         cos = (emb.cos() * self.attention_scaling).to(dtype)

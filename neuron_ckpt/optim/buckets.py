@@ -7,7 +7,8 @@ A parameter that straddles a cut is split between two buckets, and one larger th
 several: the cap bounds every collective, whatever the parameter sizes (Neuron produces NaN within
 a few steps for collectives above ~140 MB, and an embedding at TP 1 is 262 MB in bf16).
 Each bucket has its own fp32 master slice (this rank's ``1/dp`` of it), which is one parameter of
-the inner optimizer.
+the inner optimizer. An expert flat (:attr:`~.flat.FlatLayout.expert`) is cut the same way over
+the expert data-parallel group (:func:`shard_group`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import NamedTuple
 import torch
 
 from ..distributed import collectives
-from ..distributed.parallel_state import ParallelState
+from ..distributed.parallel_state import Group, ParallelState
 from ..parallel.params import tensor_parallel_duplicates
 from .flat import FlatLayout, Piece
 
@@ -64,10 +65,18 @@ def bucket_numel(cap_mb: float | None, dtype: torch.dtype, dp: int, padded: int)
     return n
 
 
+def shard_group(ps: ParallelState, flat: FlatLayout) -> Group:
+    """The group that shards ``flat`` (its gradients reduced, its state split): DP x CP (the
+    weights are replicated over CP too), or for the experts the expert data-parallel group (the
+    ranks holding the same experts)."""
+    return ps.edp if flat.expert else ps.dp_cp
+
+
 @torch.no_grad()
 def cut_buckets(flat: FlatLayout, ps: ParallelState, cap_mb: float | None, reduce_dtype: torch.dtype) -> list[Bucket]:
     """``flat`` cut at ``cap_mb`` (counted in ``reduce_dtype``), masters read from the parameters."""
-    dp, r = ps.dp_size, ps.dp_rank
+    group = shard_group(ps, flat)
+    dp, r = group.size, group.rank
     step = bucket_numel(cap_mb, reduce_dtype, dp, flat.padded)
     values: list[torch.Tensor | None] = [p.detach() for p in flat.params]
     buckets = []
@@ -76,7 +85,7 @@ def cut_buckets(flat: FlatLayout, ps: ParallelState, cap_mb: float | None, reduc
         shard = (end - start) // dp
         lo = start + r * shard
         master = flat.gather(lo, lo + shard, values, torch.float32)
-        norm = _norm_segments(flat, lo, lo + shard, ps.tp_size)
+        norm = _norm_segments(flat, lo, lo + shard, ps.etp.size if flat.expert else ps.tp_size)
         buckets.append(Bucket(start, end, master, flat.pieces(start, end), norm))
     return buckets
 

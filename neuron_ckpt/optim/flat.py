@@ -2,7 +2,9 @@
 
 The parameters of one (param group, dtype) sit one after another in a *flat* sequence of elements
 (each parameter's elements in its own order), padded at its end to a multiple of DP so that every
-DP rank's slice of it has the same length. A flat is offsets, not a copy: :meth:`FlatLayout.gather`
+DP rank's slice of it has the same length. Under expert parallelism the experts (parameters
+tagged ``expert_parallel``) get flats of their own, padded to a multiple of the expert
+data-parallel size, the group that shards them. A flat is offsets, not a copy: :meth:`FlatLayout.gather`
 builds a range of it from tensors laid out like the parameters when one is needed.
 :func:`param_groups` says which parameters are laid out (each once, those that require grad) and
 :func:`flat_layouts` lays them out, one flat per (param group, dtype).
@@ -16,6 +18,8 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
+
+from ..parallel.params import is_expert_parallel
 
 
 class Piece(NamedTuple):
@@ -40,15 +44,17 @@ class FlatLayout:
     offsets: list[int]
     numel: int
     padded: int
+    expert: bool = False
+    """Expert-parallel parameters, sharded over the expert data-parallel group rather than DP."""
 
     @classmethod
-    def of(cls, group: int, params: list[torch.Tensor], dp: int) -> FlatLayout:
+    def of(cls, group: int, params: list[torch.Tensor], dp: int, expert: bool = False) -> FlatLayout:
         """``params`` (one dtype) in the order given, padded to a multiple of ``dp``."""
         offsets = [0]
         for p in params[:-1]:
             offsets.append(offsets[-1] + p.numel())
         numel = offsets[-1] + params[-1].numel()
-        return cls(group, params[0].dtype, params, offsets, numel, numel + -numel % dp)
+        return cls(group, params[0].dtype, params, offsets, numel, numel + -numel % dp, expert)
 
     def index(self, param: torch.Tensor) -> int | None:
         """The position of ``param`` (this very tensor) in the flat, or None."""
@@ -115,13 +121,15 @@ def param_groups(params: Iterable[torch.Tensor] | Iterable[dict[str, Any]]) -> l
     return out
 
 
-def flat_layouts(groups: list[dict[str, Any]], dp: int) -> list[FlatLayout]:
+def flat_layouts(groups: list[dict[str, Any]], dp: int, edp: int | None = None) -> list[FlatLayout]:
     """One flat per (param group, dtype) of ``groups`` (as :func:`param_groups` returns them), in
-    group order, then in the order each dtype is first met; parameters in the order listed."""
+    group order, then in the order each dtype is first met; parameters in the order listed.
+    ``edp`` (under expert parallelism): the experts apart, one flat per (param group, dtype)
+    padded to a multiple of ``edp``."""
     out = []
     for i, g in enumerate(groups):
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        by_kind: dict[tuple[torch.dtype, bool], list[torch.Tensor]] = {}
         for p in g["params"]:
-            by_dtype.setdefault(p.dtype, []).append(p)
-        out += [FlatLayout.of(i, same, dp) for same in by_dtype.values()]
+            by_kind.setdefault((p.dtype, edp is not None and is_expert_parallel(p)), []).append(p)
+        out += [FlatLayout.of(i, same, edp if expert else dp, expert) for (_, expert), same in by_kind.items()]  # type: ignore[arg-type]  # edp is set wherever expert is True
     return out

@@ -1,9 +1,10 @@
 """What a saved ZeRO-1 state must match to load: its layout version, and the layout it describes.
 
-``Zero1Optimizer.state_dict()["meta"]`` records the layout the slices were cut in (the TP, DP
-and PP sizes and ranks, and per flat its param group, dtypes, parameter shapes, padding and bucket
-boundaries, with the bucket cap that made them). A state loads only into an optimizer whose own
-record is the same; these functions say, field by field, why another does not.
+``Zero1Optimizer.state_dict()["meta"]`` records the layout the slices were cut in (the TP, DP,
+PP, CP and EP sizes and ranks, and per flat its param group, whether it holds experts, dtypes,
+parameter shapes, padding and bucket boundaries, with the bucket cap that made them). A state
+loads only into an optimizer whose own record is the same; these functions say, field by field,
+why another does not.
 """
 
 from __future__ import annotations
@@ -29,10 +30,23 @@ def refuse_other_version(state_dict: dict[str, Any]) -> None:
 
 def layout_mismatches(saved: dict[str, Any], here: dict[str, Any]) -> list[str]:
     """Human-readable ``field: checkpoint X, here Y`` for every difference between two metas."""
-    absent = {"pp_size": 1, "pp_rank": 0}  # states saved before pipeline parallelism: one stage
+    # States saved before pipeline (context, expert) parallelism: one stage (no CP, no experts spread).
+    absent = {"pp_size": 1, "pp_rank": 0, "cp_size": 1, "cp_rank": 0, "ep_size": 1, "ep_rank": 0}
+    sizes = (
+        "dp_size",
+        "tp_size",
+        "pp_size",
+        "cp_size",
+        "ep_size",
+        "dp_rank",
+        "tp_rank",
+        "pp_rank",
+        "cp_rank",
+        "ep_rank",
+    )
     out = [
         f"{k}: checkpoint {saved.get(k, absent.get(k))}, here {here[k]}"
-        for k in ("dp_size", "tp_size", "pp_size", "dp_rank", "tp_rank", "pp_rank")
+        for k in sizes
         if saved.get(k, absent.get(k)) != here[k]
     ]
     a, b = saved.get("flats", []), here["flats"]
@@ -41,9 +55,9 @@ def layout_mismatches(saved: dict[str, Any], here: dict[str, Any]) -> list[str]:
         return out
     for i, (x, y) in enumerate(zip(a, b)):
         name = f"flats[{i}]"
-        for k in ("group", "dtype", "padding"):
-            if x[k] != y[k]:
-                out.append(f"{name}.{k}: checkpoint {x[k]}, here {y[k]}")
+        for k in ("group", "dtype", "padding", "expert"):
+            if x.get(k, False) != y.get(k, False):  # "expert" absent: saved before expert parallelism
+                out.append(f"{name}.{k}: checkpoint {x.get(k, False)}, here {y.get(k, False)}")
         if len(x["shapes"]) != len(y["shapes"]):
             out.append(f"{name} parameter count: checkpoint {len(x['shapes'])}, here {len(y['shapes'])}")
             continue

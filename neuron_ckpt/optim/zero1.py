@@ -2,7 +2,11 @@
 
 Every data-parallel rank holds the whole model and computes full gradients, but owns only a
 1/dp slice of the flattened parameters: it keeps fp32 master weights and optimizer state for that
-slice alone. A step (:meth:`Zero1Optimizer.step`, in this order) is
+slice alone. Under context parallelism the weights are replicated over CP as well, so "DP" here is
+the DP x CP group (``ParallelState.dp_cp``, the DP group itself at CP 1): gradients are averaged
+and the state sharded over its ``dp * cp`` ranks (each CP rank's loss is scaled so that this mean
+is the gradient of the whole sequence's token mean: ``LlamaForCausalLM``). A step
+(:meth:`Zero1Optimizer.step`, in this order) is
 
 1. reduce-scatter the gradients over DP, bucket by bucket (each rank receives the DP-mean of its
    slice of every bucket),
@@ -21,6 +25,15 @@ With fp32 gradient accumulation (on by default for 16-bit parameters) a :class:`
 per flat sums every backward's gradients in fp32 and **leaves ``p.grad`` None**; buckets are then
 reduce-scattered from it in fp32. Without it ``p.grad`` is kept as usual and each bucket is
 flattened from it at ``step()`` and reduced in the parameter dtype.
+
+Under expert parallelism the experts (parameters tagged ``expert_parallel``: each EP rank holds
+different ones) are flats of their own, sharded over the expert data-parallel group (``edp``, the
+ranks holding the same experts) instead of DP: their gradients are reduce-scattered and their
+updates all-gathered there, and scaled like the dense ones, by 1/(DP x CP) (an expert's gradient already
+sums the tokens of every micro-batch of its EP group, sent to it by the all-to-all; summed over
+EDP it covers all DP micro-batches once). In the norm they are summed over EDP, then over EP (each
+rank's own experts) and expert TP, and added to the dense sum, so every rank clips by the same
+coefficient.
 
 Gradients of TP-replicated parameters that saw only a sequence-parallel slice must already be
 complete (the parallel layers all-reduce them in backward, see :mod:`neuron_ckpt.parallel.params`);
@@ -43,7 +56,7 @@ import torch
 
 from ..distributed import collectives
 from ..distributed.parallel_state import ParallelState, get_parallel_state
-from .buckets import Bucket, copy_into_params, cut_buckets
+from .buckets import Bucket, copy_into_params, cut_buckets, shard_group
 from .flat import FlatLayout, flat_layouts, param_groups
 from .grad_buffer import GradBuffer, refuse_claimed
 from .layout_check import LAYOUT_VERSION, layout_mismatches, refuse_other_version
@@ -66,6 +79,7 @@ class _Flat:
         flat = self.layout
         return {
             "group": flat.group,
+            "expert": flat.expert,
             "dtype": str(flat.dtype),
             "reduce_dtype": str(self.reduce_dtype),
             "shapes": [tuple(p.shape) for p in flat.params],
@@ -132,14 +146,14 @@ class Zero1Optimizer(torch.optim.Optimizer):
         self.grad_clip_norm = grad_clip_norm
         self._auto_cap = bucket_cap_mb == "auto"
         if self._auto_cap:
-            bucket_cap_mb = collectives.default_bucket_cap_mb(ps.dp)
+            bucket_cap_mb = collectives.default_bucket_cap_mb(ps.dp_cp)
         self.bucket_cap_mb = cast("float | None", bucket_cap_mb)  # "auto" was replaced above
         self.last_grad_norm: torch.Tensor | None = None
 
         groups = param_groups(params)
         self._flats: list[_Flat] = []
         accumulated = []
-        for layout in flat_layouts(groups, ps.dp_size):
+        for layout in flat_layouts(groups, ps.dp_cp.size, ps.edp.size if ps.ep is not None else None):
             accumulate = layout.dtype in _SIXTEEN_BIT if accumulate_fp32 is None else accumulate_fp32
             # Accumulate and reduce in at least fp32 (an fp64 parameter keeps fp64).
             reduce_dtype = torch.promote_types(layout.dtype, torch.float32) if accumulate else layout.dtype
@@ -251,8 +265,9 @@ class Zero1Optimizer(torch.optim.Optimizer):
 
     def _reduce_scatter_grads(self) -> list[torch.Tensor]:
         """Every bucket's slice of the DP-mean gradient on this rank, in fp32, as fresh tensors
-        the step may scale in place (at DP 1 the reduced tensor is the accumulation buffer)."""
-        dp = self.parallel_state.dp
+        the step may scale in place (at DP 1 the reduced tensor is the accumulation buffer).
+        Expert buckets are summed over EDP and divided by DP x CP too (module docstring)."""
+        dp = self.parallel_state.dp_cp
         pending, out = [], []
         for flat in self._flats:
             for b in flat.buckets:
@@ -260,30 +275,36 @@ class Zero1Optimizer(torch.optim.Optimizer):
                     full = flat.grad.data[b.start : b.end]
                 else:
                     full = flat.layout.gather(b.start, b.end, [p.grad for p in flat.layout.params], flat.layout.dtype)
-                pending.append(collectives.reduce_scatter_start(full, dp))
+                pending.append(collectives.reduce_scatter_start(full, shard_group(self.parallel_state, flat.layout)))
                 if len(pending) == self._IN_FLIGHT:
                     out.append(pending.pop(0).wait())
         out += [p.wait() for p in pending]
         return [mine.to(torch.float32) / dp.size for mine in out]
 
     def _global_grad_norm(self, buckets: list[Bucket], grads: list[torch.Tensor]) -> torch.Tensor:
-        sq = torch.zeros((), dtype=torch.float32, device=buckets[0].master.device)
-        for b, g in zip(buckets, grads):
+        device = buckets[0].master.device
+        sq = {False: torch.zeros((), dtype=torch.float32, device=device), True: torch.zeros((), device=device)}
+        experts = [f.layout.expert for f in self._flats for _ in f.buckets]
+        for b, g, expert in zip(buckets, grads, experts):
             for start, end, weight in b.norm_segments:
-                sq = sq + g[start:end].pow(2).sum() * weight
+                sq[expert] = sq[expert] + g[start:end].pow(2).sum() * weight
         ps = self.parallel_state
-        sq = collectives.all_reduce(sq, ps.dp)
-        sq = collectives.all_reduce(sq, ps.tp)
+        total = collectives.all_reduce(collectives.all_reduce(sq[False], ps.dp_cp), ps.tp)
+        if any(experts):  # each rank's experts: summed over their shards (EDP), the EP ranks and expert TP
+            assert ps.ep is not None  # expert flats exist under expert parallelism only
+            spread = collectives.all_reduce(collectives.all_reduce(sq[True], ps.edp), ps.ep)
+            total = total + collectives.all_reduce(spread, ps.etp)
         if ps.pp is not None and ps.pp.size > 1:  # each stage holds its own parameters: the norm is over all
-            sq = collectives.all_reduce(sq, ps.pp)
-        return sq.sqrt()
+            total = collectives.all_reduce(total, ps.pp)
+        return total.sqrt()
 
     def _all_gather_params(self) -> None:
         """Gather every bucket's updated slices over DP into the model parameters."""
         pending = []
         for flat in self._flats:
             for b in flat.buckets:
-                gathered = collectives.all_gather_start(b.master.to(flat.layout.dtype), self.parallel_state.dp)
+                group = shard_group(self.parallel_state, flat.layout)
+                gathered = collectives.all_gather_start(b.master.to(flat.layout.dtype), group)
                 pending.append((flat.layout, b, gathered))
                 if len(pending) == self._IN_FLIGHT:
                     copy_into_params(*pending.pop(0))
@@ -296,7 +317,8 @@ class Zero1Optimizer(torch.optim.Optimizer):
         """This rank's slices: inner optimizer state, fp32 master weights and layout metadata.
 
         Tensors are references, as with torch optimizers; save them before the next step.
-        Every rank saves its own (``optim_dp{dp_rank}_tp{tp_rank}.pt``, say). Accumulated
+        Every rank saves its own (``optim_dp{dp_rank}_tp{tp_rank}.pt``, say; under expert
+        parallelism its experts' slices too, which differ by EP rank). Accumulated
         gradients are not state (as ``p.grad`` is not).
         """
         return {
@@ -340,6 +362,10 @@ class Zero1Optimizer(torch.optim.Optimizer):
             "tp_rank": ps.tp_rank,
             "pp_size": ps.pp_size,
             "pp_rank": ps.pp_rank,
+            "cp_size": ps.cp_size,
+            "cp_rank": ps.cp_rank,
+            "ep_size": ps.ep_size,
+            "ep_rank": ps.ep_rank,
             "bucket_cap_mb": self.bucket_cap_mb,
             "flats": [f.meta() for f in self._flats],
         }

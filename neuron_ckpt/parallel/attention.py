@@ -24,7 +24,14 @@ attention output ``[s, b, heads*d]``. Two implementations, same numerics up to r
 Grouped-query attention: the query heads that share a key/value head are folded into the
 sequence dim of one matmul, so key and value are never repeated in memory.
 
-Dropout draws from the model-parallel RNG stream (heads differ per TP rank).
+Dropout draws from the model-parallel RNG stream (heads differ per TP rank, and queries per CP
+rank: :func:`~neuron_ckpt.distributed.random.model_parallel_manual_seed`).
+
+Context parallelism (``context_parallel_group`` of more than one rank): ``q``, ``k``, ``v`` hold
+this rank's ``s/c`` tokens (:mod:`.context_parallel.split`), keys and values are all-gathered
+over CP and each query chunk attends to the keys before it
+(:func:`~.context_parallel.context_parallel_attention`), with either implementation; on XLA the
+NKI kernel cannot take a chunk against a longer key prefix, so ``flash`` runs ``explicit`` there.
 """
 
 from __future__ import annotations
@@ -35,7 +42,9 @@ import math
 
 import torch
 
+from ..distributed.parallel_state import Group
 from ..distributed.random import get_rng_tracker
+from .context_parallel import context_parallel_attention
 from .dropout import dropout
 from .flash import flash_attention, unavailable, warn_fallback
 from .fused_ops import masked_softmax
@@ -68,15 +77,19 @@ def masked_score(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).min
 
 
-def _flash_runs_on(device_type: str, s: int, d: int) -> bool:
-    why = unavailable(device_type, s, d)
+def _flash_runs_on(device_type: str, s: int, d: int, context_parallel_size: int = 1) -> bool:
+    why = unavailable(device_type, s, d, context_parallel_size)
     if why is not None:
         warn_fallback(why)
     return why is None
 
 
 class CoreAttention(torch.nn.Module):
-    """Causal multi-head (or grouped-query) attention over local heads, sequence-first."""
+    """Causal multi-head (or grouped-query) attention over local heads, sequence-first.
+
+    ``context_parallel_group``: the CP group when the sequence is split over it (None or a group
+    of one: the whole sequence is here).
+    """
 
     def __init__(
         self,
@@ -86,6 +99,7 @@ class CoreAttention(torch.nn.Module):
         attention_dropout: float = 0.0,
         softmax_in_fp32: bool = True,
         implementation: str = "explicit",
+        context_parallel_group: Group | None = None,
     ):
         super().__init__()
         for name, value in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
@@ -100,6 +114,8 @@ class CoreAttention(torch.nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.attention_dropout, self.softmax_in_fp32 = attention_dropout, softmax_in_fp32
         self.implementation = implementation
+        cp = context_parallel_group
+        self.context_parallel_group = cp if cp is not None and cp.size > 1 else None
 
     def causal_mask(self, s: int, device: torch.device) -> torch.Tensor:
         """The ``[s, s]`` bool mask (True above the diagonal) every layer shares; see :func:`causal_mask`."""
@@ -110,26 +126,42 @@ class CoreAttention(torch.nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         s, b = q.shape[:2]
         a, g, d = self.num_heads, self.num_kv_heads, self.head_dim
-        q = q.view(s, b, a, d).permute(1, 2, 0, 3)  # [b, a, s, d]
-        k = k.view(s, b, g, d).permute(1, 2, 0, 3)  # [b, g, s, d]
-        v = v.view(s, b, g, d).permute(1, 2, 0, 3)
+        qh = q.view(s, b, a, d).permute(1, 2, 0, 3)  # [b, a, s, d]
         p = self.attention_dropout if self.training else 0.0
+        cp = self.context_parallel_group
         with get_rng_tracker().fork() if p > 0 else contextlib.nullcontext():
-            if self.implementation == "flash" and _flash_runs_on(q.device.type, s, d):
-                out = flash_attention(q, k, v, p)
+            if cp is not None:
+                out = self._context_parallel(qh, k, v, p, cp)
             else:
-                out = self._explicit(q, k, v, p)
+                kh = k.view(s, b, g, d).permute(1, 2, 0, 3)  # [b, g, s, d]
+                vh = v.view(s, b, g, d).permute(1, 2, 0, 3)
+                if self.implementation == "flash" and _flash_runs_on(q.device.type, s, d):
+                    out = flash_attention(qh, kh, vh, p)
+                else:
+                    out = self._explicit(qh, kh, vh, self.causal_mask(s, q.device), p)
         return out.permute(2, 0, 1, 3).reshape(s, b, a * d)
 
-    def _explicit(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float) -> torch.Tensor:
-        b, a, s, d = q.shape
-        g = k.shape[1]
-        # Fold the a/g query heads of each kv group into the row dim: [b, g, (a/g)*s, d]. Scale
+    def _context_parallel(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float, cp: Group) -> torch.Tensor:
+        c, d = cp.size, self.head_dim
+        if self.implementation == "flash" and _flash_runs_on(q.device.type, q.shape[2] * c, d, c):
+            attend = functools.partial(_flash_chunk, p=p)
+            mask_dtype = q.dtype  # an additive mask: SDPA would turn a bool one into a new one per call
+        else:
+            attend, mask_dtype = functools.partial(self._explicit, p=p), torch.bool
+        return context_parallel_attention(q, k, v, cp, self.num_kv_heads, d, attend, mask_dtype)
+
+    def _explicit(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, p: float
+    ) -> torch.Tensor:
+        """``q [b, a, sq, d]`` over ``k, v [b, g, sk, d]``; ``mask [sq, sk]`` bool, True where masked."""
+        b, a, sq, d = q.shape
+        g, sk = k.shape[1], k.shape[2]
+        # Fold the a/g query heads of each kv group into the row dim: [b, g, (a/g)*sq, d]. Scale
         # q (s*d elements) rather than the scores (s*s), and mask the fresh scores in place: on
         # memory-bound devices every pass over an [b, a, s, s] tensor costs as much as a matmul.
-        qg = q.reshape(b, g, (a // g) * s, d) * (1.0 / math.sqrt(d))
-        scores = torch.matmul(qg, k.transpose(-1, -2)).view(b, a, s, s)
-        mask, fill = self.causal_mask(s, q.device), masked_score(scores.dtype)
+        qg = q.reshape(b, g, (a // g) * sq, d) * (1.0 / math.sqrt(d))
+        scores = torch.matmul(qg, k.transpose(-1, -2)).view(b, a, sq, sk)
+        fill = masked_score(scores.dtype)
         if self.softmax_in_fp32:
             # One Function: keeps only the 16-bit probabilities (which the matmul with V keeps
             # anyway), not the fp32 softmax beside them; no backward pass for the mask.
@@ -138,12 +170,17 @@ class CoreAttention(torch.nn.Module):
             probs = torch.softmax(scores.masked_fill_(mask, fill), dim=-1)
         if p > 0:
             probs = dropout(probs, p)  # 1-byte mask, as the paper counts
-        out = torch.matmul(probs.view(b, g, (a // g) * s, s), v)
-        return out.view(b, a, s, d)
+        out = torch.matmul(probs.view(b, g, (a // g) * sq, sk), v)
+        return out.view(b, a, sq, d)
 
     def extra_repr(self) -> str:
         return (
             f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
             f"dropout={self.attention_dropout}, softmax_in_fp32={self.softmax_in_fp32}, "
             f"implementation={self.implementation!r}"
+            + (f", context_parallel={self.context_parallel_group.size}" if self.context_parallel_group else "")
         )
+
+
+def _flash_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, p: float) -> torch.Tensor:
+    return flash_attention(q, k, v, p, mask)

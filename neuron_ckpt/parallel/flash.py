@@ -48,10 +48,16 @@ def nki_flash_attn_func():
         return None
 
 
-def unavailable(device_type: str, seq_len: int, head_dim: int) -> str | None:
-    """Why no flash kernel can run for this device and shape (None: one can)."""
+def unavailable(device_type: str, seq_len: int, head_dim: int, context_parallel_size: int = 1) -> str | None:
+    """Why no flash kernel can run for this device and shape (None: one can). ``seq_len``: the
+    whole sequence (all CP ranks')."""
     if device_type != "xla":
         return None
+    if context_parallel_size > 1:
+        return (
+            "under context parallelism each query chunk attends to a longer key prefix (a lower-right "
+            "causal block), and the NKI flash kernel takes causal attention over equal query and key lengths only"
+        )
     if nki_flash_attn_func() is None:
         return f"{NKI_MODULE}.nki_flash_attn_func is not importable (the Neuron venv has it)"
     if seq_len % NKI_SEQ_MULTIPLE:
@@ -76,15 +82,25 @@ def warn_fallback(why: str) -> None:
     _warn_once(f"attention 'flash' runs the explicit attention instead: {why}")
 
 
-def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
+def flash_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float, mask: torch.Tensor | None = None
+) -> torch.Tensor:
     """Causal attention of ``q [b, a, s, d]`` over ``k, v [b, g, s, d]`` (g divides a; views with
-    any strides are fine); returns ``[b, a, s, d]``. Check :func:`unavailable` first on XLA."""
+    any strides are fine); returns ``[b, a, s, d]``. Check :func:`unavailable` first on XLA.
+
+    ``mask``: instead of the causal mask, an additive ``[s_q, s_k]`` mask in ``q``'s dtype (a
+    query chunk against a longer key prefix under context parallelism; not on XLA). Pass one
+    tensor shared by every call: SDPA keeps it for backward."""
     a, g = q.shape[1], k.shape[1]
     if dropout_p > 0 and q.device.type == "cpu" and not torch.compiler.is_compiling():
         _warn_once(
             "attention 'flash' with dropout on CPU: torch's SDPA runs its math path, which keeps fp32 "
             "[b, a, s, s] tensors (the memory model counts the flash kernel, without dropout)"
         )
+    if mask is not None:
+        if q.device.type == "xla":
+            raise ValueError("flash_attention: a mask other than the causal one is not supported on XLA")
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=a != g)
     if q.device.type != "xla":
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=a != g)
     if a != g:  # query head i reads kv head i // (a/g), as repeat_kv and the explicit path

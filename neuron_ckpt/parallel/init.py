@@ -5,12 +5,19 @@ ranks) and keeps its slice. A layer built at t=1 and at t=4 from the same seed t
 the same full weight, and every rank advances the default generator identically, so replicated
 parameters built later agree too. The cost is a transient full-size tensor on the host during
 construction (for Llama-2 7B, at most the 32000 x 4096 embedding: 0.5 GB fp32).
+
+A model built from one ``seed`` draws each part from the default generator seeded for that part
+(:func:`drawn_for`: the embedding, each layer by its global index, the head), so the same seed
+gives the same model whatever builds it: ``LlamaForCausalLM`` whole, or the stages of any
+pipeline cut (a stage never has to draw the parts before it).
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -41,6 +48,25 @@ def shard_of_full(
     init_method(full)
     shard = full.chunk(num_shards, dim=partition_dim)[index]
     return shard.to(dtype=dtype, device=device).contiguous()
+
+
+def part_seed(seed: int, part: str) -> int:
+    """The seed a part of the model is drawn from: ``seed`` and the part's name, hashed."""
+    digest = hashlib.blake2b(f"{seed}/{part}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1  # torch.manual_seed takes up to 2**63 - 1
+
+
+@contextlib.contextmanager
+def drawn_for(seed: int | None, part: str) -> Iterator[None]:
+    """Build a part with the default CPU generator (where the parallel layers draw full weights)
+    seeded for it by :func:`part_seed`; the live generator is put back afterwards. ``seed`` None:
+    draw from the live generator as it stands (no reseeding)."""
+    if seed is None:
+        yield
+        return
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(part_seed(seed, part))
+        yield
 
 
 def check_divisible(value: int, name: str, tp_size: int) -> None:

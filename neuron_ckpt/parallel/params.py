@@ -7,6 +7,10 @@ Parallel layers tag their parameters; optimizers and checkpoint code read the ta
 * ``param.tensor_parallel_replicas = r`` (default 1): ``r`` ranks of the TP group hold the same
   slice (grouped-query key/value heads replicated when there are fewer heads than ranks).
 * untagged: replicated on every TP rank (norm weights, row-parallel bias).
+* ``param.expert_parallel = True``: this rank's share of a layer's experts under expert
+  parallelism (:mod:`neuron_ckpt.parallel.experts`): whole experts, different on every rank of
+  the EP group and the same on every rank of the expert data-parallel group (``ParallelState.edp``),
+  over which ZeRO-1 reduces its gradient and shards its state.
 
 Gradients of replicated parameters that see only a sequence-parallel slice of the input are
 completed *inside* the layer (an all-reduce over TP in backward), so an optimizer never has to
@@ -38,3 +42,11 @@ def tensor_parallel_duplicates(param: torch.Tensor, tp_size: int) -> int:
     if is_tensor_parallel(param):
         return int(getattr(param, "tensor_parallel_replicas", 1))
     return tp_size
+
+
+def set_expert_parallel_attribute(param: torch.Tensor) -> None:
+    param.expert_parallel = True  # type: ignore[attr-defined]  # a marker torch does not declare
+
+
+def is_expert_parallel(param: torch.Tensor) -> bool:
+    return bool(getattr(param, "expert_parallel", False))

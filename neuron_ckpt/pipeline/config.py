@@ -17,6 +17,13 @@ _V_SHAPED = "it places stages in a V (rank 0 holds the first and last stage); th
 REFUSED = {"ZBVZeroBubble": _V_SHAPED, "DualPipeV": _V_SHAPED}
 LOSS_AVERAGES = ("tokens", "micro_batches")
 
+CP_REFUSAL = (
+    "context parallelism (context_parallel_size={cp}) does not combine with pipeline parallelism yet: "
+    "LlamaPipeline's stages take the whole sequence (no CP split of ids, targets and positions, no loss "
+    "over the CP group); train with one or the other (docs/context_parallel.md)"
+)
+"""Why ``LlamaPipeline`` (and ``train.py --pp N --cp C``) refuse a CP degree above 1, in one line."""
+
 
 @dataclass(frozen=True)
 class PipelineConfig:

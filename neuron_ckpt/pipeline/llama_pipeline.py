@@ -27,7 +27,7 @@ import torch
 from ..distributed import runtime
 from ..distributed.parallel_state import ParallelState, get_parallel_state
 from ..models.llama_args import LlamaArgs
-from .config import PipelineConfig
+from .config import CP_REFUSAL, PipelineConfig
 from .cut import PipelineCut, cut_layers
 from .hf_weights import load_stage_hf_state_dict, stage_hf_state_dict
 from .llama_stage import LlamaStage
@@ -63,6 +63,8 @@ class LlamaPipeline:
         if not isinstance(pipeline, PipelineConfig):
             raise TypeError(f"pipeline must be a PipelineConfig, got {type(pipeline).__name__}")
         state = parallel_state if parallel_state is not None else get_parallel_state()
+        if state.cp_size > 1:
+            raise ValueError(CP_REFUSAL.format(cp=state.cp_size))
         pipeline.validate(state.pp_size)
         for name, value in (("micro_batch_size", micro_batch_size), ("seq_len", seq_len)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

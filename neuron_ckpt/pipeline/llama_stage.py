@@ -17,11 +17,9 @@ does), so a stage's ``state_dict()`` is a slice of the full model's and
 :func:`~neuron_ckpt.recompute.apply_recompute` works on a stage as on a model.
 
 Initialisation, independent of the cut, ``t`` and ``p``: each part draws its weights from the
-default generator seeded by ``(seed, part)`` (the embedding, each layer by its global index, the
-final norm and head), so the stages of any cut of one seed hold the same model. That model is not
-``LlamaForCausalLM``'s from the same seed (it draws every part from one stream: a stage would have
-to draw everything before it); compare with it by loading one state dict into both
-(:meth:`LlamaStage.load_hf_state_dict`).
+default generator seeded by ``(seed, part)`` (:func:`~neuron_ckpt.parallel.init.drawn_for`: the
+embedding, each layer by its global index, the head), so the stages of any cut of one seed hold
+the same model, and it is ``LlamaForCausalLM(..., seed=seed)``'s.
 
 Tied embeddings (``tie_word_embeddings``): a stage holding both ends (one stage) shares one
 parameter, as ``LlamaForCausalLM`` does. Otherwise the last stage's ``lm_head.weight`` is its own
@@ -31,8 +29,6 @@ first stage's by :func:`~neuron_ckpt.pipeline.tied.all_reduce_tied_gradients`.
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 from typing import Any
 
 import torch
@@ -42,7 +38,7 @@ from ..models.llama import LlamaDecoderLayer, LlamaOptions
 from ..models.llama_args import LlamaArgs
 from ..models.rotary import RotaryEmbedding
 from ..parallel import ColumnParallelLinear, RMSNorm, VocabParallelEmbedding
-from ..parallel.init import normal_init
+from ..parallel.init import drawn_for, normal_init
 from ..recompute import run_layers
 from .rng import StageRNG
 
@@ -90,18 +86,18 @@ class LlamaStage(torch.nn.Module):
         state, sp = options.parallel_state, options.sequence_parallel
         init = normal_init(args.initializer_range)
         if self.is_first:
-            with _drawn_for(seed, "embedding"):
+            with drawn_for(seed, "embedding"):
                 self.embed_tokens = VocabParallelEmbedding(
                     args.vocab_size, args.hidden_size, sp, init, dtype, parallel_state=state
                 )
         self.layers = torch.nn.ModuleDict()
         for i in layers:
-            with _drawn_for(seed, f"layer {i}"):
+            with drawn_for(seed, f"layer {i}"):
                 self.layers[str(i)] = LlamaDecoderLayer(args, options)
         if self.is_last:
             self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, sp, dtype, parallel_state=state)
             # Tied: the embedding's draw, so a head on another stage starts equal to the table.
-            with _drawn_for(seed, "embedding" if args.tie_word_embeddings else "head"):
+            with drawn_for(seed, "embedding" if args.tie_word_embeddings else "head"):
                 self.lm_head = ColumnParallelLinear(
                     args.hidden_size, args.vocab_size, **options.linear(args, bias=False)
                 )
@@ -153,18 +149,3 @@ class LlamaStage(torch.nn.Module):
         if self.is_last:
             return self.lm_head(self.norm(hidden))
         return hidden
-
-
-def part_seed(seed: int, part: str) -> int:
-    """The seed a part of the model is drawn from: ``seed`` and the part's name, hashed."""
-    digest = hashlib.blake2b(f"{seed}/{part}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1  # torch.manual_seed takes up to 2**63 - 1
-
-
-@contextlib.contextmanager
-def _drawn_for(seed: int, part: str):
-    """Build a part with the default CPU generator (the parallel layers draw full weights there,
-    :mod:`neuron_ckpt.parallel.init`) seeded for it; the live generator is put back afterwards."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(part_seed(seed, part))
-        yield

@@ -54,6 +54,7 @@ from . import hf, mla, moe
 from .config import RecomputeConfig, validate_per_layer
 from .module import SEQUENCE_PARALLEL, DiscardScope, Recompute, unwrapped
 from .module_map import DISCARDING, Patterns, check_every_name_matched, resolve_module_map, selected_modules
+from .offload import install as offload
 from .patch import unpatch
 
 Layers = torch.nn.Module | Sequence[torch.nn.Module]  # a model with .layers, or the layers
@@ -76,9 +77,10 @@ def apply_recompute(
     module_map: Patterns | None = None,
     sequence_parallel: bool | None = None,
 ) -> list[str]:
-    """Make ``model``'s layers recompute as ``config`` says; returns the recomputed units, e.g.
-    ``["0.core_attn", ...]`` (selective), ``["0", "1"]`` (block / uniform 1), ``["0-1", "2-3"]``
-    (uniform 2).
+    """Make ``model``'s layers recompute (and offload) as ``config`` says; returns the recomputed
+    units, e.g. ``["0.core_attn", ...]`` (selective), ``["0", "1"]`` (block / uniform 1),
+    ``["0-1", "2-3"]`` (uniform 2), then the offloaded ones (``"0.mlp (offload)"``, ``"0 (offload)"``
+    for a whole layer; :mod:`.offload`).
 
     ``model``: a module whose transformer layers are ``model.layers``, or the layers themselves
     (an ``nn.ModuleList`` or a list). ``config``: one :class:`RecomputeConfig` for every layer
@@ -98,7 +100,8 @@ def apply_recompute(
     """
     if hf.is_transformers_model(model):  # its layers, core attention and KV cache: see .hf
         layers, generic, finish = hf.prepare(model, config, module_map, sequence_parallel)
-        return _apply(model, layers, generic, module_map, sequence_parallel) + finish()
+        functions = hf.offload_functions(module_map)
+        return _apply(model, layers, generic, module_map, sequence_parallel, functions) + finish()
     return _apply(_container(model), _as_layer_list(model), config, module_map, sequence_parallel)
 
 
@@ -114,14 +117,23 @@ def remove_recompute(model: Layers) -> None:
             scope = parent.__dict__.pop(_SCOPE, None)
             if scope is not None:
                 scope.remove()
+            offload.remove(parent)
             for name, child in list(parent._modules.items()):
                 if isinstance(child, Recompute):
                     parent._modules[name] = child.module
 
 
-def _apply(root, layers: Modules, config, module_map, sequence_parallel: bool | None) -> list[str]:
+def _apply(
+    root,
+    layers: Modules,
+    config,
+    module_map,
+    sequence_parallel: bool | None,
+    functions: offload.Functions | None = None,
+) -> list[str]:
     """Validate, list the units (changing nothing), then replace each unit's module in ``root``
-    (a module holding the layers, or None for a plain list of them)."""
+    (a module holding the layers, or None for a plain list of them) and put offload's hooks on
+    the units ``offload_modules`` names (``functions``: offloaded names that are functions, .hf)."""
     if sequence_parallel is None:
         sequence_parallel = _runs_sequence_parallel(layers)
     patterns = resolve_module_map(module_map)
@@ -141,19 +153,30 @@ def _apply(root, layers: Modules, config, module_map, sequence_parallel: bool | 
             f"config must be a RecomputeConfig, a per-layer list of them or None, got {type(config).__name__}"
         )
     requested = {m for c in configs if c is not None and c.granularity == "selective" for m in c.modules}
-    check_every_name_matched(requested, matched, patterns, type(root).__name__ if root is not None else "the layers")
+    model_name = type(root).__name__ if root is not None else "the layers"
+    check_every_name_matched(requested, matched, patterns, model_name)
     if root is None and any(m is layer for unit in units for m in unit.modules for layer in layers):
         raise TypeError(
             "full recompute replaces whole layers where the model holds them: pass the model or its "
             "nn.ModuleList of layers, not a plain list"
         )
+    recomputed = {id(m) for unit in units if unit.kind not in _INSTALLERS for m in unit.modules}
+    offloaded = offload.plan(
+        layers, offload.per_layer_names(config, len(layers)), patterns, recomputed, functions or {}, model_name
+    )
     remove_recompute(root if root is not None else layers)
     slots = _slots(root if root is not None else layers)
     for unit in units:
         unit.install(slots)
     for layer in {id(u.layer): u.layer for u in units if u.discard}.values():
         layer.__dict__[_SCOPE] = DiscardScope(layer)  # type: ignore[arg-type]  # a discarding unit has its layer
-    return [unit.name for unit in units]
+
+    def holders(module: torch.nn.Module) -> list[torch.nn.Module]:  # what stands where module stood
+        return [parent._modules[name] for parent, name in slots.get(id(module), [])] or [module]  # type: ignore[misc]  # set slots hold modules
+
+    offloader = offload.install(offloaded, [holders(layer)[0] for layer in layers], layers, holders)
+    offload.attach(root if root is not None else layers, offloader)
+    return [unit.name for unit in units] + [f"{unit.name} (offload)" for unit in offloaded]
 
 
 # --------------------------------------------------------------------------------------------

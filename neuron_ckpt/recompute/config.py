@@ -8,6 +8,7 @@ Megatron Bridge / NeMo         here
 ``recompute_num_layers``       ``num_layers`` (full only)
 ``recompute_modules``          ``modules`` (selective only; default ``["core_attn"]``)
 ``distribute_saved_activations``  ``distribute_saved_activations``
+``offload_modules``            ``offload_modules`` (what those modules keep goes to host memory)
 =============================  ==========================================================
 
 Everything that can be checked from the config alone is checked at construction. The number of
@@ -32,6 +33,10 @@ MOE_MODULES = ("moe", "moe_act", "shared_experts", "mla_up_proj")
 MODULES = DENSE_MODULES + MOE_MODULES
 # Megatron Bridge spells the norm "layernorm"; accept it and store the canonical name.
 MODULE_ALIASES = {"layernorm": "norm"}
+# What offload_modules takes: the selective names that are modules in every model, and "layer",
+# everything a layer keeps (DeepSpeed's cpu_checkpointing under full recompute: its input).
+# moe_act and mla_up_proj are a function inside a module (see .moe, .mla), not offloadable yet.
+OFFLOAD_MODULES = ("layer", "core_attn", "mlp", "mlp_act", "norm", "moe", "shared_experts")
 
 
 @dataclass(frozen=True)
@@ -77,6 +82,15 @@ class RecomputeConfig:
     rerun once the last tensor backward needs is rebuilt (a Llama layer's down projection is never
     rerun) and supports ``torch.autograd.grad``; refused on XLA."""
 
+    offload_modules: tuple[str, ...] = ()
+    """Modules whose kept activations go to host memory in forward and come back in backward, copied
+    beside the compute (docs/offload.md): each name of :data:`OFFLOAD_MODULES` offloads what that
+    module keeps for backward (a recomputed module: its checkpoint's inputs), ``"layer"`` what the
+    whole layer keeps (under full recompute: its input). One config for every layer leaves the
+    last layer alone (backward needs it first); a per-layer list offloads what each entry says.
+    A module inside a recomputed one (``mlp_act`` in a recomputed ``mlp``, anything but
+    ``"layer"`` under full recompute) keeps nothing to offload and is refused."""
+
     def __post_init__(self) -> None:
         # Normalise ``modules`` (a list is fine as input; the frozen config stores a tuple).
         modules = self.modules
@@ -90,6 +104,7 @@ class RecomputeConfig:
             if name not in canonical:
                 canonical.append(name)
         object.__setattr__(self, "modules", tuple(canonical))
+        object.__setattr__(self, "offload_modules", _offload_names(self.offload_modules))
 
         if self.granularity not in GRANULARITIES:
             raise ValueError(f"granularity must be one of {list(GRANULARITIES)}, got {self.granularity!r}")
@@ -132,6 +147,16 @@ class RecomputeConfig:
                 raise ValueError(
                     "distribute_saved_activations=True needs recompute: set granularity to 'selective' or 'full'"
                 )
+        if self.granularity == "full" and set(self.offload_modules) - {"layer"}:
+            raise ValueError(
+                f"offload_modules={list(self.offload_modules)} with granularity='full': a recomputed layer keeps "
+                "only its input, so only 'layer' (that input) can be offloaded"
+            )
+        if self.offload_modules and self.granularity == "full" and self.method == "uniform" and self.num_layers != 1:
+            raise ValueError(
+                f"offload_modules with method='uniform' and num_layers={self.num_layers}: offload needs one layer "
+                "per activation checkpoint (num_layers=1, or method='block')"
+            )
         if self.distribute_saved_activations and self.use_reentrant is False:
             raise ValueError(
                 "distribute_saved_activations=True needs use_reentrant=True (the non-reentrant "
@@ -169,6 +194,7 @@ class RecomputeConfig:
 
     @property
     def enabled(self) -> bool:
+        """Whether anything is recomputed (offload alone is not recompute)."""
         return self.granularity is not None
 
     def validate(self, num_layers_in_model: int, sequence_parallel: bool = False) -> None:
@@ -185,14 +211,43 @@ class RecomputeConfig:
                 "distribute_saved_activations=True cannot be used with sequence_parallel=True: the "
                 "saved input is already split over the tensor-parallel group"
             )
-        if self.use_reentrant is False and self.enabled:
-            from ..distributed.runtime import is_xla
+        from ..distributed.runtime import is_xla
 
+        if self.offload_modules and is_xla():
+            raise ValueError(
+                "offload_modules is not supported on XLA (trn1): XLA has no streams to copy beside the compute, "
+                "and Neuron does not support host placement of activations; leave offload_modules empty"
+            )
+        if self.use_reentrant is False and self.enabled:
             if is_xla():
                 raise ValueError(
                     "use_reentrant=False is not supported on XLA (torch_xla's checkpoint is reentrant "
                     "only); use use_reentrant=True or leave it None"
                 )
+
+
+def _offload_names(names) -> tuple[str, ...]:
+    if isinstance(names, str):
+        raise ValueError(
+            f"offload_modules must be a list of names from {list(OFFLOAD_MODULES)}, got the string {names!r}"
+        )
+    canonical: list[str] = []
+    for name in names:
+        name = MODULE_ALIASES.get(name, name)
+        if name in MODULES and name not in OFFLOAD_MODULES:
+            raise ValueError(
+                f"offload_modules: {name!r} is a function inside a module, not offloadable; offload the module "
+                f"that holds it ('moe' for moe_act) or 'layer'; offloadable: {list(OFFLOAD_MODULES)}"
+            )
+        if name not in OFFLOAD_MODULES:
+            raise ValueError(f"offload_modules: unknown module {name!r}; offloadable modules: {list(OFFLOAD_MODULES)}")
+        if name not in canonical:
+            canonical.append(name)
+    if "layer" in canonical and len(canonical) > 1:
+        raise ValueError(
+            f"offload_modules={canonical}: 'layer' offloads everything the layer keeps already; list it alone"
+        )
+    return tuple(canonical)
 
 
 def validate_per_layer(

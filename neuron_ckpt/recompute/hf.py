@@ -13,6 +13,10 @@ a ``PreTrainedModel`` (a ``*ForCausalLM`` or a base model). transformers is impo
   ``QK^T``, softmax, dropout and ``·V`` are recomputed, with the dropout mask replayed bit for bit.
   The model is switched to it with ``set_attn_implementation``; attention modules of layers that
   are not selected run the wrapped function directly (per-layer lists).
+* **Offloaded core attention** (``offload_modules`` with ``core_attn``, unless ``module_map`` names
+  a module for it): the same wrapper runs the attention function inside the layer's offload group
+  (:mod:`.offload`), so what the function keeps (q, k, v and what it saves past them; with
+  ``core_attn`` recomputed too, the checkpoint's inputs) goes to host.
 * **KV cache**: in training (grad enabled) the model owning the layers gets ``use_cache=False``
   with one warning, as transformers' checkpointing does; a cache object passed in is refused
   before the step (a recomputed layer would append to it twice).
@@ -22,6 +26,7 @@ a ``PreTrainedModel`` (a ``*ForCausalLM`` or a base model). transformers is impo
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -35,6 +40,7 @@ import torch
 from .activation_checkpoint import checkpoint
 from .config import RecomputeConfig, validate_per_layer
 from .module import SEQUENCE_PARALLEL, unwrapped
+from .offload.install import FUNCTION_GROUP, per_layer_names
 from .xla_experts import check_experts_implementation
 
 PREFIX = "recompute_"
@@ -68,7 +74,8 @@ def prepare(model, config, module_map, sequence_parallel: bool | None):
     """Split ``config`` for a ``PreTrainedModel``, validating it and changing nothing: returns its
     layers, the config for the generic path (``core_attn`` taken out where the attention function
     is recomputed) and ``finish``, to call once the generic part is installed (it returns the
-    core-attention unit names)."""
+    core-attention unit names). An offloaded ``core_attn`` stays in the config: the generic path
+    reaches it through :func:`offload_functions`."""
     layers = decoder_layers(model)
     check_experts_implementation(model)
     if sequence_parallel is None:
@@ -83,22 +90,23 @@ def prepare(model, config, module_map, sequence_parallel: bool | None):
     by_function = "core_attn" not in (module_map or {})  # a module named for it: the generic path
     attn = [c if by_function and c is not None and c.granularity == "selective" and "core_attn" in c.modules
             else None for c in configs]  # fmt: skip
-    if any(c is not None for c in attn) and not type(model)._can_set_attn_implementation():
+    offloads_attention = by_function and any("core_attn" in n for n in per_layer_names(config, len(layers)))
+    if (offloads_attention or any(c is not None for c in attn)) and not type(model)._can_set_attn_implementation():
         raise ValueError(
             f"{type(model).__name__} does not dispatch attention through transformers' AttentionInterface, "
-            "so its core attention cannot be recomputed alone; pass module_map={'core_attn': 'self_attn'}"
+            "so its core attention cannot be recomputed or offloaded alone; pass module_map={'core_attn': 'self_attn'}"
         )
     rest = [_without_core_attn(c) if a is not None else c for c, a in zip(configs, attn)]
 
     def finish() -> list[str]:
         undo(model)
-        if any(c is not None for c in attn):
+        if offloads_attention or any(c is not None for c in attn):
             _use_checkpointed_attention(model)
         for layer, c in zip(layers, attn):
             for m in layer.modules() if c is not None else ():
                 setattr(m, _MARK, c)
-        if any(c is not None and c.enabled for c in configs):
-            _disable_cache_in_training(model, layers)
+        if any(c is not None and (c.enabled or c.offload_modules) for c in configs):
+            _disable_cache_in_training(model, layers)  # a cache would keep on the device what offload moves
         return [f"{i}.core_attn" for i, c in enumerate(attn) if c is not None]
 
     return layers, rest if per_layer else rest[0], finish
@@ -116,9 +124,18 @@ def undo(model: torch.nn.Module) -> None:
             handle.remove()
 
 
+def offload_functions(module_map) -> dict:
+    """The offloaded names that are functions here: ``core_attn``, the attention function, unless
+    ``module_map`` names a module for it. Each maps a layer to the module whose forward calls it
+    (the layer: every attention module in it gets the group)."""
+    return {} if "core_attn" in (module_map or {}) else {"core_attn": lambda layer: layer}
+
+
 def _without_core_attn(config: RecomputeConfig) -> RecomputeConfig:
     modules = tuple(m for m in config.modules if m != "core_attn")
-    return dataclasses.replace(config, modules=modules) if modules else RecomputeConfig()
+    if modules:
+        return dataclasses.replace(config, modules=modules)
+    return RecomputeConfig(offload_modules=config.offload_modules)
 
 
 # --------------------------------------------------------------------------------------------
@@ -128,9 +145,11 @@ def _without_core_attn(config: RecomputeConfig) -> RecomputeConfig:
 def _core_attention(inner: str, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     function = _attention_function(inner, module)
     config = module.__dict__.get(_MARK)
-    if config is None:
-        return function(module, *args, **kwargs)
-    return checkpoint(function, module, *args, fence=(module,), use_reentrant=config.use_reentrant, **kwargs)
+    group = module.__dict__.get(FUNCTION_GROUP)  # offloaded: what the function (or its checkpoint) keeps
+    with group.block(module) if group is not None else contextlib.nullcontext():
+        if config is None:
+            return function(module, *args, **kwargs)
+        return checkpoint(function, module, *args, fence=(module,), use_reentrant=config.use_reentrant, **kwargs)
 
 
 def _attention_function(inner: str, module: torch.nn.Module):

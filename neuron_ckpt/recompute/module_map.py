@@ -4,8 +4,10 @@
 entries given override :data:`DEFAULT_MODULE_MAP` one by
 one. A name that matches nothing in any layer of the model is an error, so a typo never silently
 disables recompute; a name only some layers have applies to those (``moe`` on DeepSeek-V3, whose
-first layers are dense). On a ``transformers`` model the defaults fit Llama, Mistral and Qwen2
-layers (``mlp``, ``act_fn``, ``input_layernorm`` / ``post_attention_layernorm``) and its MoE and
+first layers are dense). On a ``transformers`` model the defaults fit the
+layers of every family ``apply_tensor_parallel`` splits (``mlp`` / Llama 4's ``feed_forward``,
+``act_fn`` / Phi-3's and Llama 4's ``activation_fn``, ``input_layernorm`` /
+``post_attention_layernorm`` and Gemma2's ``pre_`` / ``post_feedforward_layernorm``) and its MoE and
 MLA layers (:mod:`.moe`, :mod:`.mla`: ``mlp`` and ``mlp_act`` then mean the dense MLP only); its
 ``core_attn`` is the attention *function*, recomputed through transformers' attention registry
 (:mod:`.hf`), unless ``module_map`` names a module for it (``{"core_attn": "self_attn"}``
@@ -35,12 +37,22 @@ Patterns = dict[str, Pattern]
 
 DEFAULT_MODULE_MAP: dict[str, Pattern] = {
     "core_attn": CoreAttention,
-    "mlp": "mlp",
-    "mlp_act": ("act_fn", "mlp_act"),
-    # the attribute names: transformers' Llama, Mistral, Qwen2 layers (their norms are own classes)
-    "norm": (RMSNorm, LayerNorm, torch.nn.LayerNorm, torch.nn.RMSNorm, "input_layernorm", "post_attention_layernorm"),
+    "mlp": ("mlp", "feed_forward"),  # Llama 4 calls its MLP feed_forward
+    "mlp_act": ("act_fn", "activation_fn", "mlp_act"),  # Phi-3 and Llama 4: activation_fn
+    # the attribute names of transformers' layers (their norms are own classes): Llama, Mistral,
+    # Qwen, ... and Gemma2's sandwich norms
+    "norm": (
+        RMSNorm,
+        LayerNorm,
+        torch.nn.LayerNorm,
+        torch.nn.RMSNorm,
+        "input_layernorm",
+        "post_attention_layernorm",
+        "pre_feedforward_layernorm",
+        "post_feedforward_layernorm",
+    ),  # fmt: skip
     # transformers' MoE and MLA layers (.moe, .mla); what each default also requires is _REQUIRED
-    "moe": "mlp",
+    "moe": ("mlp", "feed_forward"),
     "moe_act": "experts",
     "shared_experts": ("shared_experts", "shared_expert"),
     "mla_up_proj": "self_attn",
@@ -159,14 +171,16 @@ def selected_modules(
     ]
 
 
-def check_every_name_matched(requested: set[str], matched: set[str], patterns: Patterns, model: str) -> None:
+def check_every_name_matched(
+    requested: set[str], matched: set[str], patterns: Patterns, model: str, field: str = "modules"
+) -> None:
     """A selective name that no layer of ``model`` has is an error (a typo never silently turns
     recompute off); one that only some layers have (``moe`` beside DeepSeek's dense first layers)
     applies where it matches."""
     for name in [n for n in MODULES if n in requested - matched]:
         meaning = _MEANING.get(name, "") if patterns[name] is DEFAULT_MODULE_MAP[name] else ""
         raise ValueError(
-            f"modules: {name!r} matched no submodule of any layer of {model} with pattern {patterns[name]!r}"
+            f"{field}: {name!r} matched no submodule of any layer of {model} with pattern {patterns[name]!r}"
             f"{meaning}; pass module_map={{{name!r}: <attribute name or class>}}"
         )
 

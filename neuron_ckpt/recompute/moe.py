@@ -23,10 +23,11 @@
   Full recompute of a layer that holds an MoE block gets the same replay and router outputs.
 * ``moe_act``: output-discarding recompute of the experts' activation. grouped_mm and
   batched_mm (and GPT-OSS's loop) call ``self._apply_gate(gate_up)`` (``act(gate) * up``): its
-  output, which the down projection keeps, is discarded. transformers' eager per-expert loop
-  (the class's own forward) writes ``self.act_fn(gate) * up`` inline: there only ``act_fn``'s
-  output (kept by the ``*``) can be discarded; the product the down projection keeps cannot.
-  Both are installed, so whichever implementation runs discards what it can.
+  output, which the down projection keeps, is discarded, and ``act(gate)`` with it. transformers'
+  eager per-expert loop (the class's own forward) writes ``self.act_fn(gate) * up`` inline; on the
+  experts ``moe_act`` covers it runs as :func:`~.experts_loop.eager_loop` instead, the same loop
+  through ``_apply_gate``, so every implementation frees both. ``act_fn`` is wrapped too: on
+  experts whose loop cannot be replaced (Llama 4's; one warning) its output is what can go.
 * ``shared_experts``: DeepSeek's ``shared_experts`` / Qwen2-MoE's ``shared_expert`` as an
   ordinary checkpoint (a plain :class:`~.module.Recompute`).
 """
@@ -34,11 +35,13 @@
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
 
+from . import experts_loop
 from .activation_checkpoint import checkpoint
 from .config import RecomputeConfig
 from .discard import checkpoint_without_output
@@ -148,13 +151,17 @@ def check_experts(module: torch.nn.Module, index: int, qualname: str) -> None:
 def install_expert_act(
     experts: torch.nn.Module, config: RecomputeConfig, slots: dict[int, list[tuple[torch.nn.Module, str]]]
 ) -> None:
-    """Discard the output of ``experts._apply_gate`` (grouped_mm, batched_mm) and of
-    ``experts.act_fn`` (the eager loop's ``act_fn(gate) * up``)."""
+    """Discard the output of ``experts._apply_gate`` (grouped_mm, batched_mm, and the eager loop
+    through it: :mod:`.experts_loop`) and of ``experts.act_fn`` (a loop that cannot be replaced)."""
     act = experts._modules.get("act_fn")
     if act is not None:
         discarding = Recompute(act, config, discard=True)
         for parent, name in slots[id(act)]:
             parent._modules[name] = discarding
+    if experts_loop.routable(experts):
+        patch(experts, "forward", experts_loop.route(experts))
+    elif experts_loop.inline_product(experts):
+        warnings.warn(experts_loop.cannot_save(experts), stacklevel=1)
     if hasattr(type(experts), "_apply_gate"):
         patch(experts, "_apply_gate", _DiscardedGate(experts))
         mark(experts, "moe_act: _apply_gate recomputed, output discarded")

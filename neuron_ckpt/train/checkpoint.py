@@ -14,10 +14,11 @@ Layout (format 2) under ``directory`` (a filesystem every rank sees, e.g. FSx on
     latest                                        text: the name of the newest complete checkpoint
 
 Which entries of the saved state are the same on every DP rank is ``shared_keys`` (default:
-``"model"``): their tensors are written once per TP rank (per pipeline stage and TP rank under
+``"model"`` and ``"experts"``): their tensors are written once per TP rank (per pipeline stage and TP rank under
 pipeline parallelism: ``model_pp00001_tp00000-...``, :mod:`~.placement`), by its DP rank 0, under their state
 dict names (a standard safetensors state dict); every rank reads those of its own TP rank back,
-whatever its DP rank. Everything else is the rank's own. :mod:`~neuron_ckpt.train.tensor_files`
+whatever its DP rank. ``"experts"`` (expert parallelism) goes by EP rank instead, written by
+expert-DP rank 0. Everything else is the rank's own. :mod:`~neuron_ckpt.train.tensor_files`
 says how tensors are grouped (one group of at most ``chunk_mb`` on the host at a time while
 writing), named and checked; :mod:`~neuron_ckpt.train.rounds` how ranks take turns writing and
 reading (``writers`` per host) and how one rank's failure fails every rank;
@@ -108,8 +109,9 @@ class CheckpointManager:
     """Save / find / load the sharded checkpoints of one run. Every rank constructs one.
 
     ``parallel_state`` (anything with ``tp_rank``, ``tp_size``, ``dp_rank``, ``dp_size``, and
-    ``pp_rank``, ``pp_size`` under pipeline parallelism; default: the initialised model parallel
-    state, or a single rank) says which rank writes the model files of which (stage,) TP rank
+    ``pp_rank``, ``pp_size`` under pipeline parallelism, ``cp_rank``, ``cp_size`` under context
+    parallelism; default: the initialised model parallel state, or a single rank) says which rank
+    writes the model files of which (stage,) TP rank
     (:mod:`~.placement`). ``local_rank`` (default: the runtime's) picks the writer round;
     ``writers`` ranks per host write at a time (0: all). ``chunk_mb``: the most tensor data a
     rank holds on the host at once while writing. ``log(message)`` (rank 0) gets one line per
@@ -127,7 +129,7 @@ class CheckpointManager:
         local_rank: int | None = None,
         writers: int = DEFAULT_WRITERS,
         chunk_mb: float = DEFAULT_CHUNK_MB,
-        shared_keys: tuple[str, ...] = ("model",),
+        shared_keys: tuple[str, ...] = ("model", "experts"),
         log: Callable[[str], None] | None = None,
     ):
         if keep_last < 1:
@@ -155,7 +157,8 @@ class CheckpointManager:
         )
         if place.world_size != world_size:
             pp = f" x PP {place.pp_size}" if place.pp_size > 1 else ""
-            raise ValueError(f"TP {self.tp_size} x DP {self.dp_size}{pp} != world size {world_size}")
+            cp = f" x CP {place.cp_size}" if place.cp_size > 1 else ""
+            raise ValueError(f"TP {self.tp_size}{cp} x DP {self.dp_size}{pp} != world size {world_size}")
         self._rounds = WriterRounds(local_rank, writers)
         self.chunk_bytes = max(1, int(chunk_mb * 2**20))
         self.shared_keys = tuple(shared_keys)
@@ -203,7 +206,8 @@ class CheckpointManager:
         """Write this rank's ``rank_state``; rank 0 also writes ``meta``. A collective: all ranks call it.
 
         The tensors of ``rank_state[k]`` for ``k`` in ``shared_keys`` (the model) are written by DP
-        rank 0 only, to the files of this TP rank; the rest by every rank.
+        rank 0 only, to the files of this TP rank (``"experts"``: by expert-DP rank 0, to the files
+        of this EP rank); the rest by every rank.
         """
         start = time.perf_counter()
         name = f"step_{step:08d}"
@@ -227,7 +231,7 @@ class CheckpointManager:
                 if key in shared:
                     tensors: dict[str, torch.Tensor] = {}
                     structure[key] = split(value, "", tensors)  # the state dict's own names
-                    if self.place.writes_shared:
+                    if self.place.writes(key):
                         write_tensors(
                             tmp, self.place.shared_prefix(key), tensors, {"key": key, **info}, self.chunk_bytes
                         )

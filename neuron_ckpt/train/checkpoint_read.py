@@ -68,7 +68,7 @@ def load_rank_state(
     ``rank_state`` has the rank's own entries and the shared ones (the model) from the files of its
     TP rank (``place``)."""
     meta = read_meta(path)
-    expect = {"world_size": world_size, **expect}
+    expect = {"world_size": world_size, "ep_size": place.ep_size, **expect}
     diffs = {k: (saved(meta, k), v) for k, v in expect.items() if saved(meta, k) != v}
     if diffs:
         said = ", ".join(f"{k}: checkpoint {a!r}, this run {b!r}" for k, (a, b) in diffs.items())

@@ -9,7 +9,10 @@ to :func:`fit` with the schedule, the :class:`~.checkpoint.CheckpointManager` an
 One optimizer step = ``grad_accum`` micro-batches on each DP rank, each loss scaled by
 ``1/grad_accum`` before backward, so the accumulated gradient is the mean over the rank's
 micro-batches; the optimizer then averages over DP. Every block has the same number of targets
-(``seq_len - 1``), so this equals the token mean over the global batch. A pipeline-parallel model
+(``seq_len - 1``), so this equals the token mean over the global batch. Under context parallelism
+the CP ranks of a replica train on the same micro-batches, each on its share of the sequence; the
+mean over DP x CP (the optimizer's and the logged loss's) is still that token mean, because each
+CP rank's loss is scaled for it (``LlamaForCausalLM``). A pipeline-parallel model
 (``LlamaPipeline``) runs the same micro-batches as its schedule's micro-batches, with the same
 loss, and reports the last stage's loss on every rank (:mod:`.pipeline_step`).
 
@@ -214,7 +217,7 @@ def fit(
     logger = _Logger(
         options,
         metrics,
-        ps.tp_size * ps.dp_size * ps.pp_size,
+        ps.tp_size * ps.dp_cp.size * ps.pp_size,
         state.step * options.global_batch * options.seq_len,
         device,
     )
@@ -241,17 +244,18 @@ def fit(
                 last = done == options.max_steps
                 interrupt = bool(stop) and not last  # a stop at the last step is just the end
                 save = checkpoints is not None and policy.save_now(done, last, interrupt)
-                # Mean loss over DP (every TP rank of a replica holds the same loss). Every step, logged
-                # or not, so that every step traces the same graph; ``values`` stays alive until the
-                # mark_step below, which keeps it in that graph.
-                values = torch.stack([collectives.all_reduce(loss, ps.dp) / ps.dp_size, grad_norm.float()])
+                # Mean loss over DP x CP (every TP rank of a replica holds the same loss; the CP ranks'
+                # mean is the sequence's token mean). Every step, logged or not, so that every step
+                # traces the same graph; ``values`` stays alive until the mark_step below, which keeps
+                # it in that graph.
+                values = torch.stack([collectives.all_reduce(loss, ps.dp_cp) / ps.dp_cp.size, grad_norm.float()])
                 if done % options.log_every == 0 or last or save:
                     if xla:
                         _xm().add_step_closure(logger.log, args=(values, done, lr))
                     else:
                         logger.log(values, done, lr)  # raises NonFiniteError before writing anything
                 runtime.step_boundary()  # XLA: runs the closure, so a NaN raises here, before the save below
-                if interrupt and ps.dp.rank == 0 and ps.tp.rank == 0:
+                if interrupt and ps.dp_cp.rank == 0 and ps.tp.rank == 0:
                     faults.say(
                         f"{signal.Signals(stop).name} received: stopping after step {done}"
                         + (", saving a checkpoint first" if save else " (no checkpoint directory: nothing saved)")

@@ -10,7 +10,9 @@ all of them is what makes a resumed run continue bit-identically
 
 With a :class:`~neuron_ckpt.train.CheckpointManager` the ``"model"`` entry is written once per
 (pipeline stage and) TP rank (by DP rank 0) and the rest per rank; :meth:`TrainState.resume` reads it back in the
-manager's writer rounds.
+manager's writer rounds. Under expert parallelism the model's experts (parameters tagged
+``expert_parallel``, different on every EP rank) leave ``"model"`` for an ``"experts"`` entry,
+written once per EP rank (by expert-DP rank 0).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 
 from ..distributed import runtime
 from ..distributed.random import RNGStatesTracker, get_rng_state, get_rng_tracker, set_rng_state
+from ..parallel.params import is_expert_parallel
 from .checkpoint import CheckpointManager
 
 KEYS = ("model", "optimizer", "data", "rng")
@@ -51,8 +54,11 @@ class TrainState:
         rng = {"default": get_rng_state(), "tracker": self.rng_tracker.get_states()}
         if hasattr(self.model, "rng_state_dict"):
             rng["model"] = self.model.rng_state_dict()  # type: ignore[operator]  # torch types a module's attributes as Tensor | Module
+        model = self.model.state_dict()
+        experts = {k: model.pop(k) for k in _expert_names(self.model)}
         return {
-            "model": self.model.state_dict(),
+            "model": model,
+            **({"experts": experts} if experts else {}),
             "optimizer": self.optimizer.state_dict(),
             "data": self.batches.state_dict() if self.batches is not None else None,
             "rng": rng,
@@ -71,7 +77,12 @@ class TrainState:
             raise ValueError(
                 "TrainState.load_state_dict: the state and this TrainState disagree on having a batch order"
             )
-        self.model.load_state_dict(state["model"])
+        if bool(_expert_names(self.model)) != ("experts" in state):
+            raise ValueError(
+                "TrainState.load_state_dict: the state and this model disagree on having experts spread over an "
+                "expert-parallel group (an 'experts' entry): resume at the expert_model_parallel_size it was saved at"
+            )
+        self.model.load_state_dict({**state["model"], **state.get("experts", {})})
         self.optimizer.load_state_dict(state["optimizer"])
         if self.batches is not None:
             self.batches.load_state_dict(state["data"])
@@ -102,3 +113,8 @@ class TrainState:
         meta = manager.restore(path, expect, self.load_state_dict)
         self.step = meta["step"]
         return path, meta
+
+
+def _expert_names(model: torch.nn.Module) -> list[str]:
+    """The state-dict names of ``model``'s expert-parallel parameters (this EP rank's experts)."""
+    return [n for n, p in model.named_parameters() if is_expert_parallel(p)]

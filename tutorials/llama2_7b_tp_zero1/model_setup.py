@@ -21,8 +21,8 @@ from train_config import TrainConfig
 
 def _attention(cfg: TrainConfig, config, seq_len: int, device_type: str) -> tuple[str, str]:
     """The core attention this run uses and how to say it: flash where a kernel runs for this
-    device and shape (asked for, or by default), explicit otherwise, with the reason."""
-    why = flash_unavailable(device_type, seq_len, config.head_dim)
+    device, shape and CP degree (asked for, or by default), explicit otherwise, with the reason."""
+    why = flash_unavailable(device_type, seq_len, config.head_dim, cfg.cp)
     if cfg.attention == "explicit":
         return "explicit", "explicit (asked for)"
     if why is None:
@@ -122,7 +122,7 @@ def build_model(cfg: TrainConfig, config, parallel, device, dtype: torch.dtype, 
     """The model with recompute applied and ``--init-hf`` weights loaded: ``LlamaForCausalLM``, or
     this rank's stages of a ``LlamaPipeline`` (the recompute preset applied to each stage)."""
     if pipeline is None:
-        model = LlamaForCausalLM(config, cfg.sequence_parallel, attention, dtype, parallel_state=parallel)
+        model = LlamaForCausalLM(config, cfg.sequence_parallel, attention, dtype, parallel_state=parallel, seed=cfg.seed)
         apply_recompute(model, recompute)  # checked against the model first (e.g. --recompute-num-layers)
         model.to(device)
         if cfg.init_hf:

@@ -17,11 +17,17 @@
 #                              seq 8192, LR 1.5e-5 (min_lr 1e-6), flash attention
 # trn1 cannot run pipeline parallelism today (docs/pipeline.md): with PP_DEGREE > 1 this script stops with
 # the reason before it launches anything, and DRY_RUN=1 prints what it would run.
+# Long sequences: CP_DEGREE=C splits each sequence over C ranks (context parallelism, train.py --cp;
+# docs/context_parallel.md), with the model's sequence length times C, so each rank holds NxD's length:
+#   MODEL=llama3.1-8b CP_DEGREE=4 ./run_trn1.sh   # seq 32768 (8192 per rank), TP 32 x CP 4 = 4 nodes per
+#                              replica, 256 sequences per step (NxD's 8M tokens), explicit attention,
+#                              selective recompute; data packed at 32768 (llama3_train_32k.safetensors)
 #
 #   COMPILE=1 ./run_trn1.sh       # ahead-of-time graph compilation only (neuron_parallel_compile)
 #   ./run_trn1.sh                 # train; re-running resumes from the latest checkpoint in $OUT
 #   MODEL=llama3.1-8b ./run_trn1.sh
 #   MODEL=llama2-70b DRY_RUN=1 ./run_trn1.sh   # TP 32 x PP 8: printed only, trn1 refuses PP_DEGREE > 1 today
+#   MODEL=llama3.1-8b CP_DEGREE=8 DRY_RUN=1 ./run_trn1.sh   # seq 65536: TP 32 x CP 8, 8 nodes per replica
 #   RECIPE=nxd ./run_trn1.sh      # NxD's schedule, AdamW, decay exclusions, seed and data order (train.py --recipe nxd)
 #   DRY_RUN=1 ./run_trn1.sh       # print the environment and the launch command; run nothing
 #   ./run_trn1.sh --lr 2e-4       # extra arguments go to train.py, last (they override)
@@ -43,6 +49,14 @@
 #   PP_DEGREE    pipeline stages (train.py --pp): 1 (default), 8 for the 70B models; TP x PP ranks hold one
 #                replica (TP 32 x PP 8: 8 nodes). Above 1 a run is refused on trn1 today (DRY_RUN=1 prints it).
 #                --pp-schedule and --virtual-stages go after the script (default 1F1B, as NxD's).
+#   CP_DEGREE    context-parallel ranks per sequence (train.py --cp): 1 (default). Above 1 the sequence length is
+#                the model's times CP_DEGREE (llama2-7b 4096, the 8B models 8192 per rank: CP 4 gives 16384 and
+#                32768), the global batch 1024 / CP_DEGREE sequences (the same tokens per step), TP 32 by
+#                default (TP x CP ranks hold one replica), explicit attention (NxD's NKI kernel takes a query
+#                block against keys of the same length only; under CP each query chunk reads a longer key
+#                prefix), selective recompute (the planner does not model CP yet: RECOMPUTE=auto is refused),
+#                and the default DATA is <stem>_<seq/1024>k.safetensors. Not with PP_DEGREE > 1 (train.py
+#                refuses --cp with --pp), so not for the 70B models unless PP_DEGREE=1.
 #   RECOMPUTE    none for llama2-7b and the 70B models; auto for the 8B models (planned per layer for the
 #                attention that runs: nothing with the NKI kernel, recompute where train.py falls back to
 #                explicit attention, which at seq 8192 needs 31 GiB per core without it; neuron-ckpt plan
@@ -117,6 +131,20 @@ case $MODEL in
     fi ;;
   *) die "MODEL must be llama2-7b, llama3-8b, llama3.1-8b, llama2-70b or llama3.1-70b, got '$MODEL'" ;;
 esac
+CP_DEGREE=${CP_DEGREE:-1}
+case $CP_DEGREE in
+  "" | *[!0-9]* | 0*) die "CP_DEGREE must be a positive integer (ranks per sequence), got '$CP_DEGREE'" ;;
+esac
+GLOBAL_BATCH=1024 CP_ARGS=() CP_TAG=
+if [ "$CP_DEGREE" -gt 1 ]; then
+  [ $((GLOBAL_BATCH % CP_DEGREE)) -eq 0 ] || die "CP_DEGREE must divide 1024 (the global batch keeps 1024 x $SEQ_LEN tokens), got $CP_DEGREE"
+  # Each rank keeps the model's own length; the step keeps NxD's tokens. Explicit attention: the NKI kernel
+  # attends over equal query and key lengths only. Selective recompute: the probabilities of a query chunk
+  # against its whole key prefix are the largest activation under CP (docs/context_parallel.md).
+  SEQ_LEN=$((SEQ_LEN * CP_DEGREE)) GLOBAL_BATCH=$((GLOBAL_BATCH / CP_DEGREE)) ATTENTION=explicit
+  DEFAULT_DATA=${DEFAULT_DATA%%_train*}_train_$((SEQ_LEN / 1024))k.safetensors
+  DEFAULT_TP=32 DEFAULT_RECOMPUTE=selective CP_ARGS=(--cp "$CP_DEGREE") CP_TAG=_cp$CP_DEGREE
+fi
 TP_DEGREE=${TP_DEGREE:-$DEFAULT_TP}
 case $MODEL:$TP_DEGREE in
   *-70b:32 | *-7b:8 | *-7b:32 | *-8b:8 | *-8b:32) ;;
@@ -133,7 +161,13 @@ if [ "$PP_DEGREE" -gt 1 ]; then
   # Why a real run stops here (train.py would refuse it too, but only after torchrun started every process).
   PP_REFUSAL="PP_DEGREE=$PP_DEGREE: trn1 cannot run pipeline parallelism today (torch.distributed.pipelining's send/recv fail on Neuron, aws-neuron-sdk#1189; torch-xla has no stage hook, pytorch#161017 unmerged); see docs/pipeline.md"
 fi
+if [ "$CP_DEGREE" -gt 1 ] && [ "$PP_DEGREE" -gt 1 ]; then
+  die "CP_DEGREE=$CP_DEGREE does not combine with PP_DEGREE=$PP_DEGREE (train.py refuses --cp with --pp: pipeline stages take the whole sequence); set one of them to 1"
+fi
 RECOMPUTE=${RECOMPUTE:-$DEFAULT_RECOMPUTE}
+if [ "$CP_DEGREE" -gt 1 ] && [ "$RECOMPUTE" = auto ]; then
+  die "RECOMPUTE=auto does not combine with CP_DEGREE=$CP_DEGREE: the planner does not model context parallelism yet; set RECOMPUTE to a preset (none, selective, full)"
+fi
 if [ "$PP_DEGREE" -gt 1 ] && [ "$RECOMPUTE" = auto ]; then
   die "RECOMPUTE=auto plans one model, not a pipeline stage (PP_DEGREE=$PP_DEGREE): plan per stage with neuron-ckpt plan --pp $PP_DEGREE and set RECOMPUTE to a preset (none, selective, full)"
 fi
@@ -268,7 +302,7 @@ reserve_ports() {
 
 # --- run ----------------------------------------------------------------------------------------
 DATA=${DATA:-$DEFAULT_DATA}
-OUT=${OUT:-$HOME/runs/${RUN_NAME}_tp${TP_DEGREE}${PP_TAG}_zero1${RUN_SUFFIX}}   # per recipe and layout: a resume never mixes two
+OUT=${OUT:-$HOME/runs/${RUN_NAME}_tp${TP_DEGREE}${CP_TAG}${PP_TAG}_zero1${RUN_SUFFIX}}   # per recipe and layout: a resume never mixes two
 MAX_STEPS=${MAX_STEPS:-$DEFAULT_MAX_STEPS}
 
 # The sequence length is the data file's (train.py reads it from there): refuse a file packed for another
@@ -305,8 +339,8 @@ fi
 
 CMD=("${LAUNCH[@]}" "${DISTRIBUTED_ARGS[@]}" train.py
   --model-config "$MODEL" --data "$DATA"
-  --tp "$TP_DEGREE" ${PP_ARGS[@]+"${PP_ARGS[@]}"} --sequence-parallel --attention "$ATTENTION"
-  --recompute "$RECOMPUTE" --dtype bf16 --micro-batch-size 1 --global-batch-size 1024
+  --tp "$TP_DEGREE" ${CP_ARGS[@]+"${CP_ARGS[@]}"} ${PP_ARGS[@]+"${PP_ARGS[@]}"} --sequence-parallel --attention "$ATTENTION"
+  --recompute "$RECOMPUTE" --dtype bf16 --micro-batch-size 1 --global-batch-size "$GLOBAL_BATCH"
   --lr "$LR" --warmup-steps "$WARMUP_STEPS" --max-steps "$MAX_STEPS" "${RECIPE_ARGS[@]}" --grad-clip 1.0
   --log-every "$LOG_EVERY" --device-kind trn1 ${EXTRA[@]+"${EXTRA[@]}"} "$@")
 
@@ -325,14 +359,26 @@ pp_layout() {
   echo "# TP $TP_DEGREE x PP $PP_DEGREE x DP $dp on $NUM_NODES node(s): $((1024 / dp)) micro-batches of 1 per step through the stages"
 }
 
+# A dry run's note on context parallelism's layout: the ranks per replica and the tokens per rank.
+cp_layout() {
+  local ranks=$((NUM_NODES * PROCESSES_PER_NODE)) replica=$((TP_DEGREE * CP_DEGREE))
+  local note="# TP $TP_DEGREE x CP $CP_DEGREE = $replica ranks split each sequence of $SEQ_LEN tokens ($((SEQ_LEN / CP_DEGREE)) per rank)"
+  if [ $((ranks % replica)) -ne 0 ]; then
+    echo "$note; the $ranks ranks here (NUM_NODES=$NUM_NODES x $PROCESSES_PER_NODE) are not a multiple of it"
+    return 0
+  fi
+  echo "$note: DP $((ranks / replica)) on $NUM_NODES node(s), $GLOBAL_BATCH sequences per step"
+}
+
 if [ "$DRY_RUN" = "1" ]; then
   # Shell-quoted, so the lines can be pasted into a shell. Nothing is run, created or changed.
   printf 'cd %q\n' "$PWD"
-  echo "# MODEL=$MODEL (seq $SEQ_LEN) RECIPE=${RECIPE:-default} PRECISION=$PRECISION TP_DEGREE=$TP_DEGREE PP_DEGREE=$PP_DEGREE; not done in a dry run: reserve ports $RESERVED_PORTS (sysctl net.ipv4.ip_local_reserved_ports)"
+  echo "# MODEL=$MODEL (seq $SEQ_LEN) RECIPE=${RECIPE:-default} PRECISION=$PRECISION TP_DEGREE=$TP_DEGREE CP_DEGREE=$CP_DEGREE PP_DEGREE=$PP_DEGREE; not done in a dry run: reserve ports $RESERVED_PORTS (sysctl net.ipv4.ip_local_reserved_ports)"
   if [ "$PP_DEGREE" -gt 1 ]; then
     echo "# $PP_REFUSAL; a real run stops here, before anything is launched"
     pp_layout
   fi
+  [ "$CP_DEGREE" -eq 1 ] || cp_layout
   echo "unset XLA_USE_BF16 XLA_DOWNCAST_BF16"
   for var in "${ENV_VARS[@]}"; do
     printf 'export %s=%q\n' "$var" "${!var}"

@@ -13,7 +13,10 @@ data: ``neuron_ckpt.data``, loop / schedule / metrics / checkpoints: ``neuron_ck
 ``--pp N`` (eager backends only; refused on XLA before the process group starts) cuts the model
 into N stages (``--pp-schedule gpipe|1f1b|interleaved``, ``--virtual-stages V``): the
 ``global batch / (micro-batch x DP)`` micro-batches of a step are the schedule's micro-batches, and
-the loss is the mean of their means, as at ``--pp 1``. ``main(argv)`` also runs inside a ``LocalWorld`` worker (tests).
+the loss is the mean of their means, as at ``--pp 1``. ``--cp N`` splits each sequence over N ranks (context
+parallelism, docs/context_parallel.md): the CP ranks of a replica read the same batch, each trains on its share of
+the sequence, and the loss is the token mean of the whole batch, as at ``--cp 1``. ``main(argv)`` also runs inside
+a ``LocalWorld`` worker (tests).
 """
 
 from __future__ import annotations
@@ -37,8 +40,10 @@ from neuron_ckpt.models import check_writable, hf_config_for, load_llama_config,
 from neuron_ckpt.models.config_file import fit_positions
 from neuron_ckpt.models.llama_args import PARAMETER_SHAPE_FIELDS
 from neuron_ckpt.optim import Zero1Optimizer
+from neuron_ckpt.parallel.context_parallel import check_sequence
 from neuron_ckpt.pipeline import PipelineConfig
 from neuron_ckpt.pipeline.xla import refuse_on_xla
+from neuron_ckpt.recompute.offload import offload_stats
 from neuron_ckpt.train import (
     CheckpointManager,
     Interrupted,
@@ -129,13 +134,13 @@ def check_seq_len(seq_len: int, config, cfg: TrainConfig, notices: list[str]):
 
 
 def _start(cfg: TrainConfig):
-    """torch.distributed (with the collective timeout) and the TP x DP (x PP) groups."""
+    """torch.distributed (with the collective timeout) and the TP x CP x DP (x PP) groups."""
     backend = cfg.backend or detect_backend()
     if cfg.pp > 1:
         refuse_on_xla(backend == "xla")  # before the process group: no rank starts work
     timeout = cfg.collective_timeout or (7200.0 if backend == "xla" else 1800.0)
     rt = nc.init_distributed(backend=cfg.backend, timeout_s=timeout)
-    parallel = nc.initialize_model_parallel(cfg.tp, cfg.pp)
+    parallel = nc.initialize_model_parallel(cfg.tp, cfg.pp, context_parallel_size=cfg.cp)
     if cfg.collective_timeout and collective_timeout_s() != cfg.collective_timeout and rt.rank == 0:
         print(f"--collective-timeout {cfg.collective_timeout:g} not applied: torch.distributed was initialised "
               "before main() (e.g. by LocalWorld)", flush=True)  # fmt: skip
@@ -218,13 +223,17 @@ def main(argv: list[str] | None = None) -> dict:
 
     config, dataset = _model_config_and_data(cfg, rt)
     seq_len = dataset.block_len
+    try:  # every rank, before any work: the sequence splits into 2 x cp chunks (x tp under SP)
+        check_sequence(seq_len, cfg.cp, cfg.tp, cfg.sequence_parallel)
+    except ValueError as e:
+        raise ValueError(f"--cp {cfg.cp}: {cfg.data}: {e}") from None
     grad_accum = _grad_accum(cfg, parallel.dp_size)
     pipeline = pipeline_config(cfg, config, grad_accum)
     attention, recompute, plan = attention_and_recompute(cfg, config, parallel, seq_len, dtype, rt)
     train_state, schedule = _build(cfg, config, dataset, parallel, rt.device, dtype, attention, recompute, grad_accum,
                                    pipeline)  # fmt: skip
     model = train_state.model
-    layout = {"tp_size": parallel.tp_size, "dp_size": parallel.dp_size, "pp_size": parallel.pp_size,
+    layout = {"tp_size": parallel.tp_size, "dp_size": parallel.dp_size, "pp_size": parallel.pp_size, "cp_size": parallel.cp_size,
               "model": {k: getattr(config, k) for k in PARAMETER_SHAPE_FIELDS}, "dtype": str(dtype)}  # fmt: skip
     if pipeline is not None:  # which layers each stage's files hold
         layout["stage_layers"] = list(model.cut.layers_per_stage)
@@ -238,14 +247,19 @@ def main(argv: list[str] | None = None) -> dict:
     peak = cfg.peak_tflops or peak_tflops(device_kind, dtype)
     fpt = ModelShape.from_llama(config).flops_per_token(seq_len)
     # The whole-model planner; per stage: neuron-ckpt plan --pp.
-    predicted = None if pipeline else predicted_peak(cfg, config, parallel, seq_len, dtype, attention, recompute, plan)
+    # The whole-model planner, not yet with context parallelism (issue 46, point 4); per stage: neuron-ckpt plan --pp.
+    modelled = pipeline is None and parallel.cp_size == 1
+    predicted = predicted_peak(cfg, config, parallel, seq_len, dtype, attention, recompute, plan) if modelled else None
     if is_main:
         n_params = sum(p.numel() for p in model.parameters())
         print(
-            f"world {rt.world_size} ({rt.backend}) = TP {parallel.tp_size} x DP {parallel.dp_size}"
+            f"world {rt.world_size} ({rt.backend}) = TP {parallel.tp_size}"
+            + (f" x CP {parallel.cp_size} (seq {seq_len // parallel.cp_size} per rank)" if parallel.cp_size > 1 else "")
+            + f" x DP {parallel.dp_size}"
             + (f" x PP {parallel.pp_size} ({cfg.pp_schedule}, stages of {list(model.cut.layers_per_stage)} layers)"
                if pipeline else "") + " | "
-            f"sequence parallel {cfg.sequence_parallel} | recompute {cfg.recompute} | dtype {dtype} | "
+            f"sequence parallel {cfg.sequence_parallel} | recompute {cfg.recompute} | "
+            + (f"offload {cfg.offload_modules} | " if cfg.offload_modules else "") + f"dtype {dtype} | "
             f"seq {seq_len} | micro-batch {cfg.micro_batch_size} x accum {grad_accum} x DP {parallel.dp_size} = "
             f"global batch {cfg.global_batch_size} | params/rank {n_params / 1e6:.2f} M | "
             f"{fpt / 1e9:.3f} GFLOP/token | peak {peak} TFLOP/s per rank ({device_kind}) | recipe {cfg.recipe}"
@@ -265,7 +279,7 @@ def main(argv: list[str] | None = None) -> dict:
     env = {k: v for k, v in sorted(os.environ.items()) if k.startswith(("NEURON", "XLA"))}
     metrics.write_header(
         env, dataclasses.asdict(cfg), start_step=start_step, world_size=rt.world_size, backend=rt.backend,
-        tp=parallel.tp_size, dp=parallel.dp_size, pp=parallel.pp_size, seq_len=seq_len, grad_accum=grad_accum, dtype=str(dtype),
+        tp=parallel.tp_size, dp=parallel.dp_size, pp=parallel.pp_size, cp=parallel.cp_size, seq_len=seq_len, grad_accum=grad_accum, dtype=str(dtype),
         attention=attention, predicted_peak_bytes=predicted,
     )  # fmt: skip
     options = FitOptions(
@@ -287,6 +301,8 @@ def main(argv: list[str] | None = None) -> dict:
         summary["predicted_peak_bytes"] = predicted
         if plan is not None:
             summary["recompute_plan"] = plan.counts
+        if cfg.offload_modules and not pipeline:
+            summary["offloaded_bytes"] = offload_stats(model).total_bytes  # this rank, every step
         if records:
             metrics.write_summary({k: v for k, v in summary.items() if k != "losses"})
     finally:

@@ -4,6 +4,7 @@ when it is built (before any process group or file is touched); :func:`parse_arg
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from dataclasses import dataclass, field, fields
 from typing import Optional
 
@@ -11,6 +12,7 @@ import torch
 
 from neuron_ckpt.distributed.runtime import backends
 from neuron_ckpt.parallel.attention import ATTENTION
+from neuron_ckpt.pipeline.config import CP_REFUSAL
 from neuron_ckpt.pipeline.xla import XLA_REFUSAL
 from neuron_ckpt.recompute import PRESETS, RecomputeConfig
 from neuron_ckpt.train import RECIPES
@@ -33,9 +35,15 @@ class TrainConfig:
     )
     data: str = opt("data/train.safetensors", "packed token file from prepare_data.py")
     # parallelism
-    tp: int = opt(1, "tensor-parallel size (ranks per TP group, contiguous); DP = world / (tp x pp)")
+    tp: int = opt(1, "tensor-parallel size (ranks per TP group, contiguous); DP = world / (tp x cp x pp)")
+    cp: int = opt(
+        1, "context-parallel size: each sequence split over this many ranks (stride TP: rank = ... + cp_rank x TP + "
+        "tp_rank), attention all-gathering keys and values over them; the sequence length must be a multiple of 2 x cp "
+        "(2 x cp x tp with --sequence-parallel); docs/context_parallel.md"
+    )
     pp: int = opt(
-        1, "pipeline-parallel size (stages, outermost: rank = pp_rank x DP x TP + dp_rank x TP + tp_rank); each step's "
+        1, "pipeline-parallel size (stages, outermost: rank = pp_rank x DP x CP x TP + dp_rank x CP x TP + cp_rank x TP + "
+        "tp_rank); each step's "
         "micro-batches (--global-batch-size / (--micro-batch-size x DP)) run through the stages; not on XLA (trn1)"
     )
     pp_schedule: str = opt(
@@ -59,6 +67,11 @@ class TrainConfig:
         None, "full recompute: group size (uniform) / layers recomputed (block); with --pp > 1 per stage (Megatron's)"
     )
     recompute_modules: str = opt("core_attn", "selective recompute: comma-separated modules (core_attn,mlp,mlp_act,norm)")
+    offload_modules: str = opt(
+        "", "activation offload: comma-separated modules whose kept activations go to host memory during the step, "
+        "copied beside the compute (layer,core_attn,mlp,mlp_act,norm; every layer but the last; with --recompute full "
+        "only layer); CUDA copies on side streams, on CPU the mechanics only; not on XLA (docs/offload.md)"
+    )
     attention: Optional[str] = opt(
         None, "core attention: flash (a fused kernel, no s x s tensor: torch SDPA's flash on CPU/CUDA, NxD's NKI kernel "
         "on trn1) or explicit (softmax(QK^T) written out); default: flash where the device has a kernel for the "
@@ -134,7 +147,7 @@ class TrainConfig:
             value = getattr(self, f.name)
             if choices and value is not None and value not in choices:
                 raise ValueError(f"--{f.name.replace('_', '-')} must be one of {choices}, got {value!r}")
-        positive = ("tp", "pp", "micro_batch_size", "global_batch_size", "max_steps", "keep_last")
+        positive = ("tp", "cp", "pp", "micro_batch_size", "global_batch_size", "max_steps", "keep_last")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -183,10 +196,19 @@ class TrainConfig:
                 raise ValueError(f"{flag(name)} {getattr(self, name)} applies only with {needed}; this run would "
                                  f"ignore it: drop it or add {needed}")
         self._check_pipeline()
+        if self.offload_modules:
+            refused = [("--recompute auto", self.recompute == "auto", "the planner does not weigh offload yet"),
+                       ("--compile", self.compile, "offload's hooks run eagerly; compiled graphs keep what they keep"),
+                       ("--backend xla", self.backend == "xla", "XLA (trn1) has no streams and no host placement")]
+            for option, given_, why in refused:
+                if given_:
+                    raise ValueError(f"--offload-modules {self.offload_modules} does not combine with {option}: {why}")
+        self._check_context_parallel()
         try:  # the recompute options' own checks (method and layer count, module names), now
             self._recompute = self._build_recompute()
         except (ValueError, TypeError) as e:
-            raise ValueError(f"--recompute {self.recompute}: {e}") from None
+            offload = f" --offload-modules {self.offload_modules}" if self.offload_modules else ""
+            raise ValueError(f"--recompute {self.recompute}{offload}: {e}") from None
 
     def _check_pipeline(self) -> None:
         """What --pp > 1 does not combine with, refused before any process starts work."""
@@ -206,6 +228,18 @@ class TrainConfig:
                                     "pass a preset (each stage applies it)"}[name]
                 raise ValueError(f"{flag} does not combine with --pp {self.pp}: {why}")
 
+    def _check_context_parallel(self) -> None:
+        """What --cp > 1 does not combine with, refused before any process starts work."""
+        if self.cp == 1:
+            return
+        if self.pp > 1:
+            raise ValueError(f"--cp {self.cp} --pp {self.pp}: {CP_REFUSAL.format(cp=self.cp)}")
+        if self.recompute == "auto":
+            raise ValueError(
+                f"--recompute auto does not combine with --cp {self.cp} yet: the planner does not model context "
+                "parallelism; pass a preset (none, selective, full)"
+            )
+
     @property
     def pp_schedule_name(self) -> str:
         """The ``PipelineConfig.schedule`` of ``--pp-schedule``."""
@@ -214,12 +248,14 @@ class TrainConfig:
     def _build_recompute(self) -> RecomputeConfig | None:
         if self.recompute == "auto":
             return None
+        offload = tuple(m for m in self.offload_modules.split(",") if m)
         if self.recompute == "selective":
             modules = tuple(m for m in self.recompute_modules.split(",") if m)
-            return RecomputeConfig(granularity="selective", modules=modules)
+            return RecomputeConfig(granularity="selective", modules=modules, offload_modules=offload)
         if self.recompute == "full" and (self.recompute_method, self.recompute_num_layers) != (None, None):
-            return RecomputeConfig(granularity="full", method=self.recompute_method, num_layers=self.recompute_num_layers)
-        return RecomputeConfig.preset(self.recompute)
+            return RecomputeConfig(granularity="full", method=self.recompute_method,
+                                   num_layers=self.recompute_num_layers, offload_modules=offload)
+        return dataclasses.replace(RecomputeConfig.preset(self.recompute), offload_modules=offload)
 
     def recompute_config(self) -> RecomputeConfig | None:
         """The fixed choice, built and checked at construction; None for ``auto``, planned per layer

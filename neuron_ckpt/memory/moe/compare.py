@@ -1,7 +1,8 @@
 """Measured against analytic for one model: ``python -m neuron_ckpt.memory.moe.compare``.
 
-:func:`compare` builds one layer of each kind the model has (DeepSeek: its dense first layer and
-an MoE layer; the vocabulary shrunk, which no layer reads), applies each recompute choice in
+:func:`compare` builds one layer of each kind the model has (:func:`one_layer_each`: DeepSeek's
+dense first layer and an MoE layer, Gemma2's sliding and full layers; the vocabulary shrunk,
+which no layer reads), applies each recompute choice in
 turn to the same model (``apply_recompute`` replaces the previous one), runs the layers once
 per choice (:func:`~.measure.measure_layers`, no backward) and returns, per layer kind and
 choice, what ``SavedTensorRecorder`` counted and what :func:`~.layer.layer_memory` says.
@@ -9,14 +10,15 @@ choice, what ``SavedTensorRecorder`` counted and what :func:`~.layer.layer_memor
 layer keeps depends on E only through the router's ``[T, E]`` scores and grouped_mm's ``[E]``
 offsets (the analytic side is computed for the same E, so the comparison stays exact).
 
-Runs on one process (TP 1), or on every rank of an initialised world with ``setup.tp`` ranks.
+Runs on one process (TP 1), or on every rank of an initialised world with ``setup.tp`` ranks
+(:func:`compare_on_ranks` initialises it: ``neuron-ckpt memory --config ... --measure``).
 """
 
 from __future__ import annotations
 
 import argparse
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from ...recompute import apply_recompute, remove_recompute
 from .config import load_moe_config
@@ -27,22 +29,34 @@ from .shape import ATTENTION, EXPERTS, MoESetup, MoEShape
 
 @dataclass(frozen=True)
 class Row:
+    """One layer kind under one choice: what autograd kept on this rank (``per_rank``: on each rank,
+    where the rows were gathered from several), what :func:`~.layer.layer_memory` says autograd
+    keeps, and how long the forward took."""
+
     kind: str
     choice: str
     measured: int
     analytic: int
     seconds: float
+    per_rank: list[int] = field(default_factory=list)
 
 
 def one_layer_each(shape: MoEShape, experts: int | None = None) -> MoEShape:
-    """``shape`` with one dense layer (where it has dense layers) and one MoE layer."""
-    dense = bool(shape.dense_layers)
-    return replace(shape, layers=1 + dense, dense_layers=(0,) if dense else (), experts=experts or shape.experts)
+    """``shape`` with one layer of each kind it has (its first), in their order; ``experts``:
+    fewer routed experts."""
+    first = [next(i for i in range(shape.layers) if shape.kind_of(i) == kind) for kind in shape.kinds]
+    return replace(
+        shape,
+        layers=len(first),
+        dense_layers=tuple(j for j, i in enumerate(first) if shape.is_dense(i)),
+        attention_types=tuple(shape.variant(i) for i in first) if shape.attention_types else (),
+        experts=experts or shape.experts,
+    )
 
 
 def compare(shape: MoEShape, setup: MoESetup, choices=CHOICES, vocab: int = 128) -> list[Row]:
     """Measured and analytic bytes of each layer of ``shape`` under each choice that applies."""
-    kinds = ["dense" if shape.is_dense(i) else "moe" for i in range(shape.layers)]
+    kinds = [shape.kind_of(i) for i in range(shape.layers)]
     model = build_model(shape, setup, "none", vocab=vocab)
     rows = []
     for choice in choices:
@@ -60,11 +74,23 @@ def compare(shape: MoEShape, setup: MoESetup, choices=CHOICES, vocab: int = 128)
     return rows
 
 
+def compare_on_ranks(shape: MoEShape, setup: MoESetup, choices=CHOICES, vocab: int = 128) -> list[Row]:
+    """:func:`compare` on every rank of a local world (``run_local``): the tensor-parallel group
+    first, where the setup splits."""
+    if setup.tp > 1 or setup.sequence_parallel:
+        from ...distributed import initialize_model_parallel
+
+        initialize_model_parallel(setup.tp)
+    return compare(shape, setup, choices, vocab)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m neuron_ckpt.memory.moe.compare", description=__doc__.split("\n")[0]
     )
-    parser.add_argument("--config", required=True, help="an MoE config.json or preset (mixtral-8x7b, deepseek-v3)")
+    parser.add_argument(
+        "--config", required=True, help="a transformers config.json or preset (mixtral-8x7b, deepseek-v3)"
+    )
     parser.add_argument("--seq", type=int, required=True)
     parser.add_argument("--micro-batch", type=int, default=1)
     parser.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
@@ -76,13 +102,13 @@ def main(argv: list[str] | None = None) -> int:
     shape = one_layer_each(load_moe_config(args.config), args.experts)
     setup = MoESetup(args.seq, args.micro_batch, 1, args.dtype, args.attention, args.experts_impl)
     print(
-        f"{shape.name}: {'dense + MoE layer' if shape.dense_layers else 'one MoE layer'}, E={shape.experts}, "
+        f"{shape.name}: one layer of each kind ({', '.join(shape.kinds)}), E={shape.experts}, "
         f"s={setup.seq_len} b={setup.micro_batch} {setup.dtype} {setup.attention} {setup.experts}, TP 1"
     )
-    print(f"{'kind':<6}{'recompute':<16}{'measured MiB':>14}{'analytic MiB':>14}{'equal':>7}{'forward s':>11}")
+    print(f"{'kind':<16}{'recompute':<16}{'measured MiB':>14}{'analytic MiB':>14}{'equal':>7}{'forward s':>11}")
     for r in compare(shape, setup, args.choices.split(",")):
         print(
-            f"{r.kind:<6}{r.choice:<16}{r.measured / 2**20:>14.3f}{r.analytic / 2**20:>14.3f}"
+            f"{r.kind:<16}{r.choice:<16}{r.measured / 2**20:>14.3f}{r.analytic / 2**20:>14.3f}"
             f"{'yes' if r.measured == r.analytic else 'NO':>7}{r.seconds:>11.1f}",
             flush=True,
         )

@@ -1,15 +1,6 @@
-"""The MLP half of a transformers MoE layer, storage by storage: the router, the routed experts
-(transformers' ``grouped_mm`` or its eager per-expert loop), the shared experts, and the dense
-MLP of the dense layers. T tokens, each sent to k experts: S = T k routed rows, dropless, so
-every count below is fixed by T, k and the sizes, never by how the tokens spread over experts.
-
-**Router.** Its linear keeps the norm's output (DeepSeek's an fp32 copy of it: its weight is
-fp32). Mixtral and Qwen: the fp32 softmax keeps its output ``[T, E]``, top-k its int64 indices,
-the in-place renormalisation (Mixtral always, Qwen with ``norm_topk_prob``) the fp32 sum and a
-copy of the top-k values. DeepSeek: the sigmoid keeps its output, the gather of the chosen
-unbiased scores its indices, the renormalisation the same two; the group top-k on the biased
-scores feeds only indices, so autograd frees that branch. The routing weights go on in fp32
-(Mixtral, DeepSeek) or the activation dtype (Qwen casts them).
+"""The routed experts of a transformers MoE block, storage by storage (transformers 5.24, torch
+2.13 on CPU). T tokens, each sent to k experts: S = T k routed rows, dropless, so every count
+below is fixed by T, k and the sizes, never by how the tokens spread over experts.
 
 **grouped_mm** (``integrations/moe.py``): the tokens are sorted by expert; the gathers keep
 their int64 indices (``perm // k`` and ``perm``), the two grouped matmuls their inputs (the
@@ -22,142 +13,79 @@ int64 inverse permutation.
 mask gives both index vectors in one int64 ``[n, 2]`` storage, kept by the three indexings and
 ``index_add_``; the gathered rows, gate/up, ``act_fn(gate)``, the product, the gathered routing
 weights, the down projection's output (kept by the weighting) and the weighted rows
-(``index_add_``'s source) are kept per expert, n rows each, S rows in all.
+(``index_add_``'s source) are kept per expert, n rows each, S rows in all. Under ``moe_act`` the
+loop runs its SwiGLU through ``_apply_gate`` (:mod:`neuron_ckpt.recompute.experts_loop`: the same
+ops), so ``moe_act`` frees ``act(gate)`` and the product on both implementations, as Megatron's.
 
-**Shared experts** (DeepSeek's ``shared_experts``, Qwen2's ``shared_expert``) and the **dense
-MLP**: ``down(act(gate(x)) * up(x))`` keeps gate's output (silu), ``act(gate)`` and up's output
-(the multiply) and the product (down); x is the norm's output. Qwen2's gate
-``sigmoid(Linear(h, 1)(x)) * shared(x)`` keeps x, the sigmoid's output and the shared output.
+**GPT-OSS** (``clamped``): the same two paths with biases (grouped_mm's bias gathers keep the
+sorted expert ids, int64 ``[S]``) and its ``_apply_gate``: both clamps keep the interleaved
+``[S, 2F]`` gate/up, then the clamped gate, ``sigmoid(alpha gate)`` (kept twice), the GLU and
+``up + 1`` are kept by the multiplies and the product by the down projection: five ``F`` terms.
 
-Under TP the experts' and the dense MLP's intermediate size F is split; the router, the
-dispatch, the gathered rows and the experts' outputs are whole on every rank.
+**Llama 4** (``all``): every token goes through every expert: the block repeats the input E
+times and scales each copy by its sigmoid score (both kept), and its experts' ``bmm`` keep the
+scaled ``[E T, h]`` rows, ``[E T, 2F]`` gate/up, ``act(gate)`` and the product; the outputs are
+summed (nothing kept). It scales with E, not k.
+
+Under TP the experts' intermediate size F is split (GPT-OSS's plan leaves its experts whole);
+the router, the dispatch, the gathered rows and the experts' outputs are whole on every rank.
 """
 
 from __future__ import annotations
 
-from ..rerun import SOFTMAX
-from ..terms import ActivationTerm
+from .families import FAMILY
+from .mlp import dense_mlp, shared_experts, swiglu
+from .routers import INT64, replay_indices, router, routing_weight_bytes
 from .rules import LayerTensors
 from .shape import MoESetup, MoEShape
 
-_FP32, _INT64, _INT32 = 4, 8, 4
-SILU = 4  # elementwise FLOPs per element: x * sigmoid(x); the product with up is 1 more
-
-
-def routing_weight_bytes(shape: MoEShape, setup: MoESetup) -> int:
-    """Bytes of one routing weight: fp32 for Mixtral and DeepSeek, the activation dtype for Qwen."""
-    return setup.width if shape.family in ("qwen3_moe", "qwen2_moe") else _FP32
-
-
-def replay_indices(shape: MoEShape, setup: MoESetup) -> tuple[ActivationTerm, ...]:
-    """What the routing replay of a recomputed MoE block holds outside autograd until the block's
-    backward: the int64 indices of each top-k call (DeepSeek: the groups' top-2, the top
-    groups, the top experts)."""
-    T, k = setup.tokens, shape.top_k
-    if shape.family != "deepseek_v3":
-        return (ActivationTerm("replay.topk_indices", _INT64 * T * k, False),)
-    return (
-        ActivationTerm("replay.group_top2_indices", _INT64 * T * shape.n_group * 2, False),
-        ActivationTerm("replay.top_groups_indices", _INT64 * T * shape.topk_group, False),
-        ActivationTerm("replay.topk_indices", _INT64 * T * k, False),
-    )
-
-
-def router(layer: LayerTensors, shape: MoEShape, setup: MoESetup, x: str) -> None:
-    T, E, k, w = setup.tokens, shape.experts, shape.top_k, setup.width
-    # One op: the linear (keeps its input), the softmax or sigmoid, top-k and the renormalisation
-    # (which keep their outputs as they run).
-    layer.op("mlp.router", matmul=2 * T * shape.hidden * E, elementwise=SOFTMAX * T * E)
-    if shape.family == "deepseek_v3":
-        if w == _FP32:
-            layer.keep(x, "mlp.router")
-        else:
-            layer.save("router.input_fp32", _FP32 * T * shape.hidden, False, "mlp.router")
-        layer.save("router.sigmoid_fp32", _FP32 * T * E, False, "mlp.router+")
-    else:
-        layer.keep(x, "mlp.router")
-        layer.save("router.softmax_fp32", _FP32 * T * E, False, "mlp.router+")
-    layer.save("router.topk_indices", _INT64 * T * k, False, "mlp.router+")
-    if shape.family == "mixtral" or shape.norm_topk_prob:
-        layer.save("router.topk_sum_fp32", _FP32 * T, False, "mlp.router+")
-        layer.save("router.topk_values_fp32", _FP32 * T * k, False, "mlp.router+")
+_INT32 = 4
 
 
 def experts(layer: LayerTensors, shape: MoEShape, setup: MoESetup) -> None:
-    """The routed experts and their ``moe_act`` unit (SwiGLU's output discarded where it can be)."""
-    S, h, w, t = setup.tokens * shape.top_k, shape.hidden, setup.width, setup.tp
+    """The routed experts and their ``moe_act`` unit (``_apply_gate``'s output discarded; Llama 4: ``act_fn``'s)."""
+    kind = FAMILY[shape.family].experts
+    if kind == "all":
+        return _all_experts(layer, shape, setup)
+    S, h, w, t = setup.tokens * shape.top_k, shape.hidden, setup.width, shape.split("experts", setup.tp)
     F, r, split = shape.moe_ffn // t, routing_weight_bytes(shape, setup), t > 1
     grouped = setup.experts == "grouped_mm"
-    # In forward order, summed over the experts (the eager loop runs them one after another: its
-    # last combine is after every down projection).
-    layer.op("mlp.experts.dispatch")
-    layer.op("mlp.experts.up", matmul=2 * S * h * 2 * F)
-    layer.op("mlp.experts.silu", elementwise=SILU * S * F)
-    layer.op("mlp.experts.mul", elementwise=S * F)
-    layer.op("mlp.experts.down", matmul=2 * S * F * h)
-    layer.op("mlp.experts.combine", elementwise=2 * S * h)  # weighting and the sum over top-k
     if grouped:
-        layer.save("dispatch.token_index", _INT64 * S, False, "mlp.experts.dispatch")
-        layer.save("dispatch.perm", _INT64 * S, False, "mlp.experts.dispatch")
+        layer.save("dispatch.token_index", INT64 * S, False, "mlp.experts.dispatch")
+        layer.save("dispatch.perm", INT64 * S, False, "mlp.experts.dispatch")
+        if kind == "clamped":
+            layer.save("experts.bias_index", INT64 * S, False, "mlp.experts.up", "mlp.experts.down")
         layer.save("grouped_mm.offsets", _INT32 * shape.experts, False, "mlp.experts.up", "mlp.experts.down")
     else:
-        layer.save("dispatch.indices", 2 * _INT64 * S, False, "mlp.experts.dispatch", "mlp.experts.combine")
+        layer.save("dispatch.indices", 2 * INT64 * S, False, "mlp.experts.dispatch", "mlp.experts.combine")
     layer.save("experts.input", w * S * h, False, "mlp.experts.up")
     gate_up = layer.save("experts.gate_up", w * S * 2 * F, split, "mlp.experts.silu", "mlp.experts.mul")
-    act = layer.save("experts.act", w * S * F, split, "mlp.experts.mul")
+    if kind == "clamped":  # _apply_gate: clamp, sigmoid(alpha gate), gate * sigmoid, (up + 1) * glu
+        for name in ("gate_clamped", "sigmoid", "glu", "up_plus_one"):
+            layer.save(f"experts.{name}", w * S * F, split, "mlp.experts.mul")
+    else:
+        layer.save("experts.act", w * S * F, split, "mlp.experts.mul")
     product = layer.save("experts.product", w * S * F, split, "mlp.experts.down")
     layer.save("experts.routing_weights", r * S, False, "mlp.experts.combine")
     layer.save("experts.output", w * S * h, False, "mlp.experts.combine")
     if grouped:
-        layer.save("combine.inverse_perm", _INT64 * S, False, "mlp.experts.combine")
-        # _apply_gate (chunk, act(gate) * up) is discarded: its product, which down keeps
-        layer.unit("moe_act", ["mlp.experts.silu", "mlp.experts.mul"], [gate_up], discards=[product])
+        layer.save("combine.inverse_perm", INT64 * S, False, "mlp.experts.combine")
     else:
         layer.save("combine.weighted", w * S * h, False, "mlp.experts.combine")
-        # the loop writes act_fn(gate) * up inline: only act_fn's output can be discarded
-        layer.unit("moe_act", ["mlp.experts.silu"], [gate_up], discards=[act])
+    # _apply_gate (chunk, act(gate) * up) is discarded: its product, which down keeps, and act(gate)
+    # (grouped_mm and GPT-OSS call it; under moe_act the eager loop does too: recompute.experts_loop)
+    layer.unit("moe_act", ["mlp.experts.silu", "mlp.experts.mul"], [gate_up], discards=[product])
 
 
-def swiglu(layer: LayerTensors, place: str, x: str, ffn: int, setup: MoESetup, split: bool, hidden: int) -> None:
-    """transformers' MLP ``down(act(gate(x)) * up(x))`` at ``place``, ``ffn`` wide on this rank."""
-    T, w, h = setup.tokens, setup.width, hidden
-    layer.op(f"{place}.up", matmul=2 * T * h * 2 * ffn)  # gate_proj and up_proj
-    layer.op(f"{place}.silu", elementwise=SILU * T * ffn)
-    layer.op(f"{place}.mul", elementwise=T * ffn)
-    layer.op(f"{place}.down", matmul=2 * T * ffn * h)
-    layer.keep(x, f"{place}.up")
-    layer.save(f"{place}.gate_proj.out", w * T * ffn, split, f"{place}.silu")
-    layer.save(f"{place}.act", w * T * ffn, split, f"{place}.mul")
-    layer.save(f"{place}.up_proj.out", w * T * ffn, split, f"{place}.mul")
-    layer.save(f"{place}.product", w * T * ffn, split, f"{place}.down")
+def _all_experts(layer: LayerTensors, shape: MoEShape, setup: MoESetup) -> None:
+    rows, h, w, t = shape.experts * setup.tokens, shape.hidden, setup.width, shape.split("experts", setup.tp)
+    F, split = shape.moe_ffn // t, t > 1
+    layer.save("experts.repeated_input", w * rows * h, False, "mlp.experts.scale")
+    layer.save("experts.input", w * rows * h, False, "mlp.experts.up")
+    gate_up = layer.save("experts.gate_up", w * rows * 2 * F, split, "mlp.experts.silu", "mlp.experts.mul")
+    act = layer.save("experts.act", w * rows * F, split, "mlp.experts.mul")
+    layer.save("experts.product", w * rows * F, split, "mlp.experts.down")
+    layer.unit("moe_act", ["mlp.experts.silu"], [gate_up], discards=[act])  # act_fn's output
 
 
-def shared_experts(layer: LayerTensors, shape: MoEShape, setup: MoESetup, x: str) -> None:
-    """DeepSeek's shared experts or Qwen2's shared expert, and the ``shared_experts`` unit."""
-    t = shape.split("shared", setup.tp)
-    swiglu(layer, "mlp.shared", x, shape.shared_ffn // t, setup, t > 1, shape.hidden)
-    layer.unit("shared_experts", ["mlp.shared"], [x])
-
-
-def shared_gate(layer: LayerTensors, shape: MoEShape, setup: MoESetup, x: str) -> None:
-    """Qwen2's gate on its shared expert, after the routed experts: ``sigmoid(Linear(h, 1)(x)) *
-    shared(x)``; the product keeps both factors."""
-    T, w = setup.tokens, setup.width
-    layer.op("mlp.shared_gate", matmul=2 * T * shape.hidden, elementwise=SILU * T)  # the linear and the sigmoid
-    layer.op("mlp.shared_gate.mul", elementwise=T * shape.hidden)
-    layer.keep(x, "mlp.shared_gate")
-    layer.save("shared_gate.sigmoid", w * T, False, "mlp.shared_gate.mul")
-    layer.save("shared_expert.out", w * T * shape.hidden, False, "mlp.shared_gate.mul")
-
-
-def dense_mlp(layer: LayerTensors, shape: MoEShape, setup: MoESetup, x: str) -> None:
-    """The dense layers' MLP, and its ``mlp`` and ``mlp_act`` (``act_fn``'s output) units."""
-    swiglu(layer, "mlp", x, shape.dense_ffn // setup.tp, setup, setup.tp > 1, shape.hidden)
-    layer.unit("mlp", ["mlp"], [x])
-    layer.unit("mlp_act", ["mlp.silu"], ["mlp.gate_proj.out"], discards=["mlp.act"])
-
-
-__all__ = [
-    "dense_mlp", "experts", "replay_indices", "router", "routing_weight_bytes", "shared_experts", "shared_gate",
-    "swiglu",
-]  # fmt: skip
+__all__ = ["dense_mlp", "experts", "replay_indices", "router", "routing_weight_bytes", "shared_experts", "swiglu"]

@@ -1,25 +1,27 @@
-"""What one transformers MoE / MLA decoder layer keeps for backward, under each recompute choice.
+"""What one transformers decoder layer keeps for backward, under each recompute choice.
 
 A decoder layer (``*DecoderLayer.forward``) is ``x + attn(norm1(x))``, then ``r + mlp(norm2(r))``
-with ``mlp`` an MoE block or, on the dense layers, a dense MLP; the residual adds keep nothing.
-:func:`layer_tensors` writes it storage by storage (:mod:`.attention`, :mod:`.experts`) with its
-recompute units, and :func:`layer_memory` applies the rule of :mod:`.rules` to a recompute
-choice:
+with ``mlp`` a dense MLP or an MoE block (Gemma2 also normalises each region's output before its
+residual add); the residual adds keep nothing. :func:`layer_tensors` writes it storage by storage
+(:mod:`.norms`, :mod:`.attention`, :mod:`.mla`, :mod:`.routers`, :mod:`.experts`, :mod:`.mlp`)
+with its recompute units, and :func:`layer_memory` applies the rule of :mod:`.rules` to a
+recompute choice:
 
 =================  ============================================================================
 choice             what it is on a transformers model (``apply_recompute``)
 =================  ============================================================================
 ``none``           nothing recomputed
 ``core_attn``      the attention function checkpointed: keeps q, k, v as it receives them
-``norm``           both RMSNorms output-discarding: keep their inputs
+``norm``           the layer's RMSNorms (two; Gemma2's four) output-discarding: keep their inputs
 ``mlp``            the dense MLP checkpointed (dense layers only): keeps its input
-``mlp_act``        the dense MLP's ``act_fn`` output-discarding (dense layers only)
+``mlp_act``        the dense MLP's activation output-discarding (dense layers only)
 ``moe``            the whole MoE block checkpointed, routing replayed: keeps its input, and the
                    replay's recorded indices outside autograd
-``moe_act``        the experts' SwiGLU output-discarding (grouped_mm: ``_apply_gate``'s product;
-                   the eager loop: ``act_fn``'s output only)
+``moe_act``        the experts' SwiGLU (``_apply_gate``) output-discarding: frees ``act(gate)``
+                   and the product (grouped_mm, the eager loop, GPT-OSS; Llama 4: ``act_fn``'s
+                   output only, its own ``bmm`` forward writes the product inline)
 ``shared_experts`` the shared experts checkpointed: keep their input
-``mla_up_proj``    MLA's up projections, RoPE and concat output-discarding: keep the latents
+``mla_up_proj``    DeepSeek-V3's MLA up projections, RoPE and concat output-discarding: keep the latents
                    and ``kv_a_proj``'s output (k_rot is a slice of it); q, k, v become notes
 ``full``           the whole layer checkpointed: keeps its input (and, on an MoE layer, the
                    replay's indices)
@@ -38,10 +40,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ...recompute import RecomputeConfig
-from ..rerun import Flops
 from ..terms import ActivationTerm
 from . import experts as mlp
-from .attention import gqa, mla, rms_norm
+from .attention import gqa, mla
+from .families import FAMILY
+from .norms import rms_norm
 from .rules import LayerTensors
 from .sequence import always_on, enter_region
 from .shape import MoESetup, MoEShape
@@ -53,37 +56,47 @@ Recompute = str | Iterable[str] | RecomputeConfig
 
 
 def layer_tensors(shape: MoEShape, setup: MoESetup, kind: str) -> LayerTensors:
-    """A ``kind`` ("dense" or "moe") layer's storages without recompute, and its units."""
-    h, w = shape.hidden, setup.width
+    """A ``kind`` layer's storages without recompute, and its units (``kind``: ``"dense"`` or
+    ``"moe"``, with the attention variant after a ``/``: ``"dense/sliding"``)."""
+    family = FAMILY[shape.family]
+    mlp_kind, _, variant = kind.partition("/")
+    h, w, norm = shape.hidden, setup.width, family.norm
     T, sp = setup.local_tokens, setup.sequence_parallel  # the token-wise parts' rows: T/t under sequence parallel
     layer = LayerTensors()
     x = layer.save("layer_input", w * T * h, sp)
-    n1 = rms_norm(layer, "norm1", x, T * h, T, w, sp)
+    n1 = rms_norm(layer, "norm1", x, T * h, T, w, sp, norm)
     x1 = enter_region(layer, "attn", n1, h, setup)
-    (mla if shape.mla is not None else gqa)(layer, shape, setup, x1)
-    r = layer.save("residual", w * T * h, sp)  # norm2's input: x + attention
-    n2 = rms_norm(layer, "norm2", r, T * h, T, w, sp)
-    x2 = enter_region(layer, "mlp", n2, h, setup)
+    (mla if shape.mla is not None else gqa)(layer, shape, setup, x1, variant or "full")
     layer.unit("norm", ["norm1"], [x], discards=[n1])
+    if family.sandwich:  # Gemma2's post_attention_layernorm, on the attention's output
+        _sandwich_norm(layer, "norm_attn_out", "attn.out", setup, h, norm)
+    r = layer.save("residual", w * T * h, sp)  # the next norm's input: x + attention
+    n2 = rms_norm(layer, "norm2", r, T * h, T, w, sp, norm)
+    x2 = enter_region(layer, "mlp", n2, h, setup)
     layer.unit("norm", ["norm2"], [r], discards=[n2])
-    if kind == "dense":
+    if mlp_kind == "dense":
         mlp.dense_mlp(layer, shape, setup, x2)
-        layer.unit("full", [""], [x])
-        return layer
-    # In forward order: Qwen2 runs its shared expert first and gates it after the routed experts,
-    # DeepSeek its shared experts last.
-    if shape.family == "qwen2_moe":
-        mlp.shared_experts(layer, shape, setup, x2)
-    mlp.router(layer, shape, setup, x2)
-    mlp.experts(layer, shape, setup)
-    if shape.family == "qwen2_moe":
-        mlp.shared_gate(layer, shape, setup, x2)
-    elif shape.shared_ffn:
-        mlp.shared_experts(layer, shape, setup, x2)
-    replay = mlp.replay_indices(shape, setup)
-    layer.unit("moe", ["mlp"], [x2], outside=replay)
-    layer.unit("full", [""], [x], outside=replay)
+        outside: tuple[ActivationTerm, ...] = ()
+    else:
+        mlp.router(layer, shape, setup, x2)
+        mlp.experts(layer, shape, setup)
+        if shape.shared_ffn:
+            mlp.shared_experts(layer, shape, setup, x2)
+        outside = mlp.replay_indices(shape, setup)
+        layer.unit("moe", ["mlp"], [x2], outside=outside)
+    if family.sandwich:  # and its post_feedforward_layernorm, on the MLP's output
+        _sandwich_norm(layer, "norm_mlp_out", "mlp.out", setup, h, norm)
+    layer.unit("full", [""], [x], outside=outside)
     return layer
+
+
+def _sandwich_norm(layer: LayerTensors, place: str, source: str, setup: MoESetup, h: int, norm: str) -> None:
+    """A norm on a region's output (this rank's s/t tokens of it under sequence parallel); its
+    output goes to the residual add, which keeps nothing."""
+    T, sp, w = setup.local_tokens, setup.sequence_parallel, setup.width
+    out = layer.save(source, w * T * h, sp)
+    normed = rms_norm(layer, place, out, T * h, T, w, sp, norm)
+    layer.unit("norm", [place], [out], discards=[normed])
 
 
 def modules_of(recompute: Recompute) -> tuple[str, ...]:
@@ -113,12 +126,8 @@ def modules_of(recompute: Recompute) -> tuple[str, ...]:
 
 def check(shape: MoEShape, setup: MoESetup, kind: str) -> None:
     """A ``ValueError`` naming the field when the model, the job and ``kind`` do not fit together."""
-    if kind not in KINDS:
-        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-    if kind == "dense" and not shape.dense_layers:
-        raise ValueError(f"kind: {shape.name or shape.family} has no dense layers")
-    if kind == "moe" and len(shape.dense_layers) == shape.layers:
-        raise ValueError(f"kind: {shape.name or shape.family} has no MoE layers")
+    if kind not in shape.kinds:
+        raise ValueError(f"kind: {shape.name or shape.family} has layers of kinds {list(shape.kinds)}, got {kind!r}")
     why = shape.valid_tp(setup.tp)
     if why is not None:
         raise ValueError(why)
@@ -127,15 +136,12 @@ def check(shape: MoEShape, setup: MoESetup, kind: str) -> None:
 @dataclass(frozen=True)
 class LayerMemory:
     """What one layer of ``kind`` keeps on one rank under ``modules``: ``terms`` (autograd's
-    saved storages, forward order) and ``outside`` (held outside autograd: the routing replay);
-    and ``rerun``, the forward FLOPs its backward reruns (matmul and elementwise, per micro-batch
-    on one rank: :meth:`~.rules.LayerTensors.rerun`)."""
+    saved storages, forward order) and ``outside`` (held outside autograd: the routing replay)."""
 
     kind: str
     modules: tuple[str, ...]
     terms: tuple[ActivationTerm, ...]
     outside: tuple[ActivationTerm, ...]
-    rerun: Flops = Flops()
 
     @property
     def autograd_bytes(self) -> int:
@@ -152,26 +158,30 @@ class LayerMemory:
         return "+".join(self.modules) or "none"
 
 
-def layer_memory(shape: MoEShape, setup: MoESetup, recompute: Recompute = "none", kind: str = "moe") -> LayerMemory:
-    """One ``kind`` layer's memory on one rank under ``recompute``."""
+def layer_memory(
+    shape: MoEShape, setup: MoESetup, recompute: Recompute = "none", kind: str | None = None
+) -> LayerMemory:
+    """One ``kind`` layer's memory on one rank under ``recompute`` (``kind`` None: the last layer's)."""
+    kind = shape.kind_of(shape.layers - 1) if kind is None else kind
     check(shape, setup, kind)
     modules = modules_of(recompute)
-    layer = layer_tensors(shape, setup, kind)
-    terms, outside = layer.kept(modules + always_on(setup))
-    return LayerMemory(kind, modules, tuple(terms), tuple(outside), layer.rerun(modules + always_on(setup)))
+    terms, outside = layer_tensors(shape, setup, kind).kept(modules + always_on(setup))
+    return LayerMemory(kind, modules, tuple(terms), tuple(outside))
 
 
 def applies(shape: MoEShape, kind: str, module: str) -> bool:
     """Whether ``module`` recomputes anything in a ``kind`` layer of ``shape`` (as
     ``apply_recompute`` finds it: ``mlp`` and ``mlp_act`` are the dense MLP's, ``moe`` and
-    ``moe_act`` the MoE block's, ``shared_experts`` where there are some, ``mla_up_proj`` MLA's)."""
+    ``moe_act`` the MoE block's, ``shared_experts`` where there are some, ``mla_up_proj``
+    DeepSeek-V3's MLA, the one latent attention it mirrors)."""
+    dense = kind.partition("/")[0] == "dense"
     if module in ("none", "full", "core_attn", "norm"):
         return True
     if module in ("mlp", "mlp_act"):
-        return kind == "dense"
+        return dense
     if module == "mla_up_proj":
-        return shape.mla is not None
-    return kind == "moe" and (module != "shared_experts" or shape.shared_ffn > 0)
+        return shape.family == "deepseek_v3"
+    return not dense and (module != "shared_experts" or shape.shared_ffn > 0)
 
 
 def module_table(shape: MoEShape, setup: MoESetup) -> dict[str, dict[str, LayerMemory | None]]:
@@ -186,9 +196,7 @@ def module_table(shape: MoEShape, setup: MoESetup) -> dict[str, dict[str, LayerM
 def model_bytes(shape: MoEShape, setup: MoESetup, recompute: Recompute = "none") -> int:
     """What the ``shape.layers`` layers hold for backward together (every layer under
     ``recompute``; the terms shared by the stack, the rotary tables, are left out)."""
-    per_kind = {kind: layer_memory(shape, setup, recompute, kind).nbytes for kind in shape.kinds}
-    dense = len(shape.dense_layers)
-    return dense * per_kind.get("dense", 0) + (shape.layers - dense) * per_kind.get("moe", 0)
+    return sum(shape.count(kind) * layer_memory(shape, setup, recompute, kind).nbytes for kind in shape.kinds)
 
 
 __all__ = [

@@ -1,13 +1,16 @@
-"""``neuron-ckpt memory --config CONFIG``: one dense and one MoE layer of a transformers MoE model
-under every recompute module, analytic.
+"""``neuron-ckpt memory --config CONFIG``: each layer kind of a transformers model (any family of
+:mod:`.families`) under every recompute module, analytic, and with ``--measure`` measured.
 
 :mod:`neuron_ckpt.memory.report` owns the command and hands it here when ``--config`` is given
-(:func:`run`): the file (or preset) is read strictly (:func:`~.config.load_moe_config`), the job
-is ``--seq``, ``--micro-batch``, ``--tp``, ``--sequence-parallel``, ``--dtype``, ``--attention`` (sdpa |
-eager | sdpa-fused) and ``--experts`` (grouped_mm | eager); :func:`build_report` returns the plain dict ``--json``
-prints, :func:`format_report` the table. The options that describe a model by hand or a
-measurement (``--hidden``, ``--recompute``, ``--measure``...) are refused in one line: the file
-gives the sizes, and every recompute module is printed.
+(:func:`run`): the file (or preset) is read (:func:`~.config.load_moe_config`), the job is
+``--seq``, ``--micro-batch``, ``--tp``, ``--sequence-parallel``, ``--dtype``, ``--attention`` (sdpa |
+eager | sdpa-fused; default sdpa, or eager for the families transformers runs eager only) and
+``--experts`` (grouped_mm | eager); :func:`build_report` returns the plain dict ``--json`` prints,
+:func:`format_report` the table. ``--measure`` builds one real layer of each kind (the
+vocabulary shrunk) on ``--tp`` local gloo processes and counts what autograd keeps under each
+module (:func:`~.compare.compare`). The options that describe a model by hand (``--hidden``,
+``--recompute``...) are refused in one line: the file gives the sizes, and every recompute module
+is printed.
 """
 
 from __future__ import annotations
@@ -17,16 +20,16 @@ import json
 from dataclasses import asdict
 
 from .config import load_moe_config
+from .families import FAMILY
 from .layer import CHOICES, LayerMemory, module_table
 from .shape import ATTENTION, EXPERTS, MoESetup, MoEShape
 
 MIB, GIB = 1 << 20, 1 << 30
 
-# The command's options that describe a model by hand, measure or plot: not with --config.
+# The command's options that describe a model by hand or plot: not with --config.
 HAND_OPTIONS = ("model", "hidden", "heads", "kv_heads", "ffn", "recompute", "distribute_saved_activations", "layers",
-                "measure", "plot")  # fmt: skip
-_DEFAULTS = {"model": "gpt", "recompute": "none", "layers": 1, "distribute_saved_activations": False,
-             "measure": False}  # fmt: skip
+                "plot")  # fmt: skip
+_DEFAULTS = {"model": "gpt", "recompute": "none", "layers": 1, "distribute_saved_activations": False}
 
 
 def check_options(args: argparse.Namespace) -> None:
@@ -41,37 +44,34 @@ def check_options(args: argparse.Namespace) -> None:
         )
 
 
-def setup_from_args(args: argparse.Namespace) -> MoESetup:
+def setup_from_args(args: argparse.Namespace, shape: MoEShape | None = None) -> MoESetup:
+    """The job; ``--attention`` by default what transformers runs for ``shape``'s family."""
+    family = FAMILY[shape.family] if shape is not None else None
+    if args.experts is not None and family is not None and not family.moe:
+        raise ValueError(f"--experts: {shape.family} has no experts (a dense family)")  # type: ignore[union-attr]  # family set: shape given
+    attention = args.attention or ("eager" if family is not None and family.eager_only else "sdpa")
     return MoESetup(
-        args.seq,
-        args.micro_batch,
-        args.tp,
-        args.dtype,
-        args.attention or "sdpa",
-        args.experts or "grouped_mm",
-        args.sequence_parallel,
+        args.seq, args.micro_batch, args.tp, args.dtype, attention, args.experts or "grouped_mm", args.sequence_parallel
     )
 
 
 def _describe(shape: MoEShape) -> str:
-    dense = len(shape.dense_layers)
     attention = (
         f"MLA q_lora={shape.mla.q_lora_rank} kv_lora={shape.mla.kv_lora_rank} "
         f"qk={shape.mla.qk_nope_head_dim}+{shape.mla.qk_rope_head_dim} v={shape.mla.v_head_dim}"
         if shape.mla
         else f"g={shape.kv_heads} d={shape.head_dim}"
     )
-    parts = [
-        f"h={shape.hidden}",
-        f"L={shape.layers} ({dense} dense, {shape.layers - dense} MoE)",
-        f"a={shape.heads}",
-        attention,
-        f"E={shape.experts} k={shape.top_k} F={shape.moe_ffn}",
-    ]
+    kinds = ", ".join(f"{shape.count(k)} {k}" for k in shape.kinds)
+    parts = [f"h={shape.hidden}", f"L={shape.layers} ({kinds})", f"a={shape.heads}", attention]
+    if shape.experts:
+        parts.append(f"E={shape.experts} k={shape.top_k} F={shape.moe_ffn}")
     if shape.shared_ffn:
         parts.append(f"shared={shape.shared_ffn}")
-    if dense:
+    if shape.dense_layers:
         parts.append(f"dense ffn={shape.dense_ffn}")
+    if shape.window:
+        parts.append(f"window={shape.window}")
     return " ".join(parts)
 
 
@@ -81,22 +81,25 @@ def _known(memory: LayerMemory | None) -> LayerMemory:
     return memory
 
 
-def build_report(shape: MoEShape, setup: MoESetup, source: str = "", notices: list[str] | None = None) -> dict:
+def build_report(
+    shape: MoEShape, setup: MoESetup, source: str = "", notices: list[str] | None = None, measured: list | None = None
+) -> dict:
     """Everything the command prints, as a JSON-ready dict: per layer kind and recompute choice
     the bytes one rank keeps (None where the module does not apply to that kind), the bytes
-    outside autograd among them, all layers together, and the no-recompute breakdown."""
+    outside autograd among them, all layers together, the no-recompute breakdown, and with
+    ``measured`` (:func:`measure`'s rows) what autograd kept, by kind and choice."""
     table = module_table(shape, setup)
-    dense, moe = len(shape.dense_layers), shape.layers - len(shape.dense_layers)
+    dense = len(shape.dense_layers)
 
     def stack(choice: str) -> int:  # a module a kind lacks leaves those layers as they are
-        per_kind = {kind: _known(row[choice] or row["none"]).nbytes for kind, row in table.items()}
-        return dense * per_kind.get("dense", 0) + moe * per_kind.get("moe", 0)
+        return sum(shape.count(kind) * _known(row[choice] or row["none"]).nbytes for kind, row in table.items())
 
-    return {
+    report = {
         "spec": {"config": source, "name": shape.name, "family": shape.family, "seq_len": setup.seq_len,
                  "micro_batch": setup.micro_batch, "tp": setup.tp, "sequence_parallel": setup.sequence_parallel,
                  "dtype": setup.dtype, "attention": setup.attention,
-                 "experts": setup.experts, "layers": shape.layers, "dense_layers": dense, "moe_layers": moe,
+                 "experts": setup.experts, "layers": shape.layers, "dense_layers": dense,
+                 "moe_layers": shape.layers - dense, "kinds": {k: shape.count(k) for k in shape.kinds},
                  "description": _describe(shape)},
         "model": {k: v for k, v in asdict(shape).items() if k != "name"},
         "per_layer_bytes": {kind: {c: None if m is None else m.nbytes for c, m in row.items()}
@@ -107,54 +110,100 @@ def build_report(shape: MoEShape, setup: MoESetup, source: str = "", notices: li
         "breakdown": {kind: [asdict(t) for t in _known(row["none"]).terms] for kind, row in table.items()},
         "notices": list(notices or ()),
     }  # fmt: skip
+    if measured is not None:
+        report["measured"] = {
+            kind: {r.choice: {"measured": r.measured, "analytic": r.analytic, "per_rank": r.per_rank}
+                   for r in measured if r.kind == kind}
+            for kind in dict.fromkeys(r.kind for r in measured)
+        }  # fmt: skip
+    return report
 
 
 def format_report(report: dict) -> str:
     """The table of :func:`build_report`'s dict: MiB per layer per rank by kind, GiB for all layers."""
     s, kinds = report["spec"], list(report["per_layer_bytes"])
-    title = f"{s['name'] or s['family']} ({s['family']}): {s['description']}"
+    width = max(14, *(len(k) + 8 for k in kinds))
     lines = [
         *report["notices"],
-        title,
+        f"{s['name'] or s['family']} ({s['family']}): {s['description']}",
         (
             f"s={s['seq_len']} b={s['micro_batch']} {s['dtype']}, t={s['tp']} (the model's TP plan, "
-            f"{'' if s['sequence_parallel'] else 'no '}sequence parallel), {s['attention']} attention, "
-            f"{s['experts']} experts"
+            f"{'' if s['sequence_parallel'] else 'no '}sequence parallel), {s['attention']} attention"
+            + (f", {s['experts']} experts" if s["moe_layers"] else "")
         ),
         "activations per layer per rank (analytic), MiB; '-': the module is not in that layer",
         "",
-        f"{'recompute':<16}" + "".join(f"{k + ' layer':>14}" for k in kinds) + f"{'all layers GiB':>16}",
+        f"{'recompute':<16}" + "".join(f"{k + ' layer':>{width}}" for k in kinds) + f"{'all layers GiB':>16}",
     ]
     for choice in CHOICES:
         cells = [report["per_layer_bytes"][k][choice] for k in kinds]
+        if all(c is None for c in cells):  # a module no layer of this model has
+            continue
         lines.append(
             f"{choice:<16}"
-            + "".join(f"{'-' if c is None else f'{c / MIB:.3f}':>14}" for c in cells)
+            + "".join(f"{'-' if c is None else f'{c / MIB:.3f}':>{width}}" for c in cells)
             + f"{report['layers_total_bytes'][choice] / GIB:>16.3f}"
         )
-    outside = {k: v for k, v in report["outside_autograd_bytes"].get("moe", {}).items() if v}
+    outside = [v for k in kinds for v in report["outside_autograd_bytes"][k].values() if v]
     if outside:
         lines.append(
             "(moe and full on an MoE layer include the routing replay's indices, held outside autograd: "
-            f"{next(iter(outside.values())) / MIB:.3f} MiB)"
+            f"{outside[0] / MIB:.3f} MiB)"
         )
     for kind in kinds:
         terms = report["breakdown"][kind]
         total = sum(t["nbytes"] for t in terms)
         lines += ["", f"{kind} layer without recompute: {total / MIB:.3f} MiB", f"{'term':<32}{'MiB':>12}{'share':>8}"]
         lines += [f"{t['name']:<32}{t['nbytes'] / MIB:>12.4f}{t['nbytes'] / total:>8.1%}" for t in terms]
+    if "measured" in report:
+        lines += [
+            "",
+            (
+                f"measured (one layer of each kind, {s['tp']} gloo ranks): what autograd kept, MiB per rank "
+                "(the routing replay's indices are outside it)"
+            ),
+            f"{'kind':<16}{'recompute':<16}{'measured':>12}{'analytic':>12}{'equal':>7}",
+        ]
+        for kind, rows in report["measured"].items():
+            lines += [
+                f"{kind:<16}{c:<16}{r['measured'] / MIB:>12.3f}{r['analytic'] / MIB:>12.3f}"
+                f"{'yes' if r['measured'] == r['analytic'] else 'NO':>7}"
+                for c, r in rows.items()
+            ]
     return "\n".join(lines)
+
+
+def measure(shape: MoEShape, setup: MoESetup) -> list:
+    """:func:`~.compare.compare` of one layer of each kind on ``setup.tp`` spawned gloo ranks: per
+    kind and choice, the largest rank's bytes, with every rank's."""
+    from ...distributed.local import run_local
+    from .compare import Row, compare_on_ranks, one_layer_each
+
+    per_rank = run_local(compare_on_ranks, setup.tp, one_layer_each(shape), setup)
+    return [
+        Row(
+            r.kind,
+            r.choice,
+            max(rank[i].measured for rank in per_rank),
+            r.analytic,
+            r.seconds,
+            [rank[i].measured for rank in per_rank],
+        )  # fmt: skip
+        for i, r in enumerate(per_rank[0])
+    ]
 
 
 def run(args: argparse.Namespace) -> int:
     """``neuron-ckpt memory --config ...``; a ``ValueError`` on bad input (the CLI prints one line)."""
     check_options(args)
-    setup = setup_from_args(args)
     notices: list[str] = []
     shape = load_moe_config(args.config, notices)
-    report = build_report(shape, setup, str(args.config), notices)
+    setup = setup_from_args(args, shape)
+    report = build_report(shape, setup, str(args.config), notices)  # the analytic side checks the job first
+    if args.measure:
+        report = build_report(shape, setup, str(args.config), notices, measure(shape, setup))
     print(json.dumps(report) if args.json else format_report(report))
     return 0
 
 
-__all__ = ["EXPERTS", "build_report", "check_options", "format_report", "run", "setup_from_args"]
+__all__ = ["EXPERTS", "build_report", "check_options", "format_report", "measure", "run", "setup_from_args"]

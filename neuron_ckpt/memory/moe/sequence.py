@@ -1,8 +1,8 @@
-"""Sequence parallel in the MoE memory model: what ``apply_tensor_parallel(model,
+"""Sequence parallel in the transformers-layer memory model: what ``apply_tensor_parallel(model,
 sequence_parallel=True)`` (:mod:`neuron_ckpt.parallel.hf.sequence`) changes in what a
-transformers MoE / MLA layer keeps.
+transformers layer keeps.
 
-The token-wise parts of a layer, its input, both RMSNorms and the residual, run on this rank's
+The token-wise parts of a layer, its input, its RMSNorms and the residual, run on this rank's
 s/t tokens: their storages hold T/t rows (:attr:`~.shape.MoESetup.local_tokens`). Each region
 (the attention; the MoE block, or the dense MLP) all-gathers its input on entry through
 output-discarding recompute: the gather keeps the norm's s/t-token output as its input, and

@@ -1,25 +1,11 @@
-"""What the MoE memory model describes: a transformers mixture-of-experts model's sizes
-(:class:`MoEShape`, with :class:`MLA` for DeepSeek's latent attention) and how a job runs it
-(:class:`MoESetup`).
+"""What the transformers-layer memory model describes: a model's sizes (:class:`MoEShape`, with
+:class:`MLA` for DeepSeek's latent attention) and how a job runs it (:class:`MoESetup`).
 
-Four families, as transformers 5.24 implements them (``models/<family>/modeling_<family>.py``):
-
-=============  ==============================================================================
-family         what sets its layers apart
-=============  ==============================================================================
-mixtral        GQA; router softmax (fp32) -> top-k -> renormalised, weights kept fp32
-qwen3_moe      GQA with per-head q/k RMSNorms; router softmax -> top-k (-> renormalised when
-               ``norm_topk_prob``) -> cast to the activation dtype; dense ``mlp_only_layers``
-qwen2_moe      GQA; Qwen3's router; a shared expert (an MLP) gated by ``sigmoid(Linear(h, 1))``
-deepseek_v3    MLA; router on an fp32 copy: sigmoid -> +bias -> group top-k -> top-k of the
-               unbiased scores (-> renormalised) -> x routed_scaling_factor; shared experts;
-               the first ``first_k_dense_replace`` layers dense
-=============  ==============================================================================
-
-Under tensor parallelism each part splits as the family's ``base_model_tp_plan`` says
-(:data:`SPLIT_BY_PLAN`): the experts' intermediate size always, GQA heads and dense MLPs
-always, DeepSeek-V3's MLA never (its plan has no attention entry: replicated), Qwen2-MoE's
-shared expert never (not in its plan), DeepSeek-V3's shared experts yes.
+The names are the package's first families' (mixture-of-experts); a shape describes any family
+of :mod:`.families`, dense ones (Llama, Mistral, Qwen2/3, Gemma2, Phi-3) as models whose every
+layer is dense. A layer's *kind* is its MLP (``"dense"`` or ``"moe"``) and, where it is not plain
+causal attention, its attention variant: ``"dense/sliding"`` (a sliding window), ``"moe/chunked"``
+(Llama 4's chunked attention), ``"moe/norope"`` (Llama 4's NoPE layers).
 """
 
 from __future__ import annotations
@@ -28,18 +14,13 @@ from dataclasses import dataclass, field
 
 from ...checks import is_int, require_positive_int
 from ..shape import DTYPE_BYTES
+from .families import FAMILIES, FAMILY
 
-FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3")
 ATTENTION = ("sdpa", "eager", "sdpa-fused")
 EXPERTS = ("grouped_mm", "eager")
-
-# Which parts the family's transformers TP plan splits over the tensor-parallel group.
-SPLIT_BY_PLAN = {
-    "mixtral": {"attention": True, "shared": False},
-    "qwen3_moe": {"attention": True, "shared": False},
-    "qwen2_moe": {"attention": True, "shared": False},
-    "deepseek_v3": {"attention": False, "shared": True},
-}
+VARIANTS = ("full", "sliding", "chunked", "norope")
+TOPK_METHODS = ("greedy", "group_limited_greedy")
+SPLIT_BY_PLAN = {name: family.split for name, family in FAMILY.items()}
 
 
 @dataclass(frozen=True)
@@ -69,18 +50,22 @@ class MLA:
 
 @dataclass(frozen=True)
 class MoEShape:
-    """The sizes of one transformers MoE model.
+    """The sizes of one transformers model.
 
-    family: one of :data:`FAMILIES`. hidden, layers, heads, kv_heads, vocab: h, L, a, g, v.
-    head_dim: the GQA head size d (ignored with ``mla``, whose head sizes are its own).
-    experts, top_k, moe_ffn: E routed experts, k chosen per token, each expert's MLP width F.
-    dense_ffn: the MLP width of the dense layers (``intermediate_size``); dense_layers: their
-        indices (DeepSeek's first ``first_k_dense_replace``, Qwen's ``mlp_only_layers``).
-    shared_ffn: the shared experts' MLP width (DeepSeek: ``moe_intermediate_size *
-        n_shared_experts``; Qwen2-MoE: ``shared_expert_intermediate_size``); 0: none.
-    norm_topk_prob: the top-k weights are renormalised (Mixtral always is).
-    n_group, topk_group: DeepSeek's grouped routing.
-    mla: DeepSeek's latent attention sizes (required for deepseek_v3, refused elsewhere).
+    family: one of :data:`~.families.FAMILIES`. hidden, layers, heads, kv_heads, vocab: h, L, a,
+    g, v. head_dim: the GQA head size d (ignored with ``mla``, whose head sizes are its own).
+    experts, top_k, moe_ffn: E routed experts, k chosen per token, each expert's MLP width F (0
+    for a dense family). dense_ffn: the MLP width of the dense layers (``intermediate_size``;
+    Llama 4's ``intermediate_size_mlp``); dense_layers: their indices (every layer of a dense
+    family; DeepSeek's first ``first_k_dense_replace``, Qwen's ``mlp_only_layers``, Llama 4's
+    layers outside ``moe_layers``). shared_ffn: the shared experts' MLP width; 0: none.
+    norm_topk_prob: the top-k weights are renormalised (Mixtral always is). n_group, topk_group:
+    DeepSeek's grouped routing; topk_method: DeepSeek-V2's (``greedy`` or
+    ``group_limited_greedy``). mla: DeepSeek's latent attention sizes.
+    attention_types: each layer's variant (:data:`VARIANTS`; empty: every layer ``full``);
+    window: the sliding window or attention chunk, in tokens (0: none). softcap: Gemma2's
+    attention logits soft-capped. qk_norm / temperature_tuning: Llama 4's L2 q/k norms (RoPE
+    layers) and its NoPE layers' query scaling. tied_embeddings: the LM head is the embedding.
     name: how reports call it.
     """
 
@@ -90,56 +75,81 @@ class MoEShape:
     heads: int
     kv_heads: int
     head_dim: int
-    experts: int
-    top_k: int
-    moe_ffn: int
-    vocab: int
+    experts: int = 0
+    top_k: int = 0
+    moe_ffn: int = 0
+    vocab: int = field(kw_only=True)
     dense_ffn: int = 0
     dense_layers: tuple[int, ...] = ()
     shared_ffn: int = 0
     norm_topk_prob: bool = True
     n_group: int = 1
     topk_group: int = 1
+    topk_method: str = "greedy"
     mla: MLA | None = None
+    attention_types: tuple[str, ...] = ()
+    window: int = 0
+    softcap: bool = False
+    qk_norm: bool = True
+    temperature_tuning: bool = False
+    tied_embeddings: bool = False
     name: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
             raise ValueError(f"family must be one of {FAMILIES}, got {self.family!r}")
-        for name in (
-            "hidden",
-            "layers",
-            "heads",
-            "kv_heads",
-            "head_dim",
-            "experts",
-            "top_k",
-            "moe_ffn",
-            "vocab",
-            "n_group",
-            "topk_group",
-        ):
+        traits = FAMILY[self.family]
+        for name in ("hidden", "layers", "heads", "kv_heads", "head_dim", "vocab", "n_group", "topk_group"):
             require_positive_int(name, getattr(self, name))
-        for name in ("dense_ffn", "shared_ffn"):
+        for name in ("experts", "top_k", "moe_ffn", "dense_ffn", "shared_ffn", "window"):
             value = getattr(self, name)
             if not is_int(value) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
-        if not isinstance(self.norm_topk_prob, bool):
-            raise ValueError(f"norm_topk_prob must be a bool, got {self.norm_topk_prob!r}")
+        for name in ("norm_topk_prob", "softcap", "qk_norm", "temperature_tuning", "tied_embeddings"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if not traits.moe:
+            object.__setattr__(self, "dense_layers", tuple(range(self.layers)))
+            if self.experts or self.top_k or self.moe_ffn:
+                raise ValueError(f"experts, top_k, moe_ffn: {self.family} is a dense family, give 0")
+        else:
+            for name in ("experts", "top_k", "moe_ffn"):
+                require_positive_int(name, getattr(self, name))
+            if self.top_k > self.experts:
+                raise ValueError(f"top_k ({self.top_k}) must be at most experts ({self.experts})")
         object.__setattr__(self, "dense_layers", tuple(sorted(set(self.dense_layers))))
         if any(not is_int(i) or not 0 <= i < self.layers for i in self.dense_layers):
             raise ValueError(f"dense_layers must be layer indices in 0..{self.layers - 1}, got {self.dense_layers!r}")
         if self.dense_layers and not self.dense_ffn:
             raise ValueError(f"dense_ffn must be given (> 0) when there are dense layers {list(self.dense_layers)}")
-        if self.top_k > self.experts:
-            raise ValueError(f"top_k ({self.top_k}) must be at most experts ({self.experts})")
         if self.heads % self.kv_heads:
             raise ValueError(f"kv_heads ({self.kv_heads}) must divide heads ({self.heads})")
-        if (self.family == "deepseek_v3") != (self.mla is not None):
-            raise ValueError("mla: deepseek_v3 needs the MLA sizes, and only deepseek_v3 has them")
-        if self.family == "deepseek_v3":
-            if self.kv_heads != self.heads:  # transformers 5.24's MLA fails otherwise
-                raise ValueError(f"kv_heads must equal heads ({self.heads}) for deepseek_v3, got {self.kv_heads}")
+        self._check_variants()
+        self._check_family(traits)
+
+    def _check_variants(self) -> None:
+        types = self.attention_types
+        if types and (len(types) != self.layers or any(v not in VARIANTS for v in types)):
+            raise ValueError(f"attention_types must give one of {VARIANTS} for each of the {self.layers} layers")
+        if any(v in ("sliding", "chunked") for v in types) and not self.window:
+            raise ValueError("window must be given (> 0) when layers use a sliding window or chunked attention")
+
+    def _check_family(self, traits) -> None:
+        if traits.mla != (self.mla is not None):
+            raise ValueError(f"mla: {self.family} {'needs' if traits.mla else 'has no'} MLA sizes")
+        if (traits.shared is not None) != (self.shared_ffn > 0):
+            raise ValueError(
+                f"shared_ffn: {self.family} {'needs' if traits.shared else 'has no'} shared experts, "
+                f"got shared_ffn={self.shared_ffn}"
+            )
+        if self.topk_method not in TOPK_METHODS:
+            raise ValueError(f"topk_method must be one of {TOPK_METHODS}, got {self.topk_method!r}")
+        if traits.mla and self.kv_heads != self.heads:  # transformers 5.24's MLA fails otherwise
+            raise ValueError(f"kv_heads must equal heads ({self.heads}) for {self.family}, got {self.kv_heads}")
+        grouped = traits.router == "sigmoid_group" or (
+            self.family == "deepseek_v2" and self.topk_method == "group_limited_greedy"
+        )
+        if grouped:
             if self.experts % self.n_group or not self.topk_group <= self.n_group:
                 raise ValueError(
                     f"n_group ({self.n_group}) must divide experts ({self.experts}) and topk_group "
@@ -150,43 +160,59 @@ class MoEShape:
                     f"top_k ({self.top_k}) is more than the topk_group ({self.topk_group}) groups of "
                     f"{self.experts // self.n_group} experts hold"
                 )
-        if (self.family in ("qwen2_moe", "deepseek_v3")) != (self.shared_ffn > 0):
-            raise ValueError(
-                f"shared_ffn: {self.family} {'needs' if self.family in ('qwen2_moe', 'deepseek_v3') else 'has no'}"
-                f" shared experts, got shared_ffn={self.shared_ffn}"
-            )
 
     def is_dense(self, layer: int) -> bool:
         """Whether layer ``layer`` runs a dense MLP rather than an MoE block."""
         return layer in self.dense_layers
 
+    def variant(self, layer: int) -> str:
+        """Layer ``layer``'s attention variant (:data:`VARIANTS`)."""
+        return self.attention_types[layer] if self.attention_types else "full"
+
+    def kind_of(self, layer: int) -> str:
+        """Layer ``layer``'s kind: ``"dense"`` / ``"moe"``, with ``/<variant>`` unless plain."""
+        mlp, variant = "dense" if self.is_dense(layer) else "moe", self.variant(layer)
+        return mlp if variant == "full" else f"{mlp}/{variant}"
+
     @property
     def kinds(self) -> tuple[str, ...]:
-        """The layer kinds this model has, dense first: ``("dense", "moe")`` or ``("moe",)``."""
-        return ("dense", "moe") if self.dense_layers else ("moe",)
+        """The layer kinds this model has, in the order of their first layer."""
+        return tuple(dict.fromkeys(self.kind_of(i) for i in range(self.layers)))
+
+    def count(self, kind: str) -> int:
+        """How many layers are of ``kind``."""
+        return sum(self.kind_of(i) == kind for i in range(self.layers))
 
     def split(self, part: str, tp: int) -> int:
-        """``tp`` when the family's plan splits ``part`` ("attention", "shared"), else 1."""
-        return tp if SPLIT_BY_PLAN[self.family][part] else 1
+        """``tp`` when the family's plan splits ``part`` (``attention`` by heads, ``mlp``,
+        ``experts``, ``shared``), else 1 (``gathered`` parts run whole on every rank)."""
+        return tp if FAMILY[self.family].split[part] in ("heads", "split") else 1
 
     def valid_tp(self, tp: int) -> str | None:
         """Why ``tp`` cannot split this model as its plan says (None when it can)."""
-        checks = [
-            (self.moe_ffn % tp == 0, f"tp ({tp}) must divide the experts' ffn ({self.moe_ffn})"),
-            (not self.dense_layers or self.dense_ffn % tp == 0, f"tp ({tp}) must divide dense_ffn ({self.dense_ffn})"),
-        ]
-        if self.split("attention", tp) > 1:
+        split = FAMILY[self.family].split
+        checks = []
+        if split["experts"] == "split" and self.moe_ffn:
+            checks.append((self.moe_ffn % tp == 0, f"tp ({tp}) must divide the experts' ffn ({self.moe_ffn})"))
+        if split["mlp"] != "whole" and self.dense_layers:
+            checks.append((self.dense_ffn % tp == 0, f"tp ({tp}) must divide dense_ffn ({self.dense_ffn})"))
+        if split["attention"] == "gathered":  # the projections' outputs split, then gathered: no whole heads needed
+            q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+            checks.append((q % tp == 0 and kv % tp == 0, f"tp ({tp}) must divide the q and k/v widths ({q}, {kv})"))
+        elif split["attention"] == "heads" and self.mla is None:
             checks += [
                 (self.heads % tp == 0, f"tp ({tp}) must divide heads ({self.heads})"),
                 (
                     self.kv_heads % tp == 0,
                     (
-                        f"tp ({tp}) must divide kv_heads ({self.kv_heads}): transformers' "
-                        "colwise k/v projections split whole heads"
+                        f"tp ({tp}) must divide kv_heads ({self.kv_heads}): transformers' colwise k/v "
+                        "projections split whole heads"
                     ),
                 ),
             ]
-        if self.split("shared", tp) > 1:
+        elif split["attention"] == "heads":
+            checks.append((self.heads % tp == 0, f"tp ({tp}) must divide heads ({self.heads})"))
+        if split["shared"] == "split" and self.shared_ffn:
             checks.append((self.shared_ffn % tp == 0, f"tp ({tp}) must divide shared_ffn ({self.shared_ffn})"))
         return next((why for ok, why in checks if not ok), None)
 
@@ -202,11 +228,11 @@ class MoESetup:
     False: ``[b, s, h]`` on every rank. Needs s divisible by t.
     dtype: the model's dtype ("bf16" | "fp16" | "fp32"); DeepSeek's router weight stays fp32,
     as ``from_pretrained`` keeps it. attention: transformers' attention implementation, "sdpa"
-    (torch's CPU dispatch: the fused flash kernel where q, k and v share a head size and no mask
-    is passed, the math path otherwise) or "eager"; "sdpa-fused" prices sdpa as a fused kernel
-    whatever the head sizes (what CUDA's memory-efficient kernel keeps for MLA, whose head sizes
-    differ; on CPU it is what runs wherever they are equal). experts: the experts implementation,
-    "grouped_mm" (transformers' default) or "eager" (the per-expert loop).
+    (torch's CPU dispatch: the fused flash kernel where q, k and v share a head size, the math
+    path otherwise) or "eager" (Gemma2's and GPT-OSS's only one); "sdpa-fused" prices sdpa as a
+    fused kernel whatever the head sizes (what CUDA's memory-efficient kernel keeps for MLA, whose
+    head sizes differ; on CPU it is what runs wherever they are equal). experts: the experts
+    implementation, "grouped_mm" (transformers' default) or "eager" (the per-expert loop).
     """
 
     seq_len: int
@@ -250,4 +276,5 @@ class MoESetup:
         return self.tokens // self.tp if self.sequence_parallel else self.tokens
 
 
-__all__ = ["ATTENTION", "EXPERTS", "FAMILIES", "MLA", "MoESetup", "MoEShape", "SPLIT_BY_PLAN"]
+__all__ = ["ATTENTION", "EXPERTS", "FAMILIES", "MLA", "SPLIT_BY_PLAN", "TOPK_METHODS", "VARIANTS", "MoESetup",
+           "MoEShape"]  # fmt: skip

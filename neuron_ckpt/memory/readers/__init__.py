@@ -7,18 +7,26 @@ against a device"): :mod:`.neuron_monitor` (neuron-monitor's JSON lines), :mod:`
 :mod:`.xla_buffers` (XLA's buffer assignment of a compiled graph), :mod:`.cuda_stats`
 (``torch.accelerator.memory_stats()`` saved as JSON), :mod:`.cuda_snapshot` (the allocator's
 snapshot pickle), :mod:`.recorder` (what our :class:`~neuron_ckpt.memory.SavedTensorRecorder`
-counted). :func:`.detect.read_any` picks the reader from the file. Every reader is strict: a
+counted), and from Neuron's own reports of device memory: :mod:`.explorer` (the Parquet tables of
+an ingested Neuron Explorer profile: HBM per category over the run), :mod:`.oom_table` (the
+table the runtime prints when an allocation fails) and :mod:`.load_log` (the per-NEFF breakdown it
+logs at each load with ``NEURON_RT_LOG_LEVEL_TDRV=info``). :func:`.detect.read_any` picks the
+reader from the file. Every reader is strict: a
 file of the wrong kind, a truncated line, a missing category or a NeuronCore that is not there
 raises :class:`ReadError`, one line naming the file and what is wrong; never a silent zero.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 # The per-NeuronCore categories neuron-monitor reports (sysfs has these and more).
 NEURON_CATEGORIES = ("constants", "model_code", "model_shared_scratchpad", "runtime_memory", "tensors")
 SCRATCHPAD_PAGE_BYTES = 512 << 20  # the scratchpad's page on Neuron Runtime 2.30 (SDK 2.28, the trn1 pin)
+# The contiguous shared scratchpad of Neuron Runtime 2.33+ (SDK 2.31+, trn1 included, driver 2.24+)
+# grows in 64 MB pages (AWS's device-memory page; a third party's trn1 OOM table showed MiB).
+CONTIGUOUS_PAGE_BYTES = 64 << 20
 
 
 class ReadError(ValueError):
@@ -34,12 +42,36 @@ def byte_count(record: object, key: str, where: str) -> int:
     return value
 
 
+def scratchpad_page(figures: Iterable[int], tolerance: int = 0) -> tuple[int, str | None]:
+    """The page a report's shared-scratchpad ``figures`` are rounded up to, and a note when it is not
+    the 512 MiB default: 64 MiB (the contiguous scratchpad) when some figure is a multiple of 64 MiB
+    but not of 512 MiB. Such reports (Neuron Explorer's, the OOM table) do not say which runtime
+    wrote them. ``tolerance``: how far a printed figure may be off its true value."""
+    figures = list(figures)
+
+    def fits(page: int) -> bool:
+        return all(min(v % page, page - v % page) <= tolerance for v in figures)
+
+    if fits(SCRATCHPAD_PAGE_BYTES):
+        return SCRATCHPAD_PAGE_BYTES, None
+    if fits(CONTIGUOUS_PAGE_BYTES):
+        return CONTIGUOUS_PAGE_BYTES, (
+            "shared scratchpad in 64 MiB pages: a figure is no multiple of 512 MiB (the contiguous "
+            "scratchpad of Neuron Runtime 2.33+)"
+        )
+    return (
+        SCRATCHPAD_PAGE_BYTES,
+        "a shared scratchpad figure is no multiple of 64 MiB: its page is unknown, 512 MiB assumed",
+    )
+
+
 @dataclass(frozen=True)
 class MemoryReading:
     """Device memory as one report gives it.
 
-    source: the format ("neuron-monitor", "prometheus", "sysfs", "neff", "xla-buffer-assignment",
-        "cuda-memory-stats", "cuda-snapshot", "recorder"). path: the file or directory read.
+    source: the format ("neuron-monitor", "prometheus", "sysfs", "neff", "neuron-explorer",
+        "neuron-oom-table", "neuron-load-log", "xla-buffer-assignment", "cuda-memory-stats",
+        "cuda-snapshot", "recorder"). path: the file or directory read.
     kind: "peak" (the largest value seen: over samples, or a peak counter) or "current".
     cores: bytes per NeuronCore (instance-wide index) or CUDA device, and category.
     samples: reports combined (1 for a snapshot).
@@ -69,4 +101,12 @@ class MemoryReading:
         return self.cores[index]
 
 
-__all__ = ["MemoryReading", "NEURON_CATEGORIES", "ReadError", "SCRATCHPAD_PAGE_BYTES", "byte_count"]
+__all__ = [
+    "CONTIGUOUS_PAGE_BYTES",
+    "MemoryReading",
+    "NEURON_CATEGORIES",
+    "ReadError",
+    "SCRATCHPAD_PAGE_BYTES",
+    "byte_count",
+    "scratchpad_page",
+]

@@ -1,11 +1,14 @@
 """Which reader a file needs, from what the file holds (for ``neuron-ckpt compare --run N=PATH``).
 
-A directory is an unpacked NEFF (``sg00/def.json``) or a sysfs tree; ``*.neff`` a NEFF;
-``*.pickle`` / ``*.pkl`` CUDA's memory snapshot. Otherwise the first bytes decide: a JSON object
-by its keys (``var``: a NEFF's def.json; ``neuron<d>/neuron_core<c>``: a sysfs snapshot;
-``format``: our recorder; ``allocated_bytes.*``: ``memory_stats()``; ``neuron_runtime_data``:
-neuron-monitor, one line per report), Prometheus exposition text by its metric names, XLA's
-buffer assignment by its allocation lines. Anything else is refused, naming the file.
+A directory is an unpacked NEFF (``sg00/def.json``), a sysfs tree or an ingested Neuron Explorer
+profile (``*.parquet``); a raw profile (``ntrace.pb``) or an Explorer workspace is refused with the
+step that makes it readable. ``*.neff`` is a NEFF; ``*.pickle`` / ``*.pkl`` CUDA's memory snapshot.
+Otherwise the text decides: a JSON object by its keys (``var``: a NEFF's def.json;
+``neuron<d>/neuron_core<c>``: a sysfs snapshot; ``format``: our recorder; ``allocated_bytes.*``:
+``memory_stats()``; ``neuron_runtime_data``: neuron-monitor, one line per report), Prometheus
+exposition text by its metric names, the runtime's per-NEFF load log by its breakdown lines, its
+OOM table by its NeuronCore rows, XLA's buffer assignment by its allocation lines. Anything else is
+refused, naming the file.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from pathlib import Path
 from . import MemoryReading, ReadError
 
 _SYSFS_KEY = re.compile(r"neuron\d+/neuron_core\d+")
+_OOM_ROW = re.compile(r"^\s*\\_NC \d+\s*\|", re.MULTILINE)
 
 
 def _json_kind(data: object) -> str | None:
@@ -36,6 +40,18 @@ def _json_kind(data: object) -> str | None:
     return None
 
 
+def _refuse_profile_directory(path: Path) -> None:
+    """A raw Neuron profile or an Explorer workspace: say what to pass instead."""
+    if any(path.glob("ntrace.pb")) or any(path.glob("*/ntrace.pb")) or any(path.glob("*/*/ntrace.pb")):
+        raise ReadError(
+            f"{path}: a raw Neuron profile (ntrace.pb): ingest it first (neuron-explorer view -d {path} --ingest-only "
+            f"--display-name NAME --data-path WS) and pass WS/profiles/global/NAME@latest"
+        )
+    profiles = sorted(path.glob("profiles/global/*@latest"))
+    if profiles:
+        raise ReadError(f"{path}: a Neuron Explorer workspace: pass one profile's directory, e.g. {profiles[0]}")
+
+
 def source_of(path: str | Path) -> str:
     """The reader module (a name in :data:`~neuron_ckpt.memory.capture.SOURCES`) for ``path``."""
     path = Path(path)
@@ -44,7 +60,13 @@ def source_of(path: str | Path) -> str:
             return "neff"
         if any(path.glob("neuron*/neuron_core*")):
             return "sysfs"
-        raise ReadError(f"{path}: a directory that is neither an unpacked NEFF (sg00/def.json) nor a sysfs tree")
+        if any(path.glob("*.parquet")):
+            return "explorer"
+        _refuse_profile_directory(path)
+        raise ReadError(
+            f"{path}: a directory that is neither an unpacked NEFF (sg00/def.json), a sysfs tree nor an ingested "
+            f"Neuron Explorer profile (*.parquet)"
+        )
     if path.suffix == ".neff":
         return "neff"
     if path.suffix in (".pickle", ".pkl"):
@@ -72,11 +94,15 @@ def source_of(path: str | Path) -> str:
         )
     if "neuroncore_memory_usage_" in text:
         return "prometheus"
+    if "Per NEFF memory usage breakdown for [" in text:
+        return "load_log"
+    if _OOM_ROW.search(text):
+        return "oom_table"
     if re.search(r"^allocation \d+: size \d+", text, re.MULTILINE):
         return "xla_buffers"
     raise ReadError(
-        f"{path}: not a memory report this tool reads (neuron-monitor, Prometheus, sysfs, NEFF, XLA "
-        f"buffer assignment, CUDA snapshot or memory_stats, recorder)"
+        f"{path}: not a memory report this tool reads (neuron-monitor, Prometheus, sysfs, NEFF, Neuron Explorer, "
+        f"the runtime's OOM table or load log, XLA buffer assignment, CUDA snapshot or memory_stats, recorder)"
     )
 
 

@@ -19,11 +19,15 @@ plan style                        becomes
 ``packed_colwise`` (parameter)    an experts' ``gate_up_proj``: gate and up rows sliced alike
 ``rowwise`` (3-D parameter)       an experts' ``down_proj``: sliced on its intermediate dim
 ``mla_kv_a_proj``                 kept; the rotary key's gradient summed over the group
+``grouped_gemm`` (parameter)      under EP: an experts' weight or bias sliced on dim 0 (whole experts)
+``ep_dispatch_experts``           under EP: the experts' tokens sent to their EP ranks and back
 ===============================  =============================================================
 
 Mixture-of-experts models (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V2/V3, Llama 4, Aria) split each
-expert's intermediate size, the router stays whole: see :mod:`.experts`; multi-head latent
-attention (DeepSeek-V2's plan): :mod:`.mla`.
+expert's intermediate size, the router stays whole: see :mod:`.experts`; under expert parallelism
+(``expert_model_parallel_size`` > 1) the model's ``ep_plan`` spreads whole experts over the EP
+group instead: :mod:`.expert_parallel` (and :mod:`.export` gathers the model back whole);
+multi-head latent attention (DeepSeek-V2's plan): :mod:`.mla`.
 
 ``loss_parallel`` (default on): the LM head planned ``colwise_gather_output`` keeps its logits
 split over the vocabulary and the model's loss becomes :func:`vocab_parallel_cross_entropy`, so
@@ -45,11 +49,21 @@ its own), and key/value heads fewer than the group (replicating them, as
 Files: ``plan`` reads the plan and runs the styles (``STYLES`` for entries naming a module,
 ``PARAMETER_STYLES`` for entries naming a parameter: tables of style -> check and apply, joined
 from the files that define them; ``PLAN_CHECKS`` across entries); ``dense`` holds the linear,
-embedding and replicated styles; ``experts`` the mixture-of-experts ones; ``mla`` latent
+embedding and replicated styles; ``experts`` the mixture-of-experts ones, ``expert_parallel`` the
+expert-parallel ones; ``mla`` latent
 attention's; ``shards`` slices and tags parameters; ``loss`` the vocabulary-parallel loss;
 ``dropout`` split attention's RNG stream.
 """
 
+from .expert_parallel import dropped_routes
+from .export import gather_state_dict, save_pretrained
 from .plan import PARAMETER_STYLES, STYLES, apply_tensor_parallel
 
-__all__ = ["PARAMETER_STYLES", "STYLES", "apply_tensor_parallel"]
+__all__ = [
+    "PARAMETER_STYLES",
+    "STYLES",
+    "apply_tensor_parallel",
+    "dropped_routes",
+    "gather_state_dict",
+    "save_pretrained",
+]

@@ -128,7 +128,7 @@ def check_experts_plan(model: torch.nn.Module, targets: list[Target], t: int) ->
     """A split expert weight's module sums the partial outputs, and that module splits all its weights."""
     split: dict[str, set[str]] = {}
     for target in targets:
-        if target.param is not None and target.param in WEIGHTS:
+        if target.param is not None and target.param in WEIGHTS and target.style in SLICES:
             split.setdefault(target.name.rpartition(".")[0], set()).add(target.param)
     summed = {target.name for target in targets if target.style == "moe_tp_experts"}
     for owner, names in split.items():

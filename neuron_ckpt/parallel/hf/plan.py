@@ -11,18 +11,21 @@ import torch
 
 from ...distributed.parallel_state import ParallelState
 from ...distributed.random import MODEL_PARALLEL_RNG, get_rng_tracker
+from ..experts.dispatch import ExpertDispatch
 from ..layer_args import resolve_parallel_state
 from .dense import DENSE_STYLES
 from .dropout import draw_from_the_tp_stream, split_attention_with_dropout
+from .expert_parallel import EP_MODULE_STYLES, EP_WEIGHT_STYLES, check_expert_parallel, expert_parallel_plan
 from .experts import EXPERT_STYLES, EXPERT_WEIGHT_STYLES, check_experts_plan
+from .grouped_mm import run_eager_where_grouped_mm_cannot
 from .loss import loss_parallel_head, vocab_parallel_loss
 from .mla import MLA_STYLES
 from .sequence import apply_sequence_parallel, plan_sequence_parallel
 from .style import Split, Style, Target
 
-STYLES: dict[str, Style] = {**DENSE_STYLES, **EXPERT_STYLES, **MLA_STYLES}
+STYLES: dict[str, Style] = {**DENSE_STYLES, **EXPERT_STYLES, **MLA_STYLES, **EP_MODULE_STYLES}
 """Styles of plan entries that name a module."""
-PARAMETER_STYLES: dict[str, Style] = {**EXPERT_WEIGHT_STYLES}
+PARAMETER_STYLES: dict[str, Style] = {**EXPERT_WEIGHT_STYLES, **EP_WEIGHT_STYLES}
 """Styles of plan entries that name a parameter (``experts.gate_up_proj``)."""
 PLAN_CHECKS: list[Callable[[torch.nn.Module, list[Target], int], None]] = [check_experts_plan]
 """Checks across targets, ``(model, targets, tp_size)``, after each target's own."""
@@ -36,12 +39,17 @@ def apply_tensor_parallel(
     loss_parallel: bool = True,
     sequence_parallel: bool = False,
     parallel_state: ParallelState | None = None,
+    expert_dispatch: ExpertDispatch | None = None,
 ) -> torch.nn.Module:
     """Split ``model`` over the tensor-parallel group by ``plan`` (default: ``model.tp_plan``).
 
     ``plan`` maps module or parameter names (``*`` matches one name part, e.g. a layer index) to
     styles; see the package docstring. ``sequence_parallel``: also split the activations outside
-    the split modules along the sequence (:mod:`.sequence`). Returns ``model``, changed in place.
+    the split modules along the sequence (:mod:`.sequence`). Under expert parallelism
+    (``expert_model_parallel_size`` > 1) the model's ``ep_plan`` is laid over ``plan`` and its
+    experts spread over the EP group (:mod:`.expert_parallel`); ``expert_dispatch`` says how tokens
+    reach them (default ``ExpertDispatch()``: dropless all-to-all, all-gather on XLA). Returns
+    ``model``, changed in place.
     """
     state = resolve_parallel_state(parallel_state)
     if plan is None:
@@ -51,6 +59,8 @@ def apply_tensor_parallel(
                 f"apply_tensor_parallel: {type(model).__name__} has no tensor-parallel plan (model.tp_plan); "
                 "pass plan={module name pattern: style}"
             )
+    plan = expert_parallel_plan(model, plan, state)
+    dispatch = expert_dispatch if expert_dispatch is not None else ExpertDispatch()
     targets = _resolve(model, plan)
     head = loss_parallel_head(model, targets) if loss_parallel else None
     tied = _tied_pairs(model, targets)
@@ -58,6 +68,7 @@ def apply_tensor_parallel(
         _style(target).check(model, target, state.tp_size)
     for check in PLAN_CHECKS:
         check(model, targets, state.tp_size)
+    check_expert_parallel(model, targets, state, dispatch.resolved_form())
     split_attention = split_attention_with_dropout(model, targets) if state.tp_size > 1 else []
     if split_attention and MODEL_PARALLEL_RNG not in get_rng_tracker().states:
         raise ValueError(
@@ -65,9 +76,10 @@ def apply_tensor_parallel(
             "draws its own mask from the tensor-parallel RNG stream; call nc.model_parallel_manual_seed(seed) first"
         )
     sequence = plan_sequence_parallel(model, targets, state.tp_size) if sequence_parallel else None
-    split = Split(model, state, head)
+    split = Split(model, state, head, dispatch)
     for target in targets:
         _style(target).apply(target, split)
+    run_eager_where_grouped_mm_cannot(model)
     for name in split_attention:
         draw_from_the_tp_stream(model.get_submodule(name))
     for lm_head, embedding in tied:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..params import set_tensor_parallel_attributes
+from ..params import set_expert_parallel_attribute, set_tensor_parallel_attributes
 
 
 def no_init(weight: torch.Tensor) -> None:
@@ -25,11 +25,23 @@ def shard_of(full: torch.Tensor, dim: int, t: int, r: int, stride: int = 1) -> t
     return torch.cat([part.chunk(t, dim)[r] for part in full.chunk(stride, dim)], dim)
 
 
-def take(module: torch.nn.Module, name: str, full: torch.Tensor, dim: int, t: int, r: int, stride: int = 1) -> None:
-    """Set ``module.<name>`` to this rank's slice of ``full`` (:func:`shard_of`); tag it; let
-    ``load_state_dict`` slice a full tensor the same way."""
+def take(
+    module: torch.nn.Module,
+    name: str,
+    full: torch.Tensor,
+    dim: int,
+    t: int,
+    r: int,
+    stride: int = 1,
+    expert: bool = False,
+) -> None:
+    """Set ``module.<name>`` to this rank's slice of ``full`` (:func:`shard_of`); tag it (split over
+    TP, or ``expert``: this EP rank's experts); let ``load_state_dict`` slice a full tensor the same way."""
     param = torch.nn.Parameter(shard_of(full.detach(), dim, t, r, stride).clone(), requires_grad=full.requires_grad)
-    set_tensor_parallel_attributes(param, partition_dim=dim)
+    if expert:
+        set_expert_parallel_attribute(param)
+    else:
+        set_tensor_parallel_attributes(param, partition_dim=dim)
     if stride > 1:
         param.partition_stride = stride  # type: ignore[attr-defined]  # a marker torch does not declare
     setattr(module, name, param)

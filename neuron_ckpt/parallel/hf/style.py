@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ...distributed.parallel_state import ParallelState
+from ..experts.dispatch import ExpertDispatch
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,8 @@ class Split:
     state: ParallelState
     loss_head: str | None
     """The LM head whose logits stay split over the vocabulary (``loss_parallel``), if any."""
+    expert_dispatch: ExpertDispatch = ExpertDispatch()
+    """How tokens reach experts spread over the EP group (``ep_dispatch_experts``)."""
 
 
 @dataclass(frozen=True)
