@@ -260,7 +260,7 @@ def test_the_budget_shares_one_chunk_mask_and_shards_the_optimizer_over_dp_x_cp(
 
 
 @pytest.mark.parametrize("setup,message", [
-    (dict(seq_len=36, tp=2, cp=2, sequence_parallel=True), "2 x context_parallel_size x tensor_parallel_size = 8"),
+    (dict(seq_len=36, tp=2, cp=2, sequence_parallel=True), "tensor_parallel_size = 2 x 2 x 2 = 8"),
     (dict(seq_len=30, cp=4, sequence_parallel=False), "multiple of 2 x context_parallel_size = 2 x 4 = 8"),
     (dict(seq_len=32, cp=0), "cp"),
 ])  # fmt: skip
