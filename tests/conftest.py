@@ -23,7 +23,7 @@ _WORLDS: dict[int, LocalWorld] = {}
 @pytest.fixture(scope="session")
 def world():
     def get(n: int) -> LocalWorld:
-        if n not in _WORLDS:
+        if n not in _WORLDS or not _WORLDS[n].alive:  # a run that timed out closed its world
             _WORLDS[n] = LocalWorld(n, timeout_s=600)
         return _WORLDS[n]
 

@@ -7,7 +7,8 @@ suite of many multi-rank checks fast on a small machine::
         results = world.run(fn, arg)     # fn(arg) on every rank; list of per-rank results
 
 ``fn`` must be picklable (a module-level function). An exception on any rank is raised here
-with that rank's traceback. Torchrun is the launcher for real jobs; this is for one host.
+with that rank's traceback; the other ranks get ``grace_s`` to report (one may wait in a
+collective the failed rank never joined), then the world is closed, so a failure never hangs. Torchrun is the launcher for real jobs; this is for one host.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
+import signal
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -31,8 +34,11 @@ def _worker(rank: int, world_size: int, port: int, backend: str, threads: int, t
         LOCAL_RANK=str(rank),
         LOCAL_WORLD_SIZE=str(world_size),
     )
+    import faulthandler
+
     import torch
 
+    faulthandler.register(signal.SIGUSR1)  # the parent asks a rank that does not finish where it waits
     torch.set_num_threads(threads)
     from . import parallel_state, random, runtime, teardown
 
@@ -64,11 +70,14 @@ class WorkerError(RuntimeError):
 class LocalWorld:
     """``world_size`` spawned processes with torch.distributed initialised, reused across runs."""
 
-    def __init__(self, world_size: int, backend: str = "gloo", timeout_s: float = 600.0, threads: int = 1):
+    def __init__(
+        self, world_size: int, backend: str = "gloo", timeout_s: float = 600.0, threads: int = 1, grace_s: float = 60.0
+    ):
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         self.world_size = world_size
         self.timeout_s = timeout_s
+        self.grace_s = grace_s
         ctx = mp.get_context("spawn")
         self._tasks = [ctx.Queue() for _ in range(world_size)]
         self._results = ctx.Queue()
@@ -88,23 +97,45 @@ class LocalWorld:
         """Run ``fn(*args, **kwargs)`` on every rank; return the per-rank results in rank order."""
         for q in self._tasks:
             q.put((fn, args, kwargs))
+        name = getattr(fn, "__name__", fn)
         outs: dict[int, Any] = {}
-        errors = []
+        errors: dict[int, str] = {}
         for _ in range(self.world_size):
+            # Once a rank has failed, the others may wait in a collective it never joined: give
+            # them a grace period to report, then close the world and raise what failed.
+            wait = min(self.timeout_s, self.grace_s) if errors else self.timeout_s
             try:
-                rank, ok, value = self._results.get(timeout=self.timeout_s)
+                rank, ok, value = self._results.get(timeout=wait)
             except queue.Empty:
+                waiting = sorted(set(range(self.world_size)) - set(outs) - set(errors))
+                self._dump_stacks(waiting)
                 self.close(kill=True)
-                raise WorkerError(
-                    f"{getattr(fn, '__name__', fn)} did not finish within {self.timeout_s} s; world closed"
-                ) from None
+                if errors:
+                    raise WorkerError(
+                        f"{name} failed, and rank(s) {waiting} did not finish within {wait} s after it "
+                        "(waiting in a collective the failed rank left?); world closed:\n" + "\n".join(errors.values())
+                    ) from None
+                raise WorkerError(f"{name} did not finish within {wait} s on rank(s) {waiting}; world closed") from None
             if ok:
                 outs[rank] = value
             else:
-                errors.append(f"--- rank {rank} ---\n{value}")
+                errors[rank] = f"--- rank {rank} ---\n{value}"
         if errors:
-            raise WorkerError(f"{getattr(fn, '__name__', fn)} failed:\n" + "\n".join(errors))
+            raise WorkerError(f"{name} failed:\n" + "\n".join(errors[r] for r in sorted(errors)))
         return [outs[r] for r in range(self.world_size)]
+
+    def _dump_stacks(self, ranks: list[int]) -> None:
+        """Each of ``ranks`` prints its Python stack to stderr (where it waits), before the kill."""
+        for r in ranks:
+            pid = self._procs[r].pid
+            if self._procs[r].is_alive() and pid is not None:
+                os.kill(pid, signal.SIGUSR1)
+        time.sleep(1.0)
+
+    @property
+    def alive(self) -> bool:
+        """Every worker is running (False after :meth:`close`, or after a run that timed out)."""
+        return all(p.is_alive() for p in self._procs)
 
     def close(self, kill: bool = False) -> None:
         for p, q in zip(self._procs, self._tasks):
