@@ -157,3 +157,33 @@ def test_bad_expert_parallel_input_is_refused_in_one_line(family, changes, needl
     with pytest.raises(ValueError) as err:
         layer_memory(shape, MoESetup(**{"seq_len": 4096, **changes}), "none", "moe")
     assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+def test_the_memory_command_prices_and_measures_expert_parallelism(tmp_path, capsys):
+    """``neuron-ckpt memory --config <tiny Mixtral> --ep 2 --json``: the spec carries ep, the
+    balanced rows (T k = 64) and the experts' weights per rank (2 of 4 experts, whole), the table
+    is ``layer_memory``'s. Bad --ep: one line. (``--measure`` at ``--ep 2`` runs ``compare_on_ranks``
+    on 2 gloo ranks, tested above; not spawned again here, for CI time.)"""
+    import json
+
+    from neuron_ckpt.memory.moe.hf_config import hf_config
+
+    from .helpers import neuron_ckpt_cli
+
+    shape = replace(SHAPES["mixtral"], layers=2)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(hf_config(shape, MoESetup(S)).to_dict()))
+    args = ("memory", "--config", str(path), "--seq", str(S), "--micro-batch", str(B), "--ep", "2")
+    code, out, _ = neuron_ckpt_cli(capsys, *args, "--json")
+    report = json.loads(out)
+    spec = report["spec"]
+    assert code == 0 and (spec["ep"], spec["ep_rows"], spec["received_rows"]) == (2, "balanced", S * B * 2)
+    assert spec["expert_weight_bytes"] == 2 * 3 * 64 * 96 * 2
+    balanced = layer_memory(shape, MoESetup(S, B, ep=2), "none", "moe").nbytes
+    assert report["per_layer_bytes"]["moe"]["none"] == balanced
+    code, out, _ = neuron_ckpt_cli(capsys, *args, "--ep-rows", "worst", "--json")
+    assert json.loads(out)["spec"]["received_rows"] == 2 * S * B * min(2, 4 // 2)
+    code, _, err = neuron_ckpt_cli(capsys, "memory", "--config", str(path), "--seq", "16", "--ep", "3")
+    assert code != 0 and "ep (3) must divide experts (4); allowed: [1, 2, 4]" in err and err.count("\n") == 1
+    code, _, err = neuron_ckpt_cli(capsys, "memory", "--hidden", "64", "--heads", "4", "--seq", "16", "--ep", "2")
+    assert code != 0 and "--ep and --ep-rows apply to --config" in err

@@ -103,6 +103,17 @@ def received_rows(shape: MoEShape, setup: MoESetup) -> int:
     return int(setup.ep_rows)
 
 
+def expert_weight_bytes(shape: MoEShape, setup: MoESetup) -> int:
+    """The routed experts' weights (and GPT-OSS's biases) of one MoE layer on one rank: ``E/e``
+    experts at EP e (whole: expert tensor parallel size 1), all ``E`` split ``1/t`` where the
+    family's plan splits them without EP; in the model's dtype."""
+    e = setup.ep
+    t = 1 if e > 1 else shape.split("experts", setup.tp)
+    h, F = shape.hidden, shape.moe_ffn
+    per_expert = 3 * h * F // t + ((2 * F // t + h) if FAMILY[shape.family].experts == "clamped" else 0)
+    return shape.experts // e * per_expert * setup.width
+
+
 def _dispatched_experts(layer: LayerTensors, shape: MoEShape, setup: MoESetup) -> None:
     """The experts under expert parallelism (:mod:`neuron_ckpt.parallel.experts.all_to_all`): this
     rank's ``T'`` tokens' ``T' k`` routes go out (the gather keeps its int64 index), its ``E/e``
@@ -161,6 +172,6 @@ def _all_experts(layer: LayerTensors, shape: MoEShape, setup: MoESetup) -> None:
 
 
 __all__ = [
-    "dense_mlp", "experts", "received_rows", "replay_indices", "router", "routing_weight_bytes", "shared_experts",
-    "shared_gate", "swiglu",
+    "dense_mlp", "expert_weight_bytes", "experts", "received_rows", "replay_indices", "router", "routing_weight_bytes",
+    "shared_experts", "shared_gate", "swiglu",
 ]  # fmt: skip
