@@ -29,6 +29,9 @@ summed (nothing kept). It scales with E, not k.
 
 Under TP the experts' intermediate size F is split (GPT-OSS's plan leaves its experts whole);
 the router, the dispatch, the gathered rows and the experts' outputs are whole on every rank.
+Under expert parallelism (``setup.ep`` > 1: :func:`_dispatched_experts`) the rank's ``E/e``
+experts run whole on the rows the all-to-all brought (:func:`received_rows`), and the sender
+keeps what the combine needs.
 
 **Ops and FLOPs** (:meth:`~.rules.LayerTensors.op`), summed over the experts: the eager loop runs
 them one after another, but its last ``index_add_`` comes after every expert's down projection,
