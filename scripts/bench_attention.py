@@ -40,8 +40,10 @@ def _shape_and_setups(a: argparse.Namespace):
     from neuron_ckpt.memory.shape import default_ffn
 
     model = ModelShape("llama", a.hidden, a.heads, a.kv_heads or a.heads, default_ffn("llama", a.hidden), 1, 512)
-    return model, {att: TrainingSetup(a.seq, a.batch, tp=1, dtype=a.dtype, sequence_parallel=False, attention=att)
-                   for att in ("explicit", "flash")}
+    return model, {
+        att: TrainingSetup(a.seq, a.batch, tp=1, dtype=a.dtype, sequence_parallel=False, attention=att)
+        for att in ("explicit", "flash")
+    }
 
 
 def _time_variants(a: argparse.Namespace) -> dict[tuple[str, str], list[float]]:
@@ -79,18 +81,24 @@ def main(argv=None) -> int:
     times = run_local(_time_variants, 1, a)[0]
     model, setups = _shape_and_setups(a)
     base = min(times[("explicit", "none")])
-    print(f"one Llama decoder layer: s={a.seq} b={a.batch} h={a.hidden} a={a.heads} kv={model.kv_heads} "
-          f"ffn={model.ffn} {a.dtype}, TP 1, CPU; best of {a.iters} steps (forward + backward)")
+    print(
+        f"one Llama decoder layer: s={a.seq} b={a.batch} h={a.hidden} a={a.heads} kv={model.kv_heads} "
+        f"ffn={model.ffn} {a.dtype}, TP 1, CPU; best of {a.iters} steps (forward + backward)"
+    )
     print(f"{'attention':<10}{'recompute':<11}{'best ms':>9}{'median ms':>11}{'vs explicit none':>18}{'kept MiB':>10}")
     for attention, recompute in VARIANTS:
         t = times[(attention, recompute)]
         kept = layer_activation_bytes(model, setups[attention], recompute) / 2**20
-        print(f"{attention:<10}{recompute:<11}{min(t) * 1e3:>9.1f}{statistics.median(t) * 1e3:>11.1f}"
-              f"{min(t) / base:>17.3f}x{kept:>10.1f}")
+        print(
+            f"{attention:<10}{recompute:<11}{min(t) * 1e3:>9.1f}{statistics.median(t) * 1e3:>11.1f}"
+            f"{min(t) / base:>17.3f}x{kept:>10.1f}"
+        )
     flash_sel = min(times[("flash", "selective")]) / min(times[("flash", "none")])
     explicit_sel = min(times[("explicit", "selective")]) / min(times[("explicit", "none")])
-    print(f"selective / none: explicit {explicit_sel:.3f}x, flash {flash_sel:.3f}x; "
-          f"flash / explicit without recompute: {min(times[('flash', 'none')]) / base:.3f}x")
+    print(
+        f"selective / none: explicit {explicit_sel:.3f}x, flash {flash_sel:.3f}x; "
+        f"flash / explicit without recompute: {min(times[('flash', 'none')]) / base:.3f}x"
+    )
     return 0
 
 

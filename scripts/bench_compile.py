@@ -23,7 +23,7 @@ from neuron_ckpt.distributed.local import run_local
 def _bench(args: argparse.Namespace, tp: int) -> dict:
     from transformers import LlamaConfig
 
-    from neuron_ckpt.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+    from neuron_ckpt.models.llama import LlamaForCausalLM
     from neuron_ckpt.recompute import RecomputeConfig, apply_recompute
 
     torch.set_num_threads(args.threads)

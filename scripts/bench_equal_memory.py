@@ -153,9 +153,12 @@ def measure_ours(model, ids: torch.Tensor) -> int:
 
 def cheapest_step_up(plan) -> tuple[int, str, str] | None:
     """(bytes, from, to): the least memory that would move one layer of the plan to a cheaper option."""
-    steps = [(plan.options[b].saved_bytes - plan.options[a].saved_bytes, a, b)
-             for a in set(plan.layers) for b in plan.options
-             if plan.options[b].recompute_flops < plan.options[a].recompute_flops]
+    steps = [
+        (plan.options[b].saved_bytes - plan.options[a].saved_bytes, a, b)
+        for a in set(plan.layers)
+        for b in plan.options
+        if plan.options[b].recompute_flops < plan.options[a].recompute_flops
+    ]
     return min(steps) if steps else None
 
 
@@ -167,7 +170,7 @@ def time_steps(hf, ours, variants: dict, ids: torch.Tensor, a: argparse.Namespac
     times: dict[str, list[float]] = {k: [] for k in variants}
     names = list(variants)
     for it in range(a.warmup + a.iters):
-        for name in names[it % len(names):] + names[: it % len(names)]:
+        for name in names[it % len(names) :] + names[: it % len(names)]:
             model = hf if variants[name] is None else ours
             if model is ours:
                 apply_recompute(ours, variants[name])  # replaces the previous variant's recompute (0.1 ms)
@@ -212,8 +215,13 @@ def main() -> None:
     # None stands for HF; our variants are recompute configs applied in turn to the one model.
     # The same plan with the reentrant checkpoint (our default before: it reruns whole layers).
     reentrant = [dataclasses.replace(plan.options[name].recompute, use_reentrant=True) for name in plan.layers]
-    variants = {"hf checkpointing": None, "ours planned": plan.recompute, "ours planned reentrant": reentrant,
-                "ours none": RecomputeConfig(), "ours selective": RecomputeConfig.preset("selective")}
+    variants = {
+        "hf checkpointing": None,
+        "ours planned": plan.recompute,
+        "ours planned reentrant": reentrant,
+        "ours none": RecomputeConfig(),
+        "ours selective": RecomputeConfig.preset("selective"),
+    }
     apply_recompute(ours, plan.recompute)
     ours_bytes = measure_ours(ours, ids)
 
@@ -226,28 +234,42 @@ def main() -> None:
     med = {k: statistics.median(v) for k, v in times.items()}
     planned = plan.budget.activation_bytes
     devices = {name: memory_budget(shape, setup, name) for name in ("none", "full")}
-    print(f"seq={a.seq} hidden={a.hidden} heads={a.heads} ffn={a.ffn} layers={a.layers} vocab={a.vocab} "
-          f"batch={a.batch} {a.dtype} threads={torch.get_num_threads()} iters={a.iters} (+{a.warmup} warmup) "
-          f"torch {torch.__version__}, timing {total_s:.0f} s")
+    print(
+        f"seq={a.seq} hidden={a.hidden} heads={a.heads} ffn={a.ffn} layers={a.layers} vocab={a.vocab} "
+        f"batch={a.batch} {a.dtype} threads={torch.get_num_threads()} iters={a.iters} (+{a.warmup} warmup) "
+        f"torch {torch.__version__}, timing {total_s:.0f} s"
+    )
     print("activations kept for backward (distinct storages; parameters and buffers left out; loss included):")
-    print(f"  hf checkpointing (eager attention)  {hf_bytes / MiB:9.2f} MiB measured   "
-          f"(+{hf_closure_bytes / MiB:.2f} MiB held as checkpoint kwargs: mask, rotary, position ids; not counted)")
-    print(f"  ours planned: {plan.describe():22s}{ours_bytes / MiB:9.2f} MiB measured   "
-          f"{planned / MiB:9.2f} MiB planned (analytic){'' if planned == ours_bytes else '  <- differ'}")
+    print(
+        f"  hf checkpointing (eager attention)  {hf_bytes / MiB:9.2f} MiB measured   "
+        f"(+{hf_closure_bytes / MiB:.2f} MiB held as checkpoint kwargs: mask, rotary, position ids; not counted)"
+    )
+    print(
+        f"  ours planned: {plan.describe():22s}{ours_bytes / MiB:9.2f} MiB measured   "
+        f"{planned / MiB:9.2f} MiB planned (analytic){'' if planned == ours_bytes else '  <- differ'}"
+    )
     verdict = "no more than HF" if ours_bytes <= hf_bytes else "MORE than HF"
-    print(f"  ours / hf measured                  {ours_bytes / hf_bytes:9.4f}   ({verdict}; "
-          f"{(hf_bytes - ours_bytes) / MiB:.2f} MiB to spare)")
-    print(f"  plan: recompute FLOPs {plan.overhead:.2%} of the step's model FLOPs; per layer: "
-          + ", ".join(f"{n} {o.saved_bytes / MiB:.1f} MiB" for n, o in plan.options.items()))
+    print(
+        f"  ours / hf measured                  {ours_bytes / hf_bytes:9.4f}   ({verdict}; "
+        f"{(hf_bytes - ours_bytes) / MiB:.2f} MiB to spare)"
+    )
+    print(
+        f"  plan: recompute FLOPs {plan.overhead:.2%} of the step's model FLOPs; per layer: "
+        + ", ".join(f"{n} {o.saved_bytes / MiB:.1f} MiB" for n, o in plan.options.items())
+    )
     step_up = cheapest_step_up(plan)
     if step_up is not None:
         print(f"  cheapest step up from the plan: one layer {step_up[1]} -> {step_up[2]}, +{step_up[0] / MiB:.1f} MiB")
     none_total, full = devices["none"].total_bytes, devices["full"]
-    print(f"  whole-device budget (plan_recompute's view): none {none_total / MiB:,.0f} MiB, full "
-          f"{full.total_bytes / MiB:,.0f} MiB; its peak workspace at full: {full.items[-1].note}")
-    kept = {"hf checkpointing": f"{hf_bytes / MiB:8.2f} MiB measured",
-            "ours planned": f"{ours_bytes / MiB:8.2f} MiB measured",
-            "ours planned reentrant": f"{planned / MiB:8.2f} MiB planned"}
+    print(
+        f"  whole-device budget (plan_recompute's view): none {none_total / MiB:,.0f} MiB, full "
+        f"{full.total_bytes / MiB:,.0f} MiB; its peak workspace at full: {full.items[-1].note}"
+    )
+    kept = {
+        "hf checkpointing": f"{hf_bytes / MiB:8.2f} MiB measured",
+        "ours planned": f"{ours_bytes / MiB:8.2f} MiB measured",
+        "ours planned reentrant": f"{planned / MiB:8.2f} MiB planned",
+    }
     for name in ("none", "selective"):
         kept[f"ours {name}"] = f"{memory_budget(shape, setup, name).activation_bytes / MiB:8.2f} MiB planned"
     print("step time, forward + backward (activations kept beside):")
@@ -260,13 +282,25 @@ def main() -> None:
     print("ratios (best of each):")
     ratio("hf checkpointing / ours planned", "hf checkpointing", "ours planned", "target >= 1.25 at no more memory")
     selective_flops = a.layers * plan.options["selective"].recompute_flops / plan.step_flops
-    ratio("ours selective / ours none", "ours selective", "ours none",
-          f"target <= 1.03 (recompute FLOPs: {selective_flops:.1%} of the step's)")
+    ratio(
+        "ours selective / ours none",
+        "ours selective",
+        "ours none",
+        f"target <= 1.03 (recompute FLOPs: {selective_flops:.1%} of the step's)",
+    )
     ratio("ours planned / ours none", "ours planned", "ours none", "what equal memory costs us")
-    ratio("ours planned reentrant / planned", "ours planned reentrant", "ours planned",
-          "the early stop: full layers do not rerun the down projection")
-    ratio("hf checkpointing / ours none", "hf checkpointing", "ours none",
-          "the ceiling: no plan beats recomputing nothing")
+    ratio(
+        "ours planned reentrant / planned",
+        "ours planned reentrant",
+        "ours planned",
+        "the early stop: full layers do not rerun the down projection",
+    )
+    ratio(
+        "hf checkpointing / ours none",
+        "hf checkpointing",
+        "ours none",
+        "the ceiling: no plan beats recomputing nothing",
+    )
     del hf, ours
     nc.destroy_distributed()
 

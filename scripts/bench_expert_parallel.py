@@ -30,12 +30,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-from neuron_ckpt.distributed.local import LocalWorld  # noqa: E402
+from neuron_ckpt.distributed.local import LocalWorld
 
 TP_PLAN = {"experts.gate_up_proj": "packed_colwise", "experts.down_proj": "rowwise", "experts": "moe_tp_experts"}
-EP_PLAN = {"experts.gate_up_proj": "grouped_gemm", "experts.down_proj": "grouped_gemm", "experts": "ep_dispatch_experts"}
+EP_PLAN = {
+    "experts.gate_up_proj": "grouped_gemm",
+    "experts.down_proj": "grouped_gemm",
+    "experts": "ep_dispatch_experts",
+}
 
 
 def _block(a):
@@ -99,7 +103,8 @@ def main(argv: list[str] | None = None) -> None:
     with LocalWorld(2) as world:
         r = world.run(_run, a)[0]
     print(f"MoE block: h {a.hidden}, F {a.ffn}, E {a.experts}, top {a.top_k}, {a.tokens} tokens per step, "
-          f"forward + backward, 2 gloo ranks, 1 thread each; EP output vs TP output max abs diff {r['same']:.1e}")  # fmt: skip
+          f"forward + backward, 2 gloo ranks, 1 thread each; "
+          f"EP output vs TP output max abs diff {r['same']:.1e}")  # fmt: skip
     tp = r["times"]["TP 2"]
     print("| layout | best | median | ratio to TP 2, best | ratio to TP 2, median |")
     print("| --- | --- | --- | --- | --- |")

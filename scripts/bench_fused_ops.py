@@ -1,4 +1,5 @@
-"""Saved bytes and forward + backward time of ``fused_ops.rms_norm`` / ``swiglu`` / ``masked_softmax`` against the plain expressions.
+"""Saved bytes and forward + backward time of ``fused_ops.rms_norm`` / ``swiglu`` / ``masked_softmax``
+against the plain expressions.
 
 Two parts: the ops alone (``--part ops``; RMSNorm and SwiGLU) and one whole ``LlamaDecoderLayer``
 (``--part layer``; all three)::
@@ -69,8 +70,18 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--layer-dtype", choices=["fp32", "bf16", "both"], default="both")
     p.add_argument("--layer-iters", type=int, default=7, help="a layer step takes seconds on CPU")
     a = p.parse_args()
-    for name in ("seq", "hidden", "intermediate", "tp", "iters", "layer_seq", "layer_hidden", "layer_ffn",
-                 "layer_heads", "layer_iters"):
+    for name in (
+        "seq",
+        "hidden",
+        "intermediate",
+        "tp",
+        "iters",
+        "layer_seq",
+        "layer_hidden",
+        "layer_ffn",
+        "layer_heads",
+        "layer_iters",
+    ):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
     if a.warmup < 0 or a.threads < 0:
@@ -139,17 +150,20 @@ def bench_ops(a: argparse.Namespace, device: torch.device) -> None:
                 if it >= a.warmup:
                     times[(k, v)].append(dt)
 
-    print(f"ops: device={device} threads={torch.get_num_threads()} iters={a.iters} (+{a.warmup} warmup) "
-          f"torch {torch.__version__}")
+    print(
+        f"ops: device={device} threads={torch.get_num_threads()} iters={a.iters} (+{a.warmup} warmup) "
+        f"torch {torch.__version__}"
+    )
     for k, (fused, plain, inputs, _, exclude) in cases.items():
         fb, pb = saved_bytes(fused, inputs, exclude), saved_bytes(plain, inputs, exclude)
         best = {v: min(times[(k, v)]) for v in ("fused", "plain")}
         med = {v: statistics.median(times[(k, v)]) for v in ("fused", "plain")}
         print(k)
-        print(f"  saved for backward   fused {fb / 2**20:7.2f} MiB   plain {pb / 2**20:7.2f} MiB   "
-              f"ratio {fb / pb:.3f}")
-        print(f"  fwd+bwd best         fused {best['fused'] * 1e3:7.2f} ms    plain {best['plain'] * 1e3:7.2f} ms    "
-              f"ratio {best['fused'] / best['plain']:.3f}  (medians {med['fused'] / med['plain']:.3f})")
+        print(f"  saved for backward   fused {fb / 2**20:7.2f} MiB   plain {pb / 2**20:7.2f} MiB   ratio {fb / pb:.3f}")
+        print(
+            f"  fwd+bwd best         fused {best['fused'] * 1e3:7.2f} ms    plain {best['plain'] * 1e3:7.2f} ms    "
+            f"ratio {best['fused'] / best['plain']:.3f}  (medians {med['fused'] / med['plain']:.3f})"
+        )
 
 
 def plain_masked_softmax(scores: torch.Tensor, mask: torch.Tensor, fill: float) -> torch.Tensor:
@@ -160,8 +174,7 @@ def plain_masked_softmax(scores: torch.Tensor, mask: torch.Tensor, fill: float) 
 def layer_variants():
     """Name -> context manager factory: the layer as built, then each fused op swapped for its expression."""
     from neuron_ckpt.models.llama import SwiGLU
-    from neuron_ckpt.parallel import RMSNorm
-    from neuron_ckpt.parallel import attention
+    from neuron_ckpt.parallel import RMSNorm, attention
 
     def swiglu_forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return plain_swiglu(gate, up)
@@ -185,8 +198,14 @@ def bench_layer(a: argparse.Namespace, device: torch.device, dtype_name: str) ->
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
     s, h = a.layer_seq, a.layer_hidden
-    args = LlamaArgs(vocab_size=32000, hidden_size=h, intermediate_size=a.layer_ffn, num_hidden_layers=1,
-                     num_attention_heads=a.layer_heads, max_position_embeddings=s)
+    args = LlamaArgs(
+        vocab_size=32000,
+        hidden_size=h,
+        intermediate_size=a.layer_ffn,
+        num_hidden_layers=1,
+        num_attention_heads=a.layer_heads,
+        max_position_embeddings=s,
+    )
     torch.manual_seed(0)
     layer = LlamaDecoderLayer(args, LlamaOptions(dtype=dtype)).to(device).train()
     cos, sin = RotaryEmbedding(args).to(device)(s, dtype, device)
@@ -206,7 +225,7 @@ def bench_layer(a: argparse.Namespace, device: torch.device, dtype_name: str) ->
     times = {name: [] for name in variants}
     names = list(variants)
     for it in range(a.warmup + a.layer_iters):
-        for name in names[it % len(names):] + names[: it % len(names)]:  # rotate the order too
+        for name in names[it % len(names) :] + names[: it % len(names)]:  # rotate the order too
             layer.zero_grad(set_to_none=True)
             with variants[name]():
                 dt = timed(step, [x], dy, device)
@@ -216,18 +235,24 @@ def bench_layer(a: argparse.Namespace, device: torch.device, dtype_name: str) ->
     analytic = layer_activation_bytes(ModelShape.from_llama(args), setup, "none")
     best = {k: min(v) for k, v in times.items()}
     med = {k: statistics.median(v) for k, v in times.items()}
-    print(f"layer: LlamaDecoderLayer seq={s} hidden={h} ffn={a.layer_ffn} heads={a.layer_heads} batch=1 tp=1 "
-          f"{dtype_name}, device={device} threads={torch.get_num_threads()} iters={a.layer_iters} "
-          f"(+{a.warmup} warmup)")
+    print(
+        f"layer: LlamaDecoderLayer seq={s} hidden={h} ffn={a.layer_ffn} heads={a.layer_heads} batch=1 tp=1 "
+        f"{dtype_name}, device={device} threads={torch.get_num_threads()} iters={a.layer_iters} "
+        f"(+{a.warmup} warmup)"
+    )
     fused = "fused (as built)"
     for name in variants:
-        print(f"  {name:17s} saved {saved[name] / 2**20:8.2f} MiB   fwd+bwd best {best[name] * 1e3:8.1f} ms   "
-              f"median {med[name] * 1e3:8.1f} ms")
+        print(
+            f"  {name:17s} saved {saved[name] / 2**20:8.2f} MiB   fwd+bwd best {best[name] * 1e3:8.1f} ms   "
+            f"median {med[name] * 1e3:8.1f} ms"
+        )
     print(f"  analytic model (fused layer): {analytic / 2**20:.2f} MiB")
     for name in variants:
         if name != fused:
-            print(f"  fused / {name:15s} saved {saved[fused] / saved[name]:.3f}   time {best[fused] / best[name]:.3f} "
-                  f"(medians {med[fused] / med[name]:.3f})")
+            print(
+                f"  fused / {name:15s} saved {saved[fused] / saved[name]:.3f}   time {best[fused] / best[name]:.3f} "
+                f"(medians {med[fused] / med[name]:.3f})"
+            )
 
 
 def main() -> None:
@@ -242,7 +267,7 @@ def main() -> None:
 
         nc.initialize_model_parallel(1)  # the layer's parallel state: one rank
         try:
-            for dtype_name in (("fp32", "bf16") if a.layer_dtype == "both" else (a.layer_dtype,)):
+            for dtype_name in ("fp32", "bf16") if a.layer_dtype == "both" else (a.layer_dtype,):
                 bench_layer(a, device, dtype_name)
         finally:
             nc.destroy_distributed()

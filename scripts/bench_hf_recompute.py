@@ -128,7 +128,8 @@ def main() -> None:
     )
     mib = 2**20
     print(f"{'variant':10s} {'saved/layer':>12s} {'saved total':>12s} {'vs none':>8s} "
-          f"{'step (med)':>11s} {'vs none':>8s} {'best':>8s} {'vs none':>8s} {'loss':>10s} {'|dloss|':>8s} {'max|dgrad|':>10s}")  # fmt: skip
+          f"{'step (med)':>11s} {'vs none':>8s} {'best':>8s} {'vs none':>8s} "
+          f"{'loss':>10s} {'|dloss|':>8s} {'max|dgrad|':>10s}")  # fmt: skip
     for k in names:
         loss, dloss, dgrad = check[k]
         print(

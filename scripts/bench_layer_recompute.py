@@ -72,7 +72,9 @@ def build(args, attention: str, dtype: torch.dtype, preset: str) -> torch.nn.Mod
     from neuron_ckpt.recompute import RecomputeConfig, apply_recompute
 
     torch.manual_seed(0)
-    layer = torch.nn.ModuleList([LlamaDecoderLayer(args, LlamaOptions(False, attention, dtype, nc.get_parallel_state()))])
+    layer = torch.nn.ModuleList(
+        [LlamaDecoderLayer(args, LlamaOptions(False, attention, dtype, nc.get_parallel_state()))]
+    )
     apply_recompute(layer, RecomputeConfig.preset(preset))
     return layer[0]
 
@@ -165,14 +167,18 @@ def main() -> None:
     for name in PRESETS:
         _, total, step = priced(args, a.seq, a.batch, a.attention, a.dtype, name)
         paired = statistics.median(u / v for u, v in zip(times[name], times["none"]))
-        print(f"  {name:24s} fwd+bwd best {best[name] * 1e3:8.1f} ms   median {med[name] * 1e3:8.1f} ms   "
-              f"vs none {best[name] / best['none']:.3f} (medians {med[name] / med['none']:.3f}, "
-              f"paired {paired:.3f}; priced {1 + total / step:.3f})   "
-              f"vs selective {best[name] / best['selective']:.3f} (medians {med[name] / med['selective']:.3f})")
+        print(
+            f"  {name:24s} fwd+bwd best {best[name] * 1e3:8.1f} ms   median {med[name] * 1e3:8.1f} ms   "
+            f"vs none {best[name] / best['none']:.3f} (medians {med[name] / med['none']:.3f}, "
+            f"paired {paired:.3f}; priced {1 + total / step:.3f})   "
+            f"vs selective {best[name] / best['selective']:.3f} (medians {med[name] / med['selective']:.3f})"
+        )
     lean = "selective+mlp_act+norm"
     paired = statistics.median(u / v for u, v in zip(times[lean], times["selective"]))
-    print(f"{lean} / selective: best {best[lean] / best['selective']:.3f}, medians {med[lean] / med['selective']:.3f}, "
-          f"median of the per-iteration ratios {paired:.3f}  target <= 1.03")
+    print(
+        f"{lean} / selective: best {best[lean] / best['selective']:.3f}, medians {med[lean] / med['selective']:.3f}, "
+        f"median of the per-iteration ratios {paired:.3f}  target <= 1.03"
+    )
     nc.destroy_distributed()
 
 

@@ -37,6 +37,7 @@ import torch
 
 LEAN = ("core_attn", "mlp_act", "norm")  # the leanest selective layer
 
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seq", type=int, default=1024)

@@ -60,10 +60,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--batch", type=int, default=32, help="rows per rank per step")
     p.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
-    p.add_argument("--caps", type=_cap, nargs="+", default=["auto", 128.0, 16.0],
-                   help="ours' bucket_cap_mb values (MiB, or auto: the backend's default)")
-    p.add_argument("--accumulate-fp32", default="auto", choices=["auto", "on", "off"],
-                   help="ours: gradients into fp32 buffers by hooks (auto: for bf16 parameters only)")
+    p.add_argument(
+        "--caps",
+        type=_cap,
+        nargs="+",
+        default=["auto", 128.0, 16.0],
+        help="ours' bucket_cap_mb values (MiB, or auto: the backend's default)",
+    )
+    p.add_argument(
+        "--accumulate-fp32",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="ours: gradients into fp32 buffers by hooks (auto: for bf16 parameters only)",
+    )
     p.add_argument("--iters", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--dp", type=int, default=2)
@@ -201,7 +210,9 @@ def _on_rank(a: argparse.Namespace) -> dict:
             model.parameters(), torch.optim.AdamW, bucket_cap_mb=cap, accumulate_fp32=accumulate, **hyper
         )
         variants[f"ours {opt.bucket_cap_mb:g} MiB" + (" (auto)" if cap == "auto" else "")] = (
-            model, opt, stepper(model, opt)
+            model,
+            opt,
+            stepper(model, opt),
         )
     model = copy.deepcopy(base)
     ddp = DistributedDataParallel(model)
@@ -277,9 +288,10 @@ def main(argv: list[str] | None = None) -> None:
     med = {k: statistics.median(v) for k, v in t.items()}
     for k in t:
         extra = f" ({r0['ours'][k]['buckets']} buckets)" if k in r0["ours"] else " (DDP + ZeroRedundancyOptimizer)"
-        ratio = "" if k == "torch" else (
-            f"  ratio to torch: best {best[k] / best['torch']:.3f}, median {med[k] / med['torch']:.3f} (target <= 1.0)"
-        )
+        ratio = ""
+        if k != "torch":
+            ratio = f"  ratio to torch: best {best[k] / best['torch']:.3f}, median {med[k] / med['torch']:.3f}"
+            ratio += " (target <= 1.0)"
         print(f"  step {k:14s}: best {best[k]:.3f} s  median {med[k]:.3f} s{extra}{ratio}")
     # Dense = one unsharded optimizer of the same kind: ours fp32 master + 2 moments (12 bytes a
     # parameter), torch's 2 moments in the parameter dtype.
@@ -303,9 +315,11 @@ def wire_table(wire: dict[str, dict[str, list[float]]], param_bytes: int, p: int
     """The bytes-on-the-wire lines: each variant's collectives next to ZeRO-1's minimum."""
     minimum = 2 * (p - 1) / p * param_bytes
     lines = [
-        f"  bytes each rank sends per step (MiB; per call, averaged over ranks, for gloo's algorithms: "
-        f"see the docstring); ZeRO-1's minimum, a reduce-scatter and an all-gather of the "
-        f"{param_bytes / 2**20:.1f} MiB of parameters: 2(p-1)/p of them = {minimum / 2**20:.1f}"
+        (
+            f"  bytes each rank sends per step (MiB; per call, averaged over ranks, for gloo's algorithms: "
+            f"see the docstring); ZeRO-1's minimum, a reduce-scatter and an all-gather of the "
+            f"{param_bytes / 2**20:.1f} MiB of parameters: 2(p-1)/p of them = {minimum / 2**20:.1f}"
+        )
     ]
     for name, ops in wire.items():
         parts = " + ".join(

@@ -58,17 +58,27 @@ from neuron_ckpt.parallel.attention import ATTENTION
 TRAIN = Path(__file__).resolve().parents[1] / "tutorials" / "llama2_7b_tp_zero1" / "train.py"
 TAG = "neuron_ckpt_rank"
 TAG_SH = f': "${{RANK:?the launcher must set RANK, as torchrun does}}"; export NEURON_PROCESS_TAG={TAG}$RANK; exec "$@"'
-MONITOR_CONF = {"period": "1s", "neuron_runtimes": [{"tag_filter": f"{TAG}.*", "metrics": [{"type": "memory_used"}]}],
-                "system_metrics": [{"type": "memory_info"}]}  # the memory-only config of neuron-monitor's guide
+MONITOR_CONF = {
+    "period": "1s",
+    "neuron_runtimes": [{"tag_filter": f"{TAG}.*", "metrics": [{"type": "memory_used"}]}],
+    "system_metrics": [{"type": "memory_info"}],
+}  # the memory-only config of neuron-monitor's guide
 # As run_trn1.sh sets them (compiler flags change the scratchpad); values already in the environment win.
-TUTORIAL_ENV = {"NEURON_CC_FLAGS": "--model-type transformer", "NEURON_FUSE_SOFTMAX": "1",
-                "NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS": "3", "NEURON_RT_STOCHASTIC_ROUNDING_EN": "0",
-                "MALLOC_ARENA_MAX": "64"}
+TUTORIAL_ENV = {
+    "NEURON_CC_FLAGS": "--model-type transformer",
+    "NEURON_FUSE_SOFTMAX": "1",
+    "NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS": "3",
+    "NEURON_RT_STOCHASTIC_ROUNDING_EN": "0",
+    "MALLOC_ARENA_MAX": "64",
+}
 SCRATCHPAD = "model_shared_scratchpad"
 NEURON_BIN = Path("/opt/aws/neuron/bin")
 # A system profile, never a device profile (its buffers take HBM): set over the environment's values.
-INSPECT_ENV = {"NEURON_RT_INSPECT_ENABLE": "1", "NEURON_RT_INSPECT_SYSTEM_PROFILE": "1",
-               "NEURON_RT_INSPECT_DEVICE_PROFILE": "0"}
+INSPECT_ENV = {
+    "NEURON_RT_INSPECT_ENABLE": "1",
+    "NEURON_RT_INSPECT_SYSTEM_PROFILE": "1",
+    "NEURON_RT_INSPECT_DEVICE_PROFILE": "0",
+}
 INGEST_TIMEOUT = 3600  # seconds neuron-explorer may take to ingest one run's profile
 
 
@@ -83,13 +93,20 @@ class CaptureError(Exception):
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model-config", default="llama2-7b", help="a preset or a LlamaConfig JSON (run_trn1.sh's)")
-    p.add_argument("--data", default=str(Path.home() / "data" / "llama2_train.safetensors"),
-                   help="packed token file (prepare_data.py); its block length is the sequence length")
+    p.add_argument(
+        "--data",
+        default=str(Path.home() / "data" / "llama2_train.safetensors"),
+        help="packed token file (prepare_data.py); its block length is the sequence length",
+    )
     p.add_argument("--layers", default="4,8,12,16", help="comma-separated decoder layer counts, two or more")
-    p.add_argument("--presets", default=None, help="comma-separated recompute presets (default: those offered for --attention)")
+    p.add_argument(
+        "--presets", default=None, help="comma-separated recompute presets (default: those offered for --attention)"
+    )
     p.add_argument("--attention", choices=ATTENTION, default="flash", help="run_trn1.sh runs flash (NxD's NKI kernel)")
     p.add_argument("--tp", type=int, default=8)
-    p.add_argument("--seq", type=int, default=None, help="sequence length, checked against --data (default: its block length)")
+    p.add_argument(
+        "--seq", type=int, default=None, help="sequence length, checked against --data (default: its block length)"
+    )
     p.add_argument("--micro-batch", type=int, default=1)
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     p.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=True)
@@ -97,8 +114,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--nproc", type=int, default=None, help="ranks (default --tp: one data-parallel replica)")
     p.add_argument("--steps", type=int, default=3, help="training steps a run: the first compiles and loads")
     p.add_argument("--neuron-monitor", default=None, help=f"executable (default: on PATH, else in {NEURON_BIN})")
-    p.add_argument("--system-profile", action=argparse.BooleanOptionalAction, default=True,
-                   help="a Neuron system profile per run, ingested by neuron-explorer (HBM usage from SDK 2.29)")
+    p.add_argument(
+        "--system-profile",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="a Neuron system profile per run, ingested by neuron-explorer (HBM usage from SDK 2.29)",
+    )
     p.add_argument("--neuron-explorer", default=None, help=f"executable (default: on PATH, else in {NEURON_BIN})")
     p.add_argument("--sysfs-root", default="/sys/devices/virtual/neuron_device")
     p.add_argument("--launcher", default="torchrun --nproc_per_node {nproc}", help="'{nproc}' is replaced")
@@ -114,20 +135,28 @@ def _checked(args: argparse.Namespace) -> tuple[dict, list[int], list[str]]:
     out = Path(args.out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise CaptureError(f"--out {out}: exists and is not an empty directory (a capture starts afresh)")
-    args.neuron_monitor = _executable("neuron-monitor", args.neuron_monitor,
-                                      "install aws-neuronx-tools or pass --neuron-monitor")
+    args.neuron_monitor = _executable(
+        "neuron-monitor", args.neuron_monitor, "install aws-neuronx-tools or pass --neuron-monitor"
+    )
     if args.system_profile:
-        args.neuron_explorer = _executable("neuron-explorer", args.neuron_explorer, "install aws-neuronx-tools "
-                                           "of SDK 2.29+, pass --neuron-explorer, or --no-system-profile")
+        args.neuron_explorer = _executable(
+            "neuron-explorer",
+            args.neuron_explorer,
+            "install aws-neuronx-tools of SDK 2.29+, pass --neuron-explorer, or --no-system-profile",
+        )
         try:
             import pyarrow.parquet  # noqa: F401  (explorer.read needs it; refuse before any run, not after)
         except ImportError:
-            raise CaptureError("--system-profile: reading the ingested profile needs pyarrow: "
-                               "pip install 'neuron_ckpt[profiler]' (or --no-system-profile)") from None
+            raise CaptureError(
+                "--system-profile: reading the ingested profile needs pyarrow: "
+                "pip install 'neuron_ckpt[profiler]' (or --no-system-profile)"
+            ) from None
     args.nproc = args.nproc or args.tp
     if min(args.tp, args.nproc, args.steps, args.micro_batch) < 1 or args.nproc % args.tp:
-        raise CaptureError(f"--tp {args.tp} --nproc {args.nproc} --steps {args.steps} --micro-batch {args.micro_batch}: "
-                           "need positive values, --nproc a multiple of --tp")
+        raise CaptureError(
+            f"--tp {args.tp} --nproc {args.nproc} --steps {args.steps} --micro-batch {args.micro_batch}: "
+            "need positive values, --nproc a multiple of --tp"
+        )
     try:
         layers = sorted({int(n) for n in args.layers.split(",")})
         config = read_json_object(config_path(args.model_config))
@@ -144,14 +173,25 @@ def _checked(args: argparse.Namespace) -> tuple[dict, list[int], list[str]]:
     except Exception as e:  # noqa: BLE001 (safetensors' own error, a missing file, no block_len)
         raise CaptureError(f"--data {args.data}: not a packed token file from prepare_data.py ({e!r})") from None
     if args.seq not in (None, block_len):
-        raise CaptureError(f"--seq {args.seq}: {args.data} holds blocks of {block_len} tokens, the length train.py runs")
+        raise CaptureError(
+            f"--seq {args.seq}: {args.data} holds blocks of {block_len} tokens, the length train.py runs"
+        )
     args.seq = block_len
-    setup = TrainingSetup(seq_len=block_len, micro_batch=args.micro_batch, tp=args.tp, dp=args.nproc // args.tp,
-                          dtype=args.dtype, sequence_parallel=args.sequence_parallel, attention=args.attention)
+    setup = TrainingSetup(
+        seq_len=block_len,
+        micro_batch=args.micro_batch,
+        tp=args.tp,
+        dp=args.nproc // args.tp,
+        dtype=args.dtype,
+        sequence_parallel=args.sequence_parallel,
+        attention=args.attention,
+    )
     offered = offered_presets(shape, setup)
     presets = args.presets.split(",") if args.presets else list(offered)
     if not set(presets) <= set(offered):
-        raise CaptureError(f"--presets {args.presets}: with {args.attention} attention the presets are {', '.join(offered)}")
+        raise CaptureError(
+            f"--presets {args.presets}: with {args.attention} attention the presets are {', '.join(offered)}"
+        )
     return config, layers, presets
 
 
@@ -186,8 +226,10 @@ def _facts() -> list[str]:
         except importlib.metadata.PackageNotFoundError:
             versions.append(f"{dist} not installed")
     dropped = " (its --cache_dir dropped)" if "--cache_dir" in os.environ.get("NEURON_CC_FLAGS", "") else ""
-    notes = [f"NEURON_CC_FLAGS{dropped}: {_train_env(Path())['NEURON_CC_FLAGS']!r}",
-             f"packages in this script's interpreter: {', '.join(versions)}"]
+    notes = [
+        f"NEURON_CC_FLAGS{dropped}: {_train_env(Path())['NEURON_CC_FLAGS']!r}",
+        f"packages in this script's interpreter: {', '.join(versions)}",
+    ]
     if cc := shutil.which("neuronx-cc"):
         done = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=300)
         notes.append("neuronx-cc --version: " + " | ".join((done.stdout + done.stderr).strip().splitlines()[:4]))
@@ -203,8 +245,10 @@ def _said_attention(log: Path, asked: str, ended: bool) -> bool:
     a CaptureError if it runs another than ``asked``, or said none by the time it ended."""
     found = re.search(r"^attention: (\w+)", log.read_text(errors="replace"), re.M)
     if found and found.group(1) != asked:
-        raise CaptureError(f"train.py runs {found.group(1)} attention, not --attention {asked} (log: {log}); "
-                           f"pass --attention {found.group(1)}, or make its kernel importable")
+        raise CaptureError(
+            f"train.py runs {found.group(1)} attention, not --attention {asked} (log: {log}); "
+            f"pass --attention {found.group(1)}, or make its kernel importable"
+        )
     if not found and ended:
         raise CaptureError(f"train.py's log names no attention (log: {log})")
     return found is not None
@@ -259,15 +303,28 @@ def _step_neff(cache: Path) -> tuple[Path | None, str]:
     if not sizes:
         return None, f"none of the {len(neffs)} NEFFs in the run's compile cache reads as one"
     best = max(sizes, key=sizes.get)
-    return best, f"{best.relative_to(cache)}: scratchpad {sizes[best]} B, the largest of {len(sizes)} of {len(neffs)} NEFFs"
+    return (
+        best,
+        f"{best.relative_to(cache)}: scratchpad {sizes[best]} B, the largest of {len(sizes)} of {len(neffs)} NEFFs",
+    )
 
 
 def _ingest(args: argparse.Namespace, run_dir: Path, name: str) -> tuple[Path | None, str]:
     """``neuron-explorer view --ingest-only`` of the run's system profile into ``run_dir/explorer``;
     (the profile directory, or None, and why not)."""
     workspace = run_dir / "explorer"
-    command = [args.neuron_explorer, "view", "-d", str(run_dir / "inspect"), "--ingest-only",
-               "--ignore-device-profile", "--display-name", name, "--data-path", str(workspace)]
+    command = [
+        args.neuron_explorer,
+        "view",
+        "-d",
+        str(run_dir / "inspect"),
+        "--ingest-only",
+        "--ignore-device-profile",
+        "--display-name",
+        name,
+        "--data-path",
+        str(workspace),
+    ]
     print(f"== {name}: {shlex.join(command)}", flush=True)
     with open(run_dir / "neuron-explorer.log", "wb") as log:
         try:
@@ -290,21 +347,46 @@ def _run(args: argparse.Namespace, out: Path, config: dict, preset: str, layers:
     run_dir, notes, files = out / name, [], {}
     (run_dir / "cache").mkdir(parents=True)
     (run_dir / "model_config.json").write_text(json.dumps({**config, "num_hidden_layers": layers}, indent=1) + "\n")
-    train = [str(TRAIN), "--model-config", str(run_dir / "model_config.json"), "--data", args.data, "--tp", str(args.tp),
-             "--sequence-parallel" if args.sequence_parallel else "--no-sequence-parallel", "--recompute", preset,
-             "--attention", args.attention, "--dtype", args.dtype, "--micro-batch-size", str(args.micro_batch),
-             "--global-batch-size", str(args.micro_batch * args.nproc // args.tp), "--max-steps", str(args.steps),
-             "--warmup-steps", "0", "--device-kind", "trn1", *shlex.split(args.extra)]
+    train = [
+        str(TRAIN),
+        "--model-config",
+        str(run_dir / "model_config.json"),
+        "--data",
+        args.data,
+        "--tp",
+        str(args.tp),
+        "--sequence-parallel" if args.sequence_parallel else "--no-sequence-parallel",
+        "--recompute",
+        preset,
+        "--attention",
+        args.attention,
+        "--dtype",
+        args.dtype,
+        "--micro-batch-size",
+        str(args.micro_batch),
+        "--global-batch-size",
+        str(args.micro_batch * args.nproc // args.tp),
+        "--max-steps",
+        str(args.steps),
+        "--warmup-steps",
+        "0",
+        "--device-kind",
+        "trn1",
+        *shlex.split(args.extra),
+    ]
     launcher = shlex.split(args.launcher.replace("{nproc}", str(args.nproc)))
     command = [*launcher, "--no-python", "sh", "-c", TAG_SH, "neuron-ckpt-rank-tag", args.python, *train]
     nm_path, log = run_dir / "neuron-monitor.ndjson", run_dir / "train.log"
     print(f"== {name} (log: {log}): {shlex.join(command)}", flush=True)
     with open(nm_path, "wb") as nm, open(run_dir / "neuron-monitor.log", "wb") as nm_log, open(log, "wb") as log_file:
-        monitor = subprocess.Popen([args.neuron_monitor, "-c", str(out / "neuron-monitor.conf.json")], stdout=nm, stderr=nm_log)
+        monitor = subprocess.Popen(
+            [args.neuron_monitor, "-c", str(out / "neuron-monitor.conf.json")], stdout=nm, stderr=nm_log
+        )
         try:
             inspect = run_dir / "inspect" if args.system_profile else None
-            proc = subprocess.Popen(command, env=_train_env(run_dir / "cache", inspect), stdout=log_file,
-                                    stderr=subprocess.STDOUT)
+            proc = subprocess.Popen(
+                command, env=_train_env(run_dir / "cache", inspect), stdout=log_file, stderr=subprocess.STDOUT
+            )
             code, first, merged, error = _wait(proc, root, log, args.attention)
         finally:
             _stop(monitor, nm_path)
@@ -320,8 +402,10 @@ def _run(args: argparse.Namespace, out: Path, config: dict, preset: str, layers:
         (run_dir / "sysfs.json").write_text(json.dumps(merged, indent=1) + "\n")
         files["sysfs"] = f"{name}/sysfs.json"
         rose = [core for core in merged if merged[core][SCRATCHPAD]["peak"] != first[core][SCRATCHPAD]["peak"]]
-        notes.append(f"{name}: sysfs {SCRATCHPAD} peak rose during the run on {', '.join(rose) or 'no NeuronCore'}; "
-                     "elsewhere it is an earlier process's")
+        notes.append(
+            f"{name}: sysfs {SCRATCHPAD} peak rose during the run on {', '.join(rose) or 'no NeuronCore'}; "
+            "elsewhere it is an earlier process's"
+        )
     elif root is not None:
         notes.append(f"{name}: no sysfs reading: {error or 'the job ended before the first poll'}")
     if args.system_profile:
@@ -346,16 +430,33 @@ def capture(args: argparse.Namespace, argv: list[str]) -> int:
     (out / "config.json").write_text(json.dumps(config, indent=1) + "\n")
     (out / "neuron-monitor.conf.json").write_text(json.dumps(MONITOR_CONF, indent=1) + "\n")
     dp = args.nproc // args.tp
-    job = {"model": "llama", "config": "config.json", "tp": args.tp, "dp": dp, "seq": args.seq,
-           "micro_batch": args.micro_batch, "dtype": args.dtype, "sequence_parallel": args.sequence_parallel,
-           "zero1": True, "attention": args.attention}
-    notes = [f"command: scripts/capture_trn1_memory.py {shlex.join(argv)}",
-             f"ranks: {args.nproc} = TP {args.tp} x DP {dp}; {args.steps} steps a run; each run compiles into its own cache",
-             "sysfs peak counters were not cleared (that needs root, and whether a write resets peak is unconfirmed): "
-             "a peak can be an earlier process's; total (kind current) is the largest over the run's 1 s polls",
-             ("a system profile per run (NEURON_RT_INSPECT_ENABLE=1), no device profile (its buffers take HBM), "
-              "ingested with neuron-explorer") if args.system_profile else "no Neuron profile (--no-system-profile)",
-             *_facts()]
+    job = {
+        "model": "llama",
+        "config": "config.json",
+        "tp": args.tp,
+        "dp": dp,
+        "seq": args.seq,
+        "micro_batch": args.micro_batch,
+        "dtype": args.dtype,
+        "sequence_parallel": args.sequence_parallel,
+        "zero1": True,
+        "attention": args.attention,
+    }
+    notes = [
+        f"command: scripts/capture_trn1_memory.py {shlex.join(argv)}",
+        f"ranks: {args.nproc} = TP {args.tp} x DP {dp}; {args.steps} steps a run; each run compiles into its own cache",
+        (
+            "sysfs peak counters were not cleared (that needs root, and whether a write resets peak is unconfirmed): "
+            "a peak can be an earlier process's; total (kind current) is the largest over the run's 1 s polls"
+        ),
+        (
+            "a system profile per run (NEURON_RT_INSPECT_ENABLE=1), no device profile (its buffers take HBM), "
+            "ingested with neuron-explorer"
+        )
+        if args.system_profile
+        else "no Neuron profile (--no-system-profile)",
+        *_facts(),
+    ]
     try:
         sysfs.snapshot(root)
     except ReadError as e:

@@ -80,8 +80,14 @@ def device_info(device: torch.device, kind: str | None) -> dict:
     from neuron_ckpt.train import peak_tflops
 
     kind = kind or {"cuda": "h100", "neuron": "trn2"}.get(device.type, "cpu")
-    info = {"type": device.type, "name": platform.processor() or platform.machine(), "driver": None,
-            "kind": kind, "peak_tflops_bf16": peak_tflops(kind, torch.bfloat16), "memory_bytes": None}
+    info = {
+        "type": device.type,
+        "name": platform.processor() or platform.machine(),
+        "driver": None,
+        "kind": kind,
+        "peak_tflops_bf16": peak_tflops(kind, torch.bfloat16),
+        "memory_bytes": None,
+    }
     if device.type == "cpu":
         return info
     module = getattr(torch, device.type, None)
@@ -147,9 +153,17 @@ def speed_rows(shape, setups: dict, best: dict[str, float], median: dict[str, fl
 
     rows = []
     for name, r in SPEED.items():
-        row = {"name": name, "ratio": None, "median_ratio": None, "numerator_s": best.get(r.num),
-               "denominator_s": best.get(r.den), "flops_ratio": None,
-               "goal": None if r.goal is None else f"{r.goal[0]} {r.goal[1]:g}", "within_goal": None, "note": r.note}
+        row = {
+            "name": name,
+            "ratio": None,
+            "median_ratio": None,
+            "numerator_s": best.get(r.num),
+            "denominator_s": best.get(r.den),
+            "flops_ratio": None,
+            "goal": None if r.goal is None else f"{r.goal[0]} {r.goal[1]:g}",
+            "within_goal": None,
+            "note": r.note,
+        }
         if not r.den:  # MFU
             flops = step_flops(shape, setups["flash"])
             if r.num in best:
@@ -187,45 +201,76 @@ def render_section(r: dict) -> str:
     """The report as a dated markdown section: the device, the command, every figure with its goal."""
     d, s = r["device"], r["shape"]
     lines = [
-        "", f"## {r['date'][:10]}: {d['name']} ({d['type']}{', tiny: plumbing only' if r['mode'] == 'tiny' else ''})",
         "",
-        f"Device {d['name']}, driver {d['driver'] or 'n/a'}, memory {mib(d['memory_bytes'])} MiB, dense bf16 peak "
-        f"{d['peak_tflops_bf16']:g} TFLOP/s ({d['kind']}); torch {r['torch']}. Ran {r['elapsed_s']:.0f} s:",
-        "", f"    {r['command']}", "",
-        f"Llama h {s['hidden']}, {s['layers'][1]} layers ({s['layers'][0]} for the difference), {s['heads']} heads, "
-        f"{s['kv_heads']} kv heads, f {s['ffn']}, v {s['vocab']}, s {s['seq']}, micro-batch 1, bf16, TP 1, "
-        f"ZeRO-1 AdamW at dp 1.",
-        "", "Memory, one step after a warm-up (MiB; goal: the device's peak within 2% of the budget's total):", "",
-        "| layers | attention | preset | device peak | budget total | peak / budget | goal met | kept (recorder) "
-        "| budget activations | budget activation peak | budget workspace |",
+        f"## {r['date'][:10]}: {d['name']} ({d['type']}{', tiny: plumbing only' if r['mode'] == 'tiny' else ''})",
+        "",
+        (
+            f"Device {d['name']}, driver {d['driver'] or 'n/a'}, memory {mib(d['memory_bytes'])} MiB, dense bf16 peak "
+            f"{d['peak_tflops_bf16']:g} TFLOP/s ({d['kind']}); torch {r['torch']}. Ran {r['elapsed_s']:.0f} s:"
+        ),
+        "",
+        f"    {r['command']}",
+        "",
+        (
+            f"Llama h {s['hidden']}, {s['layers'][1]} layers ({s['layers'][0]} for the difference), "
+            f"{s['heads']} heads, {s['kv_heads']} kv heads, f {s['ffn']}, v {s['vocab']}, s {s['seq']}, "
+            f"micro-batch 1, bf16, TP 1, ZeRO-1 AdamW at dp 1."
+        ),
+        "",
+        "Memory, one step after a warm-up (MiB; goal: the device's peak within 2% of the budget's total):",
+        "",
+        (
+            "| layers | attention | preset | device peak | budget total | peak / budget | goal met | kept (recorder) "
+            "| budget activations | budget activation peak | budget workspace |"
+        ),
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for m in r["memory"]:
-        lines.append(f"| {m['layers']} | {m['attention']} | {m['preset']} | {mib(m['device_peak_bytes'])} | "
-                     f"{mib(m['budget_total_bytes'])} | {_num(m['peak_over_budget'], 4)} | {_met(m['within_goal'])} | "
-                     f"{mib(m['measured_activation_bytes'])} | {mib(m['budget_activation_bytes'])} | "
-                     f"{mib(m['budget_activation_peak_bytes'])} | {m['budget_workspace']} |")
+        lines.append(
+            f"| {m['layers']} | {m['attention']} | {m['preset']} | {mib(m['device_peak_bytes'])} | "
+            f"{mib(m['budget_total_bytes'])} | {_num(m['peak_over_budget'], 4)} | {_met(m['within_goal'])} | "
+            f"{mib(m['measured_activation_bytes'])} | {mib(m['budget_activation_bytes'])} | "
+            f"{mib(m['budget_activation_peak_bytes'])} | {m['budget_workspace']} |"
+        )
     before = [m["allocated_before_bytes"] for m in r["memory"] if m["allocated_before_bytes"] is not None]
     if before:  # a model or a cache a stage left would sit under every later peak
         lines += ["", f"Allocated on the device before each model was built: at most {mib(max(before))} MiB."]
-    lines += ["", "Per layer, by difference of the two layer counts (MiB; goal: within 2% of the analytic figure):", "",
-              "| attention | preset | source | measured | analytic | budget difference | ratio | goal met | verdict |",
-              "|---|---|---|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "Per layer, by difference of the two layer counts (MiB; goal: within 2% of the analytic figure):",
+        "",
+        "| attention | preset | source | measured | analytic | budget difference | ratio | goal met | verdict |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for p in r["per_layer"]:
-        lines.append(f"| {p['attention']} | {p['preset']} | {p['source']} | {mib(p['measured_per_layer_bytes'])} | "
-                     f"{mib(p['predicted_per_layer_bytes'])} | {mib(p['budget_per_layer_bytes'])} | "
-                     f"{_num(p['ratio'], 4)} | {_met(p['within_goal'])} | {p['verdict']} |")
-    lines += ["", "Speed (best step of each; medians beside):", "",
-              "| ratio | value | median | FLOPs alone | goal | goal met | what |", "|---|---|---|---|---|---|---|"]
+        lines.append(
+            f"| {p['attention']} | {p['preset']} | {p['source']} | {mib(p['measured_per_layer_bytes'])} | "
+            f"{mib(p['predicted_per_layer_bytes'])} | {mib(p['budget_per_layer_bytes'])} | "
+            f"{_num(p['ratio'], 4)} | {_met(p['within_goal'])} | {p['verdict']} |"
+        )
+    lines += [
+        "",
+        "Speed (best step of each; medians beside):",
+        "",
+        "| ratio | value | median | FLOPs alone | goal | goal met | what |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for row in r["speed"]:
-        lines.append(f"| {row['name']} | {_num(row['ratio'])} | {_num(row['median_ratio'])} | "
-                     f"{_num(row['flops_ratio'])} | {row['goal'] or 'none set'} | {_met(row['within_goal'])} | "
-                     f"{row['note']} |")
+        lines.append(
+            f"| {row['name']} | {_num(row['ratio'])} | {_num(row['median_ratio'])} | "
+            f"{_num(row['flops_ratio'])} | {row['goal'] or 'none set'} | {_met(row['within_goal'])} | "
+            f"{row['note']} |"
+        )
     e = r["details"]
     if "hf_saved_bytes" in e:
-        lines += ["", f"Equal memory: transformers keeps {mib(e['hf_saved_bytes'])} MiB (+{mib(e['hf_closure_bytes'])} "
-                  f"MiB held by its checkpoints' arguments, not counted), ours as planned ({e['plan']}) "
-                  f"{mib(e['ours_saved_bytes'])} MiB measured, {mib(e['planned_bytes'])} MiB planned."]
+        lines += [
+            "",
+            (
+                f"Equal memory: transformers keeps {mib(e['hf_saved_bytes'])} MiB (+{mib(e['hf_closure_bytes'])} "
+                f"MiB held by its checkpoints' arguments, not counted), ours as planned ({e['plan']}) "
+                f"{mib(e['ours_saved_bytes'])} MiB measured, {mib(e['planned_bytes'])} MiB planned."
+            ),
+        ]
     if "compile_s" in e:
         lines += ["", f"torch.compile: the first two compiled steps took {e['compile_s']:.1f} s."]
     for label, items in (("Skipped", r["skipped"]), ("Failed", r["errors"])):
@@ -234,5 +279,15 @@ def render_section(r: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-__all__ = ["MEMORY_GOAL", "SPEED", "Ratio", "device_info", "memory_row", "mib", "per_layer_row", "render_section",
-           "speed_rows", "write_json"]
+__all__ = [
+    "MEMORY_GOAL",
+    "SPEED",
+    "Ratio",
+    "device_info",
+    "memory_row",
+    "mib",
+    "per_layer_row",
+    "render_section",
+    "speed_rows",
+    "write_json",
+]

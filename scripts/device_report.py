@@ -50,12 +50,11 @@ import shlex
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
-
 from device_figures import device_info, memory_row, mib, per_layer_row, render_section, speed_rows, write_json
 from stage_clock import StageClock
 
@@ -117,8 +116,17 @@ class Context:
         from neuron_ckpt.memory import TrainingSetup
 
         cap = self.bucket_cap_mb if self.bucket_cap_mb is not None else 128.0
-        return TrainingSetup(self.job.seq, 1, tp=1, dp=1, dtype="bf16", sequence_parallel=False, zero1=True,
-                             bucket_cap_mb=cap, attention=attention)
+        return TrainingSetup(
+            self.job.seq,
+            1,
+            tp=1,
+            dp=1,
+            dtype="bf16",
+            sequence_parallel=False,
+            zero1=True,
+            bucket_cap_mb=cap,
+            attention=attention,
+        )
 
     def sync(self) -> None:
         if self.device.type != "cpu":
@@ -156,7 +164,7 @@ def time_variants(ctx: Context, variants: dict[str, tuple[Callable, Callable]]) 
     for it in range(warmup + ctx.job.iters):
         if it > warmup and ctx.clock.passed():
             break
-        for name in names[it % len(names):] + names[: it % len(names)]:
+        for name in names[it % len(names) :] + names[: it % len(names)]:
             prepare, step = variants[name]
             prepare()
             ctx.sync()
@@ -202,10 +210,15 @@ def measure_presets(ctx: Context, layers: int, attention: str, timed: bool) -> N
             files["stats"] = ctx.out / "memory_stats" / f"{name}.json"
             files["stats"].parent.mkdir(parents=True, exist_ok=True)
             write_json(files["stats"], dict(torch.accelerator.memory_stats(ctx.device)))
-        ctx.memory[(attention, preset, layers)] = {"saved_bytes": saved, "device_peak_bytes": peak,
-                                                   "allocated_before_bytes": before, "files": files}
+        ctx.memory[(attention, preset, layers)] = {
+            "saved_bytes": saved,
+            "device_peak_bytes": peak,
+            "allocated_before_bytes": before,
+            "files": files,
+        }
         print(f"  {name}: kept {mib(saved)} MiB, device peak {mib(peak)} MiB", flush=True)
     if timed:
+
         def use(p: str):
             return lambda: apply_recompute(model, RecomputeConfig.preset(p))
 
@@ -259,8 +272,13 @@ def equal_memory(ctx: Context) -> None:
     torch.manual_seed(0)
     ours = LlamaForCausalLM(config, attention_implementation="explicit", dtype=DTYPE).to(ctx.device).train()
     apply_recompute(ours, plan.recompute)
-    ctx.details.update(hf_saved_bytes=hf_bytes, hf_closure_bytes=closure_bytes, plan=plan.describe(),
-                     ours_saved_bytes=measure_ours(ours, ctx.ids), planned_bytes=plan.budget.activation_bytes)
+    ctx.details.update(
+        hf_saved_bytes=hf_bytes,
+        hf_closure_bytes=closure_bytes,
+        plan=plan.describe(),
+        ours_saved_bytes=measure_ours(ours, ctx.ids),
+        planned_bytes=plan.budget.activation_bytes,
+    )
 
     def forward_backward(model):
         def step() -> None:
@@ -269,8 +287,9 @@ def equal_memory(ctx: Context) -> None:
 
         return step
 
-    time_variants(ctx, {"hf checkpointing": (noop, forward_backward(hf)),
-                        "ours planned": (noop, forward_backward(ours))})
+    time_variants(
+        ctx, {"hf checkpointing": (noop, forward_backward(hf)), "ours planned": (noop, forward_backward(ours))}
+    )
 
 
 def offload_one_module(ctx: Context) -> None:
@@ -294,8 +313,13 @@ def compiled_eager(ctx: Context) -> None:
         train_step(compiled, opt, ctx.ids)
     ctx.sync()
     ctx.details["compile_s"] = time.perf_counter() - t0
-    time_variants(ctx, {"eager": (noop, lambda: train_step(model, opt, ctx.ids)),
-                        "compiled": (noop, lambda: train_step(compiled, opt, ctx.ids))})
+    time_variants(
+        ctx,
+        {
+            "eager": (noop, lambda: train_step(model, opt, ctx.ids)),
+            "compiled": (noop, lambda: train_step(compiled, opt, ctx.ids)),
+        },
+    )
 
 
 def noop() -> None:
@@ -317,15 +341,26 @@ def report_of(ctx: Context, meta: dict, per_layer: list[dict]) -> dict:
     from neuron_ckpt.recompute import PRESETS
 
     lo, hi = ctx.job.layers
-    memory = [memory_row(ctx.job.shape(n), ctx.setup(a), a, p, n, ctx.memory.get((a, p, n)))
-              for n in (hi, lo) for a in ("flash", "explicit") for p in PRESETS]
+    memory = [
+        memory_row(ctx.job.shape(n), ctx.setup(a), a, p, n, ctx.memory.get((a, p, n)))
+        for n in (hi, lo)
+        for a in ("flash", "explicit")
+        for p in PRESETS
+    ]
     best = {k: min(v) for k, v in ctx.times.items() if v}
     median = {k: statistics.median(v) for k, v in ctx.times.items() if v}
     setups = {a: ctx.setup(a) for a in ("flash", "explicit")}
     speed = speed_rows(ctx.job.shape(), setups, best, median, meta["device"]["peak_tflops_bf16"])
-    return {**meta, "memory": memory, "per_layer": per_layer, "speed": speed, "details": ctx.details,
-            "skipped": ctx.clock.skipped, "errors": ctx.clock.errors,
-            "elapsed_s": round(ctx.clock.elapsed(), 1)}
+    return {
+        **meta,
+        "memory": memory,
+        "per_layer": per_layer,
+        "speed": speed,
+        "details": ctx.details,
+        "skipped": ctx.clock.skipped,
+        "errors": ctx.clock.errors,
+        "elapsed_s": round(ctx.clock.elapsed(), 1),
+    }
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -334,12 +369,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True, help="directory for device_report.json and the raw stats")
     p.add_argument("--tiny", action="store_true", help="CPU at the tests' tiny shapes: checks the plumbing")
-    p.add_argument("--docs", default=None, help="markdown file to append the section to (default: "
-                   "docs/device-figures.md on a device, OUT/device-figures.md with --tiny)")
-    p.add_argument("--budget-s", type=float, default=450.0,
-                   help="stop starting measurements after this many seconds (default 450: done within 8 minutes)")
-    p.add_argument("--device-kind", choices=sorted(PEAK_TFLOPS), default=None,
-                   help="the peak-FLOPs row for MFU (default: h100 on CUDA (H200's is the same), trn2 on neuron)")
+    p.add_argument(
+        "--docs",
+        default=None,
+        help="markdown file to append the section to (default: "
+        "docs/device-figures.md on a device, OUT/device-figures.md with --tiny)",
+    )
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=450.0,
+        help="stop starting measurements after this many seconds (default 450: done within 8 minutes)",
+    )
+    p.add_argument(
+        "--device-kind",
+        choices=sorted(PEAK_TFLOPS),
+        default=None,
+        help="the peak-FLOPs row for MFU (default: h100 on CUDA (H200's is the same), trn2 on neuron)",
+    )
     a = p.parse_args(argv)
     if not a.budget_s >= 0:
         p.error(f"--budget-s must be >= 0 seconds, got {a.budget_s}")
@@ -352,8 +399,11 @@ def main(argv: list[str] | None = None) -> int:
 
     accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
     if accelerator is None and not a.tiny:
-        print("device_report.py: no accelerator is visible to torch (torch.accelerator.is_available() is False); "
-              "--tiny is the CPU mode", file=sys.stderr)
+        print(
+            "device_report.py: no accelerator is visible to torch (torch.accelerator.is_available() is False); "
+            "--tiny is the CPU mode",
+            file=sys.stderr,
+        )
         return 2
     out = Path(a.out)
     docs = Path(a.docs) if a.docs else (out / "device-figures.md" if a.tiny else REPO / "docs" / "device-figures.md")
@@ -374,13 +424,27 @@ def main(argv: list[str] | None = None) -> int:
     nc.model_parallel_manual_seed(0)
     backend = "aot_eager" if a.tiny else "neuron" if device.type == "neuron" else "inductor"
     ctx = Context(job, device, out, clock, backend)
-    meta = {"schema": 1, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "mode": "tiny" if a.tiny else "device",
-            "command": shlex.join(["python", "scripts/device_report.py", *(sys.argv[1:] if argv is None else argv)]),
-            "device": device_info(device, a.device_kind), "torch": torch.__version__,
-            "shape": {"hidden": job.hidden, "heads": job.heads, "kv_heads": job.kv_heads, "ffn": job.ffn,
-                      "vocab": job.vocab, "seq": job.seq, "layers": list(job.layers), "micro_batch": 1,
-                      "dtype": "bf16", "tp": 1, "dp": 1}}
+    meta = {
+        "schema": 1,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "mode": "tiny" if a.tiny else "device",
+        "command": shlex.join(["python", "scripts/device_report.py", *(sys.argv[1:] if argv is None else argv)]),
+        "device": device_info(device, a.device_kind),
+        "torch": torch.__version__,
+        "shape": {
+            "hidden": job.hidden,
+            "heads": job.heads,
+            "kv_heads": job.kv_heads,
+            "ffn": job.ffn,
+            "vocab": job.vocab,
+            "seq": job.seq,
+            "layers": list(job.layers),
+            "micro_batch": 1,
+            "dtype": "bf16",
+            "tp": 1,
+            "dp": 1,
+        },
+    }
     lo, hi = job.layers
     job.config(hi).to_json_file(out / "config.json")  # for neuron-ckpt compare --config, by hand
     per_layer: list[dict] = []
@@ -404,9 +468,12 @@ def main(argv: list[str] | None = None) -> int:
         if f.tell() == 0:
             f.write("# Device figures\n\nSections appended by `scripts/device_report.py`, one per run.\n")
         f.write(render_section(report))
-    print(f"[{clock.elapsed():5.0f} s] wrote {out / 'device_report.json'} and a section of {docs}"
-          + (f"; skipped: {'; '.join(clock.skipped)}" if clock.skipped else "")
-          + (f"; FAILED: {'; '.join(clock.errors)}" if clock.errors else ""), flush=True)
+    print(
+        f"[{clock.elapsed():5.0f} s] wrote {out / 'device_report.json'} and a section of {docs}"
+        + (f"; skipped: {'; '.join(clock.skipped)}" if clock.skipped else "")
+        + (f"; FAILED: {'; '.join(clock.errors)}" if clock.errors else ""),
+        flush=True,
+    )
     nc.destroy_distributed()
     return 1 if clock.errors else 0
 

@@ -19,8 +19,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: its tests package
 
-from neuron_ckpt.distributed.local import LocalWorld  # noqa: E402
-from tests.test_expert_parallel import FAMILIES, LAYOUTS, _relative, _train  # noqa: E402
+from neuron_ckpt.distributed.local import LocalWorld
+from tests.test_expert_parallel import FAMILIES, LAYOUTS, _relative, _train
 
 
 def main(argv: list[str] | None = None) -> None:

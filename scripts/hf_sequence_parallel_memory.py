@@ -16,15 +16,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
-import transformers  # noqa: E402
+import torch
+import transformers
 
-import neuron_ckpt as nc  # noqa: E402
-from neuron_ckpt.distributed.local import LocalWorld  # noqa: E402
-from neuron_ckpt.memory.analytic import layer_activation_bytes  # noqa: E402
-from neuron_ckpt.memory.measure import SavedTensorRecorder  # noqa: E402
-from neuron_ckpt.memory.shape import ModelShape, TrainingSetup  # noqa: E402
-from neuron_ckpt.recompute import RecomputeConfig, apply_recompute  # noqa: E402
+import neuron_ckpt as nc
+from neuron_ckpt.distributed.local import LocalWorld
+from neuron_ckpt.memory.analytic import layer_activation_bytes
+from neuron_ckpt.memory.measure import SavedTensorRecorder
+from neuron_ckpt.memory.shape import ModelShape, TrainingSetup
+from neuron_ckpt.recompute import RecomputeConfig, apply_recompute
 
 H, F, A, KV, S, T = 256, 688, 8, 4, 512, 2
 PRESETS = ("none", "selective", "selective+mlp_act+norm", "full")

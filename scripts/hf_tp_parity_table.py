@@ -29,10 +29,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: its tests package
 
-from neuron_ckpt.distributed.local import LocalWorld  # noqa: E402
-from tests import test_hf_moe_tensor_parallel as moe  # noqa: E402
-from tests import test_hf_sequence_parallel as sp  # noqa: E402
-from tests.test_hf_tensor_parallel import FAMILIES, PRESETS, _parity  # noqa: E402
+from neuron_ckpt.distributed.local import LocalWorld
+from tests import test_hf_moe_tensor_parallel as moe
+from tests import test_hf_sequence_parallel as sp
+from tests.test_hf_tensor_parallel import FAMILIES, PRESETS, _parity
 
 EXPERTS = ("grouped_mm", "eager", "batched_mm")
 
@@ -57,7 +57,10 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def moe_table() -> None:
-    print("| family | experts | loss abs diff | aux loss abs diff | logits rel | worst gradient rel (parameter) | experts' weights gradient rel | router gradient rel |")
+    print(
+        "| family | experts | loss abs diff | aux loss abs diff | logits rel | worst gradient rel (parameter) "
+        "| experts' weights gradient rel | router gradient rel |"
+    )
     print("|---|---|---:|---:|---:|---|---:|---:|")
     with LocalWorld(2) as world:
         for family in moe.FAMILIES:
@@ -76,7 +79,9 @@ def sequence_parallel_table() -> None:
             r = max(world.run(sp._parity, family, recompute), key=lambda r: r["grad"])
             aux = "none" if r["aux"] is None else f"{r['aux']:.1e}"
             name = recompute if isinstance(recompute, str) else "+".join(recompute)
-            print(f"| {family} | {name} | {r['loss']:.1e} | {aux} | {r['logits']:.1e} | {r['grad']:.1e} ({r['worst']}) |")
+            print(
+                f"| {family} | {name} | {r['loss']:.1e} | {aux} | {r['logits']:.1e} | {r['grad']:.1e} ({r['worst']}) |"
+            )
 
 
 if __name__ == "__main__":

@@ -101,8 +101,14 @@ class Row:
 
     @property
     def setup(self) -> TrainingSetup:
-        return TrainingSetup(self.seq_len, micro_batch=1, tp=self.tp, dtype="bf16",
-                             sequence_parallel=self.sequence_parallel, attention=self.attention)
+        return TrainingSetup(
+            self.seq_len,
+            micro_batch=1,
+            tp=self.tp,
+            dtype="bf16",
+            sequence_parallel=self.sequence_parallel,
+            attention=self.attention,
+        )
 
 
 def measuring_ram_bytes(model: ModelShape, setup: TrainingSetup, recompute: str, layers: int = MEASURED_LAYERS) -> int:
@@ -144,12 +150,23 @@ def analytic_rows() -> list[Row]:
         for tp in tps:
             for attention in ATTENTION:
                 for sp in (False, True):
-                    setup = TrainingSetup(seq_len, micro_batch=1, tp=tp, dtype="bf16", sequence_parallel=sp,
-                                          attention=attention)
+                    setup = TrainingSetup(
+                        seq_len, micro_batch=1, tp=tp, dtype="bf16", sequence_parallel=sp, attention=attention
+                    )
                     for recompute in PRESETS:
-                        rows.append(Row(label, preset, seq_len, tp, sp, attention, recompute,
-                                        layer_activation_bytes(model, setup, recompute),
-                                        measuring_ram_bytes(model, setup, recompute)))
+                        rows.append(
+                            Row(
+                                label,
+                                preset,
+                                seq_len,
+                                tp,
+                                sp,
+                                attention,
+                                recompute,
+                                layer_activation_bytes(model, setup, recompute),
+                                measuring_ram_bytes(model, setup, recompute),
+                            )
+                        )
     return rows
 
 
@@ -157,8 +174,9 @@ def _case(row: Row) -> tuple[ModelShape, TrainingSetup, str]:
     return model_shape(row.preset), row.setup, row.recompute
 
 
-def measure_rows(rows: list[Row], max_ram_bytes: int, log: Callable[[str], None] = print,
-                 only: tuple[str, ...] = ()) -> list[Row]:
+def measure_rows(
+    rows: list[Row], max_ram_bytes: int, log: Callable[[str], None] = print, only: tuple[str, ...] = ()
+) -> list[Row]:
     """``rows`` with the measured bytes filled in where ``ram_bytes <= max_ram_bytes`` (and, when
     ``only`` is given, the row's :attr:`Row.key` contains one of its strings).
 
@@ -178,13 +196,19 @@ def measure_rows(rows: list[Row], max_ram_bytes: int, log: Callable[[str], None]
         per_rank = run_local(measure_on_ranks, row.tp, [_case(row)], MEASURED_LAYERS)
         counts = [int(rank[0].bytes_per_layer) for rank in per_rank]
         out[i] = replace(row, measured_bytes=max(counts), measured_min_bytes=min(counts))
-        log(f"  {max(counts) / MIB:.3f} MiB, measured/analytic {max(counts) / row.analytic_bytes:.4f}, "
-            f"{time.perf_counter() - start:.0f} s")
+        log(
+            f"  {max(counts) / MIB:.3f} MiB, measured/analytic {max(counts) / row.analytic_bytes:.4f}, "
+            f"{time.perf_counter() - start:.0f} s"
+        )
     return out
 
 
-def build_table(measure: bool = False, max_ram_gib: float = DEFAULT_MAX_RAM_GIB,
-                log: Callable[[str], None] = print, only: tuple[str, ...] = ()) -> list[Row]:
+def build_table(
+    measure: bool = False,
+    max_ram_gib: float = DEFAULT_MAX_RAM_GIB,
+    log: Callable[[str], None] = print,
+    only: tuple[str, ...] = (),
+) -> list[Row]:
     """The table's rows; measured where asked, within ``max_ram_gib`` and matching ``only``."""
     max_ram_bytes = int(max_ram_gib * GIB)
     rows = analytic_rows()
@@ -204,22 +228,38 @@ def format_table(rows: list[Row], max_ram_gib: float = DEFAULT_MAX_RAM_GIB) -> s
     """The Markdown table (what the script prints and what ``--markdown`` writes) and a caption."""
     max_ram_bytes = int(max_ram_gib * GIB)
     lines = [
-        "| model | s | t | SP | attention | recompute | analytic bytes | analytic MiB | measured MiB "
-        "| measured / analytic |",
+        (
+            "| model | s | t | SP | attention | recompute | analytic bytes | analytic MiB | measured MiB "
+            "| measured / analytic |"
+        ),
         "| --- | ---: | ---: | --- | --- | --- | ---: | ---: | ---: | ---: |",
     ]
     for row in rows:
         measured, ratio = _measured_cells(row, max_ram_bytes)
-        cells = (row.label, row.seq_len, row.tp, "yes" if row.sequence_parallel else "no", row.attention,
-                 row.recompute, f"{row.analytic_bytes:,}", f"{row.analytic_bytes / MIB:.3f}", measured, ratio)
+        cells = (
+            row.label,
+            row.seq_len,
+            row.tp,
+            "yes" if row.sequence_parallel else "no",
+            row.attention,
+            row.recompute,
+            f"{row.analytic_bytes:,}",
+            f"{row.analytic_bytes / MIB:.3f}",
+            measured,
+            ratio,
+        )
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     ran = any(row.measured_bytes is not None for row in rows)
     caption = (
         "Per layer and per rank, bf16, micro-batch 1; MiB = 2^20 bytes. Not run (time): within the RAM "
         "limit but left out of this run (`--rows`). Flash: torch's SDPA flash kernel (an "
         "fp32 logsumexp per query row, no s x s tensor), which selective recompute can only drop that from. "
-        + ("Measured: the distinct storages that one real `LlamaDecoderLayer` keeps for backward on t gloo "
-           "processes, the largest over the ranks. " if ran else "Nothing measured (no `--measure`). ")
+        + (
+            "Measured: the distinct storages that one real `LlamaDecoderLayer` keeps for backward on t gloo "
+            "processes, the largest over the ranks. "
+            if ran
+            else "Nothing measured (no `--measure`). "
+        )
         + "Analytic only: measuring would take about the RAM shown (all t ranks on one machine, "
         f"`measuring_ram_bytes`), more than `--max-ram-gib {max_ram_gib:g}`."
     )
@@ -232,8 +272,9 @@ def replace_block(text: str, block: str) -> str:
     ``block``; a ``ValueError`` unless each marker occurs exactly once, BEGIN first."""
     counts = (text.count(BEGIN), text.count(END))
     if counts != (1, 1):
-        raise ValueError(f"expected the markers once each, found BEGIN x{counts[0]} and END x{counts[1]}: "
-                         f"{BEGIN} ... {END}")
+        raise ValueError(
+            f"expected the markers once each, found BEGIN x{counts[0]} and END x{counts[1]}: {BEGIN} ... {END}"
+        )
     head, rest = text.split(BEGIN)
     if END not in rest:
         raise ValueError(f"{END} comes before {BEGIN}")
@@ -287,8 +328,9 @@ def plot_table(rows: list[Row], path: str) -> str:
             ax.plot(*zip(*measured), "o", color="black", markersize=3)
     if any(r.measured_bytes is not None for r in rows):
         ax.plot([], [], "o", color="black", markersize=3, label="measured")
-    ax.set_xticks(range(len(configs)), [f"{c.replace(' t=', chr(10) + 't=')}{chr(10)}{a}" for c, a in configs],
-                  fontsize=7)
+    ax.set_xticks(
+        range(len(configs)), [f"{c.replace(' t=', chr(10) + 't=')}{chr(10)}{a}" for c, a in configs], fontsize=7
+    )
     ax.set_yscale("log")
     ax.set_ylim(1, 1e4)  # room for the labels and the legend above the tallest bar
     ax.set_ylabel("activation MiB per layer per rank")
@@ -321,8 +363,9 @@ class FitRow:
 
 
 def fit_setup(seq_len: int, attention: str) -> TrainingSetup:
-    return TrainingSetup(seq_len, micro_batch=1, tp=FIT_TP, dp=FIT_DP, dtype="bf16", sequence_parallel=True,
-                         attention=attention)
+    return TrainingSetup(
+        seq_len, micro_batch=1, tp=FIT_TP, dp=FIT_DP, dtype="bf16", sequence_parallel=True, attention=attention
+    )
 
 
 def fit_limit_bytes() -> int:
@@ -352,8 +395,11 @@ def fit_lengths() -> list[FitRow]:
         model = model_shape(preset)
         for attention in ATTENTION:
             for recompute in offered_presets(model, fit_setup(SEQ_STEP, attention)):
-                rows.append(FitRow(label, preset, attention, recompute,
-                                   longest_fitting(model, attention, recompute, limit), limit))
+                rows.append(
+                    FitRow(
+                        label, preset, attention, recompute, longest_fitting(model, attention, recompute, limit), limit
+                    )
+                )
     return rows
 
 
@@ -362,11 +408,13 @@ def format_fit_table(rows: list[FitRow]) -> str:
     for row in rows:
         longest = f"{row.longest_seq:,}" if row.longest_seq else "none"
         lines.append(f"| {row.label} | {row.attention} | {row.recompute} | {longest} |")
-    caption = (f"The whole job per NeuronCore (`memory_budget`: parameters, fp32 gradients, ZeRO-1 state over dp "
-               f"{FIT_DP}, activations, peak workspace) within {rows[0].limit_bytes / GIB:.1f} GiB (trn1's 16 GiB "
-               f"less the planner's 10% reserve); TP {FIT_TP}, sequence parallel, bf16, micro-batch 1; s in steps "
-               f"of {SEQ_STEP}. With flash the planner recomputes no core attention (it offers the "
-               "output-discarding modules alone: selective[mlp_act], selective[mlp_act,norm]).")
+    caption = (
+        f"The whole job per NeuronCore (`memory_budget`: parameters, fp32 gradients, ZeRO-1 state over dp "
+        f"{FIT_DP}, activations, peak workspace) within {rows[0].limit_bytes / GIB:.1f} GiB (trn1's 16 GiB "
+        f"less the planner's 10% reserve); TP {FIT_TP}, sequence parallel, bf16, micro-batch 1; s in steps "
+        f"of {SEQ_STEP}. With flash the planner recomputes no core attention (it offers the "
+        "output-discarding modules alone: selective[mlp_act], selective[mlp_act,norm])."
+    )
     return "\n".join(lines + ["", textwrap.fill(caption, width=100, break_on_hyphens=False)])
 
 
@@ -386,8 +434,16 @@ def plot_seq_fit(fit_rows: list[FitRow], path: str, preset: str = "llama3-8b") -
     for row in (r for r in fit_rows if r.preset == preset):
         flash = row.attention == "flash"
         ys = [layer_activation_bytes(model, fit_setup(s, row.attention), row.recompute) / MIB for s in seqs]
-        ax.plot(seqs, ys, "-" if flash else "--", color=COLORS[row.recompute], label=f"{row.attention}, {row.recompute}",
-                linewidth=4 if flash else 1.5, alpha=0.5 if flash else 1.0, zorder=1 if flash else 2)
+        ax.plot(
+            seqs,
+            ys,
+            "-" if flash else "--",
+            color=COLORS[row.recompute],
+            label=f"{row.attention}, {row.recompute}",
+            linewidth=4 if flash else 1.5,
+            alpha=0.5 if flash else 1.0,
+            zorder=1 if flash else 2,
+        )
         if row.longest_seq:
             at = layer_activation_bytes(model, fit_setup(row.longest_seq, row.attention), row.recompute) / MIB
             ax.plot([row.longest_seq], [at], "o" if row.attention == "flash" else "s", color=COLORS[row.recompute])
@@ -421,10 +477,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--markdown", metavar="PATH", help="rewrite the table block between the markers in PATH")
     p.add_argument("--plot", metavar="PATH", help="write a PNG of the table")
     p.add_argument("--seq-plot", metavar="PATH", help="write a PNG of bytes per layer against s, trn1 fit marked")
-    p.add_argument("--rows", action="append", default=[], metavar="TEXT",
-                   help="--measure only rows whose key (e.g. 'Llama-3 8B t=8 SP flash none') contains TEXT; repeatable")
-    p.add_argument("--max-ram-gib", type=positive_float, default=DEFAULT_MAX_RAM_GIB,
-                   help=f"measure only rows whose run needs at most this much RAM (default {DEFAULT_MAX_RAM_GIB:g})")
+    p.add_argument(
+        "--rows",
+        action="append",
+        default=[],
+        metavar="TEXT",
+        help="--measure only rows whose key (e.g. 'Llama-3 8B t=8 SP flash none') contains TEXT; repeatable",
+    )
+    p.add_argument(
+        "--max-ram-gib",
+        type=positive_float,
+        default=DEFAULT_MAX_RAM_GIB,
+        help=f"measure only rows whose run needs at most this much RAM (default {DEFAULT_MAX_RAM_GIB:g})",
+    )
     args = p.parse_args(argv)
     try:  # before anything is measured
         if args.markdown:
@@ -436,8 +501,9 @@ def main(argv: list[str] | None = None) -> int:
                 check_plot_path(path)
     except ValueError as exc:
         p.error(str(exc))
-    rows = build_table(args.measure, args.max_ram_gib, log=lambda line: print(line, file=sys.stderr, flush=True),
-                       only=tuple(args.rows))
+    rows = build_table(
+        args.measure, args.max_ram_gib, log=lambda line: print(line, file=sys.stderr, flush=True), only=tuple(args.rows)
+    )
     fits = fit_lengths()
     table = format_table(rows, args.max_ram_gib) + "\n\n" + format_fit_table(fits)
     print(table)

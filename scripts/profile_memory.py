@@ -67,8 +67,9 @@ def _step(model: ModelShape, setup: TrainingSetup, recompute: str, device: torch
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     reset_device_peak(device)
     timeline = out_dir is not None
-    with torch.profiler.profile(activities=activities, profile_memory=True, record_shapes=True,
-                                with_stack=timeline) as prof:
+    with torch.profiler.profile(
+        activities=activities, profile_memory=True, record_shapes=True, with_stack=timeline
+    ) as prof:
         out = run_layers(layers, x, *extra)
         out.float().square().mean().backward()
     figures = {"device_peak": device_peak_bytes(device), "timeline_error": None}
@@ -78,14 +79,15 @@ def _step(model: ModelShape, setup: TrainingSetup, recompute: str, device: torch
             prof.export_memory_timeline(str(path), device="cuda:0" if device.type == "cuda" else "cpu")
             figures["profiler"] = _timeline_peak(path)
             return figures
-        except Exception as exc:  # torch's data-flow analysis rejects some graphs (see docs/memory.md)
+        except Exception as exc:  # noqa: BLE001  torch's data-flow analysis rejects some graphs (see docs/memory.md)
             figures["timeline_error"] = f"{type(exc).__name__}: {str(exc)[:120]}"
     figures["profiler"] = sum(max(e.self_cpu_memory_usage, 0) for e in prof.key_averages())
     return figures
 
 
-def profile_all(model: ModelShape, setup: TrainingSetup, presets: tuple[str, ...], device: str,
-                out_dir: str | None) -> dict[str, dict]:
+def profile_all(
+    model: ModelShape, setup: TrainingSetup, presets: tuple[str, ...], device: str, out_dir: str | None
+) -> dict[str, dict]:
     """On every rank: measured (recorder) and profiled figures of one step per recompute preset."""
     results = {}
     for name in presets:
@@ -118,8 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     presets = ("none", "selective", "full")  # the paper's rows
     try:
         model = ModelShape.gpt(args.hidden, args.heads, args.layers)
-        setup = TrainingSetup(args.seq, args.micro_batch, args.tp, dtype=args.dtype,
-                              sequence_parallel=args.sequence_parallel)
+        setup = TrainingSetup(
+            args.seq, args.micro_batch, args.tp, dtype=args.dtype, sequence_parallel=args.sequence_parallel
+        )
         analytic = {name: layer_activation_bytes(model, setup, name) for name in presets}
     except ValueError as exc:
         p.error(str(exc))
@@ -132,14 +135,20 @@ def main(argv: list[str] | None = None) -> int:
     for error in sorted(errors):
         print(f"memory timeline unusable, fell back to key_averages(): {error}")
     what = "timeline peak" if args.timeline and not errors else "allocated in step"
-    print(f"GPT stack, {args.layers} layers, s={args.seq} b={args.micro_batch} h={args.hidden} a={args.heads} "
-          f"t={args.tp}{' SP' if args.sequence_parallel else ''} {args.dtype} on {args.device}; MiB, rank 0")
-    print(f"{'recompute':<11}{'analytic/layer':>15}{'measured/layer':>15}{'ratio':>8}"
-          f"{'profiler ' + what:>28}{'device peak':>13}")
+    print(
+        f"GPT stack, {args.layers} layers, s={args.seq} b={args.micro_batch} h={args.hidden} a={args.heads} "
+        f"t={args.tp}{' SP' if args.sequence_parallel else ''} {args.dtype} on {args.device}; MiB, rank 0"
+    )
+    print(
+        f"{'recompute':<11}{'analytic/layer':>15}{'measured/layer':>15}{'ratio':>8}"
+        f"{'profiler ' + what:>28}{'device peak':>13}"
+    )
     for name in presets:
         r = per_rank[0][name]
-        print(f"{name:<11}{_fmt(analytic[name]):>15}{_fmt(r['measured_per_layer']):>15}"
-              f"{r['measured_per_layer'] / analytic[name]:>8.4f}{_fmt(r['profiler']):>28}{_fmt(r['device_peak']):>13}")
+        print(
+            f"{name:<11}{_fmt(analytic[name]):>15}{_fmt(r['measured_per_layer']):>15}"
+            f"{r['measured_per_layer'] / analytic[name]:>8.4f}{_fmt(r['profiler']):>28}{_fmt(r['device_peak']):>13}"
+        )
     if out_dir and not errors:
         print(f"memory timelines: {out_dir}/<recompute>_rank<r>.json")
     return 0

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 import traceback
-from typing import Callable
+from collections.abc import Callable
 
 
 class StageClock:
@@ -50,7 +50,7 @@ class StageClock:
         print(f"[{self.elapsed():5.0f} s] {name}", flush=True)
         try:
             stage()
-        except Exception as exc:  # any failure of one stage: the others' figures still count
+        except Exception as exc:  # noqa: BLE001  any failure of one stage: the others' figures still count
             traceback.print_exc()
             first = (str(exc).strip().splitlines() or [""])[0][:300]
             self.errors.append(f"{name}: {type(exc).__name__}: {first}")

@@ -109,8 +109,10 @@ def capture(args: argparse.Namespace, out: Path, dump: Path) -> tuple[list[Run],
             xm.wait_device_ops()
             new = sorted(set(dump.glob(f"*{FILE}")) - before)
             if len(new) != 1:
-                raise SystemExit(f"xla_memory_slope.py: {preset} L{layers}: expected one compiled graph, "
-                                 f"XLA dumped {len(new)}: {[p.name for p in new]}")
+                raise SystemExit(
+                    f"xla_memory_slope.py: {preset} L{layers}: expected one compiled graph, "
+                    f"XLA dumped {len(new)}: {[p.name for p in new]}"
+                )
             rel = f"{preset}_L{layers}/{FILE}"
             (out / rel).parent.mkdir()
             shutil.copyfile(new[0], out / rel)
@@ -128,35 +130,52 @@ def report(out: Path, runs: list[Run], dtype: str) -> bool:
     from neuron_ckpt.models import load_llama_config
 
     model = ModelShape.from_llama(load_llama_config(CONFIG))
-    setup = TrainingSetup(seq_len=SEQ, micro_batch=MICRO_BATCH, tp=1, dtype=dtype, sequence_parallel=False,
-                          zero1=False, attention="explicit")
+    setup = TrainingSetup(
+        seq_len=SEQ,
+        micro_batch=MICRO_BATCH,
+        tp=1,
+        dtype=dtype,
+        sequence_parallel=False,
+        zero1=False,
+        attention="explicit",
+    )
     one, two = (dataclasses.replace(model, layers=n).local_parameters(1) for n in (1, 2))
     weights = (two - one) * setup.width
     readings = {(r.recompute, r.layers): xla_buffers.read(out / r.files["xla_buffers"]).core(0) for r in runs}
     layers = sorted({r.layers for r in runs})
     presets = list(dict.fromkeys(r.recompute for r in runs))
-    print(f"\nXLA:CPU buffer assignment per decoder layer: tiny Llama (h {model.hidden}, heads {model.heads}/"
-          f"{model.kv_heads}, ffn {model.ffn}, vocab {model.vocab}), seq {SEQ}, micro-batch {MICRO_BATCH}, "
-          f"{dtype}, explicit attention, layers {','.join(map(str, layers))}; bytes per layer (least-squares slope)")
+    print(
+        f"\nXLA:CPU buffer assignment per decoder layer: tiny Llama (h {model.hidden}, heads {model.heads}/"
+        f"{model.kv_heads}, ffn {model.ffn}, vocab {model.vocab}), seq {SEQ}, micro-batch {MICRO_BATCH}, "
+        f"{dtype}, explicit attention, layers {','.join(map(str, layers))}; bytes per layer (least-squares slope)"
+    )
     print(f"{'preset':<18} {'temp':>11} {'peak-params':>11} {'analytic':>11} {'temp/an.':>9} {'peak/an.':>9}")
     ok = True
     controls = []
     for preset in presets:
-        def per_layer(category: str) -> float:
+
+        def per_layer(category: str, preset: str = preset) -> float:  # this preset's, bound
             return float(slope([(n, readings[preset, n][category]) for n in layers]))
+
         temp, params, outputs = per_layer("temp"), per_layer("parameters"), per_layer("outputs")
         peak = per_layer("live_at_peak") - params if "live_at_peak" in readings[preset, layers[0]] else float("nan")
         analytic = layer_activation_bytes(model, setup, preset)
-        print(f"{preset:<18} {temp:>11,.0f} {peak:>11,.0f} {analytic:>11,} {temp / analytic:>8.2f}x "
-              f"{peak / analytic:>8.2f}x")
+        print(
+            f"{preset:<18} {temp:>11,.0f} {peak:>11,.0f} {analytic:>11,} {temp / analytic:>8.2f}x "
+            f"{peak / analytic:>8.2f}x"
+        )
         ok &= params == weights
-        controls.append(f"{preset:<18} {params:>11,.0f} {'OK' if params == weights else 'FAIL':>4} "
-                        f"{outputs:>11,.0f} {outputs / weights:>7.3f}x")
+        controls.append(
+            f"{preset:<18} {params:>11,.0f} {'OK' if params == weights else 'FAIL':>4} "
+            f"{outputs:>11,.0f} {outputs / weights:>7.3f}x"
+        )
     print(f"\ncontrol: analytic weights per layer {weights:,} B; parameters must equal them exactly")
     print(f"{'preset':<18} {'parameters':>11} {'':>4} {'outputs':>11} {'/weights':>8}")
     print("\n".join(controls))
-    print("temp: the preallocated temp buffer; peak-params: XLA's live bytes at the schedule's peak less the "
-          "parameters; outputs: gradients (and what else torch-xla returns)")
+    print(
+        "temp: the preallocated temp buffer; peak-params: XLA's live bytes at the schedule's peak less the "
+        "parameters; outputs: gradients (and what else torch-xla returns)"
+    )
     return ok
 
 
@@ -167,8 +186,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"xla_memory_slope.py: --out {out} exists and is not an empty directory; give a new one", file=sys.stderr)
         return 2
     if "torch_xla" in sys.modules or os.environ.get("PJRT_DEVICE", "CPU") != "CPU" or not find_spec("torch_xla"):
-        print("xla_memory_slope.py: run it in a fresh process of the torch-xla environment (scripts/setup_xla.sh) "
-              "with PJRT_DEVICE=CPU or unset", file=sys.stderr)
+        print(
+            "xla_memory_slope.py: run it in a fresh process of the torch-xla environment (scripts/setup_xla.sh) "
+            "with PJRT_DEVICE=CPU or unset",
+            file=sys.stderr,
+        )
         return 2
     out.mkdir(parents=True, exist_ok=True)
     dump = Path(tempfile.mkdtemp(prefix="xla_dump_"))
@@ -179,17 +201,33 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(dump, ignore_errors=True)
     shutil.copyfile(CONFIG, out / "config.json")
-    job = {"model": "llama", "config": "config.json", "tp": 1, "dp": 1, "seq": SEQ, "micro_batch": MICRO_BATCH,
-           "dtype": args.dtype, "sequence_parallel": False, "zero1": False, "attention": "explicit"}
+    job = {
+        "model": "llama",
+        "config": "config.json",
+        "tp": 1,
+        "dp": 1,
+        "seq": SEQ,
+        "micro_batch": MICRO_BATCH,
+        "dtype": args.dtype,
+        "sequence_parallel": False,
+        "zero1": False,
+        "attention": "explicit",
+    }
     notes = [
-        f"XLA:CPU ({versions}), world size 1: each run is one compiled graph, forward + backward of the LM loss "
-        "(torch_xla.sync() after backward); the optimizer step is not in it. Weights are its parameters, "
-        "gradients its outputs.",
-        "flash attention not captured: NxD's NKI flash kernel runs on Neuron only; on XLA:CPU CoreAttention "
-        "falls back to explicit attention (with a warning), so a flash run here would be an explicit one.",
+        (
+            f"XLA:CPU ({versions}), world size 1: each run is one compiled graph, forward + backward of the LM loss "
+            "(torch_xla.sync() after backward); the optimizer step is not in it. Weights are its parameters, "
+            "gradients its outputs."
+        ),
+        (
+            "flash attention not captured: NxD's NKI flash kernel runs on Neuron only; on XLA:CPU CoreAttention "
+            "falls back to explicit attention (with a warning), so a flash run here would be an explicit one."
+        ),
         "the causal mask was materialised before the first run: every graph takes it as a parameter.",
-        "XLA:CPU removes optimization barriers before scheduling (cse_barrier_expander), so the recompute "
-        "that activation checkpoints add can be scheduled into the forward here.",
+        (
+            "XLA:CPU removes optimization barriers before scheduling (cse_barrier_expander), so the recompute "
+            "that activation checkpoints add can be scheduled into the forward here."
+        ),
     ]
     write_capture(out, job, runs, notes)
     return 0 if report(out, runs, args.dtype) else 1

@@ -11,8 +11,9 @@ variant is checked against the un-checkpointed run (``ckpt = plain``) of the sam
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -45,7 +46,11 @@ def _layer(w: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 def _loss(out: Any) -> torch.Tensor:
-    return sum(t.float().pow(2).sum() for t in torch.utils._pytree.tree_leaves(out) if torch.is_tensor(t) and t.is_floating_point())
+    return sum(
+        t.float().pow(2).sum()
+        for t in torch.utils._pytree.tree_leaves(out)
+        if torch.is_tensor(t) and t.is_floating_point()
+    )
 
 
 # Each forward: (ckpt, inputs) -> outputs. Each takes the "layer" through a checkpoint.
@@ -276,7 +281,7 @@ def outcome(fn: Callable[..., Any], *args: Any) -> tuple[str, Any]:
     """("ran", ``fn(*args)``) or ("error", its one-line message); the tracker is reset after."""
     try:
         return "ran", fn(*args)
-    except Exception as e:  # the verdict, checked by the caller
+    except Exception as e:  # noqa: BLE001  any error is the verdict, checked by the caller
         return "error", one_line(e)
     finally:
         get_rng_tracker().reset()

@@ -24,8 +24,13 @@ TRN1_32XL = 32  # NeuronCores of a trn1.32xlarge: 16 devices x 2
 
 def held(scratchpad: int, tensors: int, constants: int = 0) -> dict[str, int]:
     """What one training process holds on its NeuronCore."""
-    return {"constants": constants, "model_code": MICROCODE, "model_shared_scratchpad": scratchpad,
-            "runtime_memory": 43216, "tensors": tensors}
+    return {
+        "constants": constants,
+        "model_code": MICROCODE,
+        "model_shared_scratchpad": scratchpad,
+        "runtime_memory": 43216,
+        "tensors": tensors,
+    }
 
 
 def runtime(pid: int, tag: str, cores: int, holds: dict[int, dict[str, int]]) -> dict:
@@ -33,29 +38,72 @@ def runtime(pid: int, tag: str, cores: int, holds: dict[int, dict[str, int]]) ->
     instance's other cores (of ``cores``) read zeros."""
     usage = {str(c): {k: holds.get(c, {}).get(k, 0) for k in NEURON_CATEGORIES} for c in range(cores)}
     zeros = dict.fromkeys(("generic", "numerical", "transient", "model", "runtime", "hardware"), 0)
-    return {"pid": pid, "neuron_runtime_tag": tag, "error": "", "report": {
-        "execution_stats": {"period": 5.0007, "error_summary": zeros, "execution_summary": {"completed": 50},
-                            "latency_stats": {"total_latency": None, "device_latency": None}, "error": ""},
-        "memory_used": {"period": 5.0007, "neuron_runtime_used_bytes": {
-            "host": 2605992, "neuron_device": sum(sum(v.values()) for v in usage.values()), "usage_breakdown": {
-                "host": {"application_memory": 12328, "constants": 0, "dma_buffers": 16384, "tensors": 2577280},
-                "neuroncore_memory_usage": usage}}, "loaded_models": [], "error": ""},
-        "neuron_runtime_vcpu_usage": {"period": 5.0008, "vcpu_usage": {"user": 0, "system": 0},
-                                      "error": f"open /proc/{pid}/stat: no such file or directory"},
-        "neuroncore_counters": {"period": 5.0007, "neuroncores_in_use": {
-            str(c): {"neuroncore_utilization": 2.9 if c in holds else 0} for c in range(cores)}, "error": ""}}}
+    return {
+        "pid": pid,
+        "neuron_runtime_tag": tag,
+        "error": "",
+        "report": {
+            "execution_stats": {
+                "period": 5.0007,
+                "error_summary": zeros,
+                "execution_summary": {"completed": 50},
+                "latency_stats": {"total_latency": None, "device_latency": None},
+                "error": "",
+            },
+            "memory_used": {
+                "period": 5.0007,
+                "neuron_runtime_used_bytes": {
+                    "host": 2605992,
+                    "neuron_device": sum(sum(v.values()) for v in usage.values()),
+                    "usage_breakdown": {
+                        "host": {"application_memory": 12328, "constants": 0, "dma_buffers": 16384, "tensors": 2577280},
+                        "neuroncore_memory_usage": usage,
+                    },
+                },
+                "loaded_models": [],
+                "error": "",
+            },
+            "neuron_runtime_vcpu_usage": {
+                "period": 5.0008,
+                "vcpu_usage": {"user": 0, "system": 0},
+                "error": f"open /proc/{pid}/stat: no such file or directory",
+            },
+            "neuroncore_counters": {
+                "period": 5.0007,
+                "neuroncores_in_use": {
+                    str(c): {"neuroncore_utilization": 2.9 if c in holds else 0} for c in range(cores)
+                },
+                "error": "",
+            },
+        },
+    }
 
 
 def report(runtimes: list[dict], cores: int = TRN1_32XL) -> dict:
     """One line of neuron-monitor's output."""
-    return {"neuron_runtime_data": runtimes,
-            "system_data": {"memory_info": {"period": 5.0115, "memory_total_bytes": 532523487232,
-                                            "memory_used_bytes": 76337672192, "swap_total_bytes": 0,
-                                            "swap_used_bytes": 0, "error": ""}},
-            "instance_info": {"instance_name": "", "instance_id": "i-0abc", "instance_type": "trn1.32xlarge",
-                              "instance_availability_zone": "us-east-1c", "instance_region": "us-east-1",
-                              "subnet_id": "subnet-1", "error": ""},
-            "neuron_hardware_info": {"neuron_device_count": cores // 2, "neuroncore_per_device_count": 2, "error": ""}}
+    return {
+        "neuron_runtime_data": runtimes,
+        "system_data": {
+            "memory_info": {
+                "period": 5.0115,
+                "memory_total_bytes": 532523487232,
+                "memory_used_bytes": 76337672192,
+                "swap_total_bytes": 0,
+                "swap_used_bytes": 0,
+                "error": "",
+            }
+        },
+        "instance_info": {
+            "instance_name": "",
+            "instance_id": "i-0abc",
+            "instance_type": "trn1.32xlarge",
+            "instance_availability_zone": "us-east-1c",
+            "instance_region": "us-east-1",
+            "subnet_id": "subnet-1",
+            "error": "",
+        },
+        "neuron_hardware_info": {"neuron_device_count": cores // 2, "neuroncore_per_device_count": 2, "error": ""},
+    }
 
 
 def job(cores_used: range, cores: int, holds: dict[str, int], tag: str = "1", pid: int = 20843) -> list[dict]:
@@ -81,20 +129,32 @@ def _number(value: int) -> str:
 def exposition(line: dict) -> str:
     """One scrape of the exporter after it processed ``line``."""
     info = line["instance_info"]
-    base = {"availability_zone": info["instance_availability_zone"], "instance_id": info["instance_id"],
-            "instance_name": info["instance_name"], "instance_type": info["instance_type"],
-            "region": info["instance_region"], "subnet_id": info["subnet_id"]}
+    base = {
+        "availability_zone": info["instance_availability_zone"],
+        "instance_id": info["instance_id"],
+        "instance_name": info["instance_name"],
+        "instance_type": info["instance_type"],
+        "region": info["instance_region"],
+        "subnet_id": info["subnet_id"],
+    }
     families: dict[str, dict[str, int]] = {category: {} for category in NEURON_CATEGORIES}
     for entry in line["neuron_runtime_data"]:
         usage = entry["report"]["memory_used"]["neuron_runtime_used_bytes"]["usage_breakdown"]
         for category, series in families.items():
             for core, values in usage["neuroncore_memory_usage"].items():
-                labels = {**base, "memory_location": "None", "neuroncore": core,
-                          "runtime_tag": entry["neuron_runtime_tag"]}
+                labels = {
+                    **base,
+                    "memory_location": "None",
+                    "neuroncore": core,
+                    "runtime_tag": entry["neuron_runtime_tag"],
+                }
                 series[",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))] = values[category]
-    out = ["# HELP python_info Python platform information", "# TYPE python_info gauge",
-           'python_info{implementation="CPython",major="3",minor="8",patchlevel="10",version="3.8.10"} 1.0',
-           "process_open_fds 6.0"]
+    out = [
+        "# HELP python_info Python platform information",
+        "# TYPE python_info gauge",
+        'python_info{implementation="CPython",major="3",minor="8",patchlevel="10",version="3.8.10"} 1.0',
+        "process_open_fds 6.0",
+    ]
     for category, series in families.items():
         name = f"neuroncore_memory_usage_{category}"
         out += [f"# HELP {name} NeuronCore memory utilization for {category}", f"# TYPE {name} gauge"]

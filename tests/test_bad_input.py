@@ -25,7 +25,6 @@ from .helpers import run_prepare_data
 from .tutorial_run import TUTORIAL, tiny_run_files
 from .tutorial_run import train_error as _train_error
 
-
 # ---- token ids outside the vocabulary -----------------------------------------------------------
 
 
@@ -143,8 +142,10 @@ def test_prepare_data_unwritable_output_fails_before_tokenising(tmp_path):
     assert done.returncode == 2, done.stderr
     assert done.stdout == ""  # no tokenising summary
     assert done.stderr.strip().splitlines() == [
-        f"prepare_data.py: error: argument --output: cannot write {out}: its parent directory "
-        f"{tmp_path / 'file'} cannot be created: {tmp_path / 'file'} exists and is not a directory"
+        (
+            f"prepare_data.py: error: argument --output: cannot write {out}: its parent directory "
+            f"{tmp_path / 'file'} cannot be created: {tmp_path / 'file'} exists and is not a directory"
+        )
     ]
     assert time.perf_counter() - start < 60
     # Checked even before the inputs are read: a missing input is not reached.

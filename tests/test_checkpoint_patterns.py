@@ -30,7 +30,11 @@ from . import checkpoint_patterns as cp
 USE_NON_REENTRANT = r"use use_reentrant=False"
 # (variant, pattern) -> the one-line error that cell must raise instead of running.
 UNSUPPORTED = {
-    **{(v, p): USE_NON_REENTRANT for v in ("reentrant", "distributed") for p in ("double_backward", "nested_2_double_backward")},
+    **{
+        (v, p): USE_NON_REENTRANT
+        for v in ("reentrant", "distributed")
+        for p in ("double_backward", "nested_2_double_backward")
+    },
 }
 # (variant, pattern) -> the error the un-checkpointed run raises as well, a limit of the setting:
 # torch.compile (AOT autograd) has no double backward, with or without a checkpoint.
@@ -131,7 +135,13 @@ def test_the_matrix_can_fail():
 # ---------------------------------------------------------------------------------------------
 # The same patterns through apply_recompute on a tiny Llama (TP 2), every preset.
 
-LLAMA_PATTERNS = ("backward", "backward_twice_retain_graph", "double_backward", "logits_without_labels", "attention_dropout")
+LLAMA_PATTERNS = (
+    "backward",
+    "backward_twice_retain_graph",
+    "double_backward",
+    "logits_without_labels",
+    "attention_dropout",
+)
 # apply_recompute's variants: the default (non-reentrant off XLA) and the reentrant one, both at
 # TP 2 with sequence parallel; distributed saved inputs at TP 2 without it (they exclude each other).
 LLAMA_VARIANTS = {
@@ -179,7 +189,7 @@ def _llama_run(preset: str, variant: str, pattern: str) -> list:
 def _llama_cells() -> dict[tuple[str, str, str], tuple[str, list[str] | str]]:
     nc.initialize_model_parallel(2)
     cells = {}
-    for variant, (_, sp) in LLAMA_VARIANTS.items():
+    for variant in LLAMA_VARIANTS:  # _llama_run reads its options and sequence parallel
         for pattern in LLAMA_PATTERNS:
             ref_kind, ref = cp.outcome(_llama_run, "none", variant, pattern)
             for preset in PRESETS[1:]:

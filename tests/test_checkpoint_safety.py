@@ -111,13 +111,14 @@ def test_resume_latest_and_pruning_keep_what_this_run_wrote(world, run_files):
     assert _steps(ckpt) == ["step_00000004", "step_00000008", "step_00000012"]
     # Run B goes back to step 4 and stops at 6: its step 6 (the lowest but one) is kept, and
     # so are run A's later steps.
-    b = world(4).run(_train, common + every + ["--keep-last", "2", "--resume", str(ckpt / "step_00000004"), "--stop-at-step", "6"])[0]  # fmt: skip
+    resume_b = ["--keep-last", "2", "--resume", str(ckpt / "step_00000004"), "--stop-at-step", "6"]
+    b = world(4).run(_train, common + every + resume_b)[0]
     assert b["start_step"] == 4
     assert _steps(ckpt) == ["step_00000004", "step_00000006", "step_00000008", "step_00000012"]
     assert (ckpt / "latest").read_text() == "step_00000006"
     # Run C: --resume latest (B's step 6), saves 8 (replacing A's) and 10. Pruning to the
     # newest 2 keeps C's 8 and 10 (not A's higher 12 in their place); A's 12 stays.
-    c = world(4).run(_train, common + every + ["--keep-last", "2", "--resume", "latest", "--stop-at-step", "10"])[0]  # fmt: skip
+    c = world(4).run(_train, common + every + ["--keep-last", "2", "--resume", "latest", "--stop-at-step", "10"])[0]
     assert c["start_step"] == 6 and c["steps"] == 4
     assert _steps(ckpt) == ["step_00000008", "step_00000010", "step_00000012"]
     assert (ckpt / "latest").read_text() == "step_00000010"

@@ -32,15 +32,28 @@ def test_json_has_the_analytic_figures_and_breakdown(capsys):
 
 
 def test_gpt3_selective_recompute_is_a_70_percent_saving(capsys):
-    report = _run_json(capsys, "--hidden", "12288", "--heads", "96", "--seq", "2048", "--tp", "8",
-                       "--sequence-parallel", "--recompute", "selective")
+    report = _run_json(
+        capsys,
+        "--hidden",
+        "12288",
+        "--heads",
+        "96",
+        "--seq",
+        "2048",
+        "--tp",
+        "8",
+        "--sequence-parallel",
+        "--recompute",
+        "selective",
+    )
     assert round(100 * report["saving_vs_no_recompute"]) == 70
 
 
 def test_measure_at_tp2_is_within_2_percent_and_the_plot_is_a_png(capsys, tmp_path):
     png = tmp_path / "memory.png"
-    report = _run_json(capsys, *SMALL, "--tp", "2", "--sequence-parallel", "--recompute", "selective",
-                       "--measure", "--plot", str(png))
+    report = _run_json(
+        capsys, *SMALL, "--tp", "2", "--sequence-parallel", "--recompute", "selective", "--measure", "--plot", str(png)
+    )
     assert abs(report["measured_over_analytic"] - 1) <= 0.02
     assert len(report["measured_per_rank"]) == 2
     assert report["plot"] == str(png)
@@ -48,8 +61,25 @@ def test_measure_at_tp2_is_within_2_percent_and_the_plot_is_a_png(capsys, tmp_pa
 
 
 def test_table_output_for_llama(capsys):
-    assert main(["memory", "--model", "llama", *SMALL, "--kv-heads", "2", "--tp", "2", "--recompute", "full",
-                 "--layers", "32"]) == 0
+    assert (
+        main(
+            [
+                "memory",
+                "--model",
+                "llama",
+                *SMALL,
+                "--kv-heads",
+                "2",
+                "--tp",
+                "2",
+                "--recompute",
+                "full",
+                "--layers",
+                "32",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "recompute=full" in out and "layer_input" in out and "<- this run" in out
     assert "selective+mlp_act" in out  # every preset is compared; for Llama all four
@@ -68,19 +98,51 @@ def test_flash_attention_is_named_and_measured(capsys):
     assert explicit["spec"]["attention"] == "explicit" and "probs" in {t["name"] for t in explicit["breakdown"]}
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["--hidden", "128", "--heads", "8", "--seq", "64", "--attention", "flash"], "llama only"),
-    (["--model", "llama", "--hidden", "128", "--heads", "8", "--seq", "64", "--attention", "sdpa"], "--attention"),
-    (["--hidden", "100", "--heads", "8", "--seq", "64"], "heads"),  # does not divide
-    (["--hidden", "128", "--heads", "8", "--seq", "64", "--tp", "3"], "tp"),
-    (["--hidden", "128", "--heads", "8", "--seq", "-64"], "--seq"),
-    (["--model", "bert", "--hidden", "128", "--heads", "8", "--seq", "64"], "--model"),
-    (["--hidden", "128", "--heads", "8", "--seq", "66", "--tp", "4", "--sequence-parallel"], "seq_len"),
-    (["--hidden", "128", "--heads", "8", "--seq", "64", "--tp", "2", "--recompute", "selective",
-      "--distribute-saved-activations"], "distribute_saved_activations"),
-    (["--hidden", "128", "--heads", "8", "--seq", "64", "--tp", "2", "--sequence-parallel", "--recompute", "full",
-      "--distribute-saved-activations"], "sequence_parallel"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--hidden", "128", "--heads", "8", "--seq", "64", "--attention", "flash"], "llama only"),
+        (["--model", "llama", "--hidden", "128", "--heads", "8", "--seq", "64", "--attention", "sdpa"], "--attention"),
+        (["--hidden", "100", "--heads", "8", "--seq", "64"], "heads"),  # does not divide
+        (["--hidden", "128", "--heads", "8", "--seq", "64", "--tp", "3"], "tp"),
+        (["--hidden", "128", "--heads", "8", "--seq", "-64"], "--seq"),
+        (["--model", "bert", "--hidden", "128", "--heads", "8", "--seq", "64"], "--model"),
+        (["--hidden", "128", "--heads", "8", "--seq", "66", "--tp", "4", "--sequence-parallel"], "seq_len"),
+        (
+            [
+                "--hidden",
+                "128",
+                "--heads",
+                "8",
+                "--seq",
+                "64",
+                "--tp",
+                "2",
+                "--recompute",
+                "selective",
+                "--distribute-saved-activations",
+            ],
+            "distribute_saved_activations",
+        ),
+        (
+            [
+                "--hidden",
+                "128",
+                "--heads",
+                "8",
+                "--seq",
+                "64",
+                "--tp",
+                "2",
+                "--sequence-parallel",
+                "--recompute",
+                "full",
+                "--distribute-saved-activations",
+            ],
+            "sequence_parallel",
+        ),
+    ],
+)
 def test_bad_input_is_one_line_and_exit_2(capsys, args, needle):
     _exits_2_with_one_line(capsys, args, needle)
 
@@ -96,7 +158,9 @@ def _exits_2_with_one_line(capsys, args: list[str], needle: str) -> None:
 def test_bad_input_from_the_command_line_has_no_traceback():
     proc = subprocess.run(
         [sys.executable, "-m", "neuron_ckpt.cli", "memory", "--hidden", "128", "--heads", "6", "--seq", "64"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 2
     assert proc.stdout == "" and len(proc.stderr.strip().splitlines()) == 1

@@ -55,8 +55,9 @@ def test_a_typo_names_the_key_and_the_closest_valid_name(tmp_path):
     assert "32" in message
 
 
-@pytest.mark.parametrize("key", ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                                 "num_attention_heads"])
+@pytest.mark.parametrize(
+    "key", ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"]
+)
 def test_a_missing_shape_key_is_an_error(tmp_path, key):
     message = _error(_write(tmp_path, {k: v for k, v in TINY.items() if k != key}))
     assert f"missing key {key!r}" in message
@@ -110,8 +111,9 @@ def _as_transformers_reads_it(path: Path) -> None:
         assert getattr(args, token) == getattr(hf, token)
 
 
-@pytest.mark.parametrize("path", [TUTORIAL / "configs" / "tiny.json", *sorted(PRESETS_DIR.glob("*.json"))],
-                         ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "path", [TUTORIAL / "configs" / "tiny.json", *sorted(PRESETS_DIR.glob("*.json"))], ids=lambda p: p.name
+)
 def test_the_tutorial_and_preset_configs_load_as_transformers_reads_them(path):
     _as_transformers_reads_it(path)
 
@@ -119,8 +121,15 @@ def test_the_tutorial_and_preset_configs_load_as_transformers_reads_them(path):
 def test_absent_optional_keys_mean_what_transformers_reads(tmp_path):
     """LlamaArgs' defaults are LlamaConfig's (rms_norm_eps 1e-6, 2048 positions, token ids 1 and 2),
     and the 4.x RoPE spelling with a llama3 variant takes its original length as 5.x does."""
-    _as_transformers_reads_it(_write(tmp_path, {k: TINY[k] for k in ("vocab_size", "hidden_size", "intermediate_size",
-                                                                      "num_hidden_layers", "num_attention_heads")}))
+    _as_transformers_reads_it(
+        _write(
+            tmp_path,
+            {
+                k: TINY[k]
+                for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+            },
+        )
+    )
     assert load_llama_config(tmp_path / "config.json").rms_norm_eps == 1e-6
     llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
     _as_transformers_reads_it(_write(tmp_path, TINY | {"rope_theta": 500000.0, "rope_scaling": llama3}, "4x.json"))
@@ -150,7 +159,10 @@ def test_a_directory_or_a_preset_name_reads_strictly(tmp_path):
         load_llama_config(str(tmp_path))  # a directory holding config.json
     assert load_llama_config("llama2-7b").num_hidden_layers == 32
     assert load_llama_config("Llama3-8B").num_key_value_heads == 8  # names are case-insensitive
-    with pytest.raises(ValueError, match=r"llama2-8b: no such file.*preset name \(llama2-70b, llama2-7b, llama3-8b, llama3.1-70b, llama3.1-8b\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"llama2-8b: no such file.*preset name \(llama2-70b, llama2-7b, llama3-8b, llama3.1-70b, llama3.1-8b\)",
+    ):
         load_llama_config("llama2-8b")
 
 
@@ -159,8 +171,10 @@ def test_a_directory_or_a_preset_name_reads_strictly(tmp_path):
 
 @pytest.mark.parametrize("kwargs, needle", [
     ({"recompute_method": "uniform"}, "--recompute-method uniform applies only with --recompute full"),
-    ({"recompute": "selective", "recompute_num_layers": 2}, "--recompute-num-layers 2 applies only with --recompute full"),
-    ({"recompute": "full", "recompute_modules": "core_attn,mlp"}, "--recompute-modules core_attn,mlp applies only with --recompute selective"),
+    ({"recompute": "selective", "recompute_num_layers": 2},
+     "--recompute-num-layers 2 applies only with --recompute full"),
+    ({"recompute": "full", "recompute_modules": "core_attn,mlp"},
+     "--recompute-modules core_attn,mlp applies only with --recompute selective"),
     ({"recompute": "selective", "device_memory": "16"}, "--device-memory 16 applies only with --recompute auto"),
     ({"checkpoint_every": 5}, "--checkpoint-every 5 applies only with --checkpoint-dir"),
     ({"keep_last": 2}, "--keep-last 2 applies only with --checkpoint-dir"),
@@ -168,9 +182,12 @@ def test_a_directory_or_a_preset_name_reads_strictly(tmp_path):
     ({"decay": "constant", "min_lr_ratio": 0.0}, "--min-lr-ratio 0.0 applies only with --decay cosine or linear"),
     ({"lr": float("nan")}, "--lr must be a finite number"),
     ({"grad_clip": float("inf")}, "--grad-clip must be a finite number"),
+    ({"adam_eps": float("nan")}, "--adam-eps must be a finite number"),  # an optional float (float | None)
+    ({"collective_timeout": float("inf")}, "--collective-timeout must be a finite number"),
     ({"beta2": 1.0}, "--beta2 must be in [0, 1)"),
     ({"max_steps": 10, "stop_at_step": 12}, "--stop-at-step must be in [1, --max-steps 10]"),
-    ({"recompute": "selective", "recompute_modules": "core_atn"}, "--recompute selective: modules: unknown module 'core_atn'"),
+    ({"recompute": "selective", "recompute_modules": "core_atn"},
+     "--recompute selective: modules: unknown module 'core_atn'"),
 ])  # fmt: skip
 def test_options_that_would_be_ignored_are_errors(kwargs, needle):
     train = _train_module()
@@ -194,6 +211,14 @@ def test_parse_args_refuses_in_one_usage_error(capsys):
     with pytest.raises(SystemExit) as exc:
         train.parse_args(["--recompute-num-layers", "2"])
     assert exc.value.code == 2 and "applies only with --recompute full" in capsys.readouterr().err
+
+
+def test_parse_args_reads_each_flag_as_its_field_type():
+    """Optional numbers (``int | None``, ``float | None``) parse as numbers, not strings."""
+    train = _train_module()
+    cfg = train.parse_args(["--seed", "7", "--adam-eps", "1e-6", "--stop-at-step", "3", "--log-every", "5"])
+    assert (cfg.seed, cfg.adam_eps, cfg.stop_at_step, cfg.log_every) == (7, 1e-6, 3, 5)
+    assert type(cfg.seed) is int and type(cfg.adam_eps) is float and type(cfg.stop_at_step) is int
 
 
 def test_block_length_above_max_position_embeddings_is_raised_with_a_notice():
@@ -270,8 +295,10 @@ def test_plan_non_finite_numbers(capsys, extra, needles):
 
 @pytest.mark.parametrize("memory, reserve", [("trn1", "20"), ("16", "16")])
 def test_plan_a_reserve_that_leaves_nothing(capsys, memory, reserve):
-    _assert_one_line(neuron_ckpt_cli(capsys, *SEVEN_B, "--device-memory", memory, "--reserve", reserve),
-                     f"--reserve {reserve} GiB leaves nothing of a 16 GiB device")
+    _assert_one_line(
+        neuron_ckpt_cli(capsys, *SEVEN_B, "--device-memory", memory, "--reserve", reserve),
+        f"--reserve {reserve} GiB leaves nothing of a 16 GiB device",
+    )
 
 
 @pytest.mark.parametrize("content, needles", [
@@ -313,7 +340,9 @@ def test_memory_plot_into_an_unwritable_directory(capsys, tmp_path, monkeypatch)
         raise PermissionError(13, "Permission denied", str(path))
 
     monkeypatch.setattr(report, "open", refuse, raising=False)
-    _assert_one_line(neuron_ckpt_cli(capsys, *MEMORY, "--plot", str(tmp_path / "m.png")), "cannot write there: Permission denied")
+    _assert_one_line(
+        neuron_ckpt_cli(capsys, *MEMORY, "--plot", str(tmp_path / "m.png")), "cannot write there: Permission denied"
+    )
     assert not (tmp_path / "m.png").exists()
 
 
@@ -341,10 +370,13 @@ def test_an_os_error_during_the_command_is_one_line(capsys, monkeypatch):
 def test_the_console_script_prints_no_traceback(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(TINY | {"hidden_size": "64"}))
-    for argv in (["plan", "--config", str(path), "--seq", "64", "--device-memory", "16"],
-                 ["plan", "--seq", "64", "--device-memory", "inf"]):
-        proc = subprocess.run([sys.executable, "-m", "neuron_ckpt.cli", *argv], capture_output=True, text=True,
-                              timeout=300)
+    for argv in (
+        ["plan", "--config", str(path), "--seq", "64", "--device-memory", "16"],
+        ["plan", "--seq", "64", "--device-memory", "inf"],
+    ):
+        proc = subprocess.run(
+            [sys.executable, "-m", "neuron_ckpt.cli", *argv], capture_output=True, text=True, timeout=300
+        )
         assert proc.returncode == 2 and proc.stdout == "", proc
         assert len(proc.stderr.splitlines()) == 1 and "Traceback" not in proc.stderr, proc.stderr
 
@@ -390,7 +422,9 @@ def test_nxd_configs_load_with_one_notice_naming_the_dropped_keys(tmp_path, data
     with pytest.warns(UserWarning, match="sequence_parallel_enabled"):  # no list: never silent
         load_llama_config(path)
     with pytest.warns(UserWarning):  # a misspelt NxD key is not dropped: an unknown key
-        assert _error(_write(tmp_path, data | {"sequence_paralel_enabled": True}, "typo.json")).count("unknown key") == 1
+        assert (
+            _error(_write(tmp_path, data | {"sequence_paralel_enabled": True}, "typo.json")).count("unknown key") == 1
+        )
 
 
 def test_the_llama31_preset_is_nxd_s_and_meta_s_config():
@@ -433,8 +467,9 @@ def test_fit_positions_refuses_where_the_rope_tables_would_change(monkeypatch):
     real = rotary.inverse_frequencies
     monkeypatch.setattr(rotary, "inverse_frequencies",
                         lambda args: (real(args)[0] / args.max_position_embeddings, 1.0))  # fmt: skip
-    config = transformers.LlamaConfig(**TINY | {"max_position_embeddings": 2048, "rope_scaling": {"rope_type": "yarn",
-                                                                                                   "factor": 4.0}})
+    config = transformers.LlamaConfig(
+        **TINY | {"max_position_embeddings": 2048, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}
+    )
     with pytest.raises(ValueError, match=r"m.json: block length 4096 > max_position_embeddings 2048.*'yarn'") as exc:
         fit_positions(config, 4096, "m.json")
     assert "\n" not in str(exc.value)

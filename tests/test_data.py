@@ -175,10 +175,7 @@ def _block_ids(step_batches: list[torch.Tensor]) -> list[int]:
 
 def _run(ds, steps, dp_size=4, seed=0, **kw) -> list[list[list[int]]]:
     """[step][dp_rank] -> block ids that rank trains on in that step."""
-    iters = [
-        data.DataParallelBatches(ds, 2, r, dp_size, seed, grad_accum=3, **kw)
-        for r in range(dp_size)
-    ]
+    iters = [data.DataParallelBatches(ds, 2, r, dp_size, seed, grad_accum=3, **kw) for r in range(dp_size)]
     return [[_block_ids(next(it)) for it in iters] for _ in range(steps)]
 
 
@@ -313,7 +310,9 @@ def test_inputs_text_dirs_and_jsonl(tmp_path):
 
 def test_a_saved_hf_dataset_needs_the_optional_datasets_package(tmp_path, monkeypatch):
     find_spec = importlib.util.find_spec  # as on a machine without it
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "datasets" else find_spec(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "datasets" else find_spec(name, *a)
+    )
     (tmp_path / "dataset_info.json").write_text("{}")
     with pytest.raises(ValueError, match="needs the `datasets` package"):
         list(data.iter_documents(data.expand_inputs([tmp_path])))
@@ -387,6 +386,7 @@ def test_pack_with_bos_separator_puts_bos_before_each_document_and_no_eos(tokeni
 def _tokenized_dataset(path: Path, rows: list[list[int]]) -> Path:
     """A saved dataset shaped like NxD's wikicorpus_llama2_tokenized_4k (input_ids, attention_mask, labels)."""
     import datasets
+
     masks = [[1] * len(r) for r in rows]
     datasets.Dataset.from_dict({"input_ids": rows, "attention_mask": masks, "labels": rows}).save_to_disk(str(path))
     return path

@@ -81,8 +81,10 @@ def test_memory_rows_cover_every_job_and_match_the_budget(tiny) -> None:
             # At tiny shapes the optimizer step's transient is the peak whatever the recompute: equal totals.
             assert full["budget_total_bytes"] <= none["budget_total_bytes"]
         # Explicit attention keeps the s x s probabilities that flash never makes.
-        assert rows[(layers, "explicit", "none")]["budget_activation_bytes"] > rows[
-            (layers, "flash", "none")]["budget_activation_bytes"]
+        assert (
+            rows[(layers, "explicit", "none")]["budget_activation_bytes"]
+            > rows[(layers, "flash", "none")]["budget_activation_bytes"]
+        )
 
 
 def test_per_layer_by_difference_equals_the_analytic_figure(tiny) -> None:
@@ -154,8 +156,10 @@ def test_refusals_come_in_one_line_before_any_work(tmp_path: Path) -> None:
         done = _run("--out", tmp_path / "device")
         assert done.returncode == 2 and done.stdout == ""
         assert done.stderr.strip().splitlines() == [
-            "device_report.py: no accelerator is visible to torch (torch.accelerator.is_available() is False); "
-            "--tiny is the CPU mode"
+            (
+                "device_report.py: no accelerator is visible to torch (torch.accelerator.is_available() is False); "
+                "--tiny is the CPU mode"
+            )
         ]
         assert not (tmp_path / "device").exists()
     blocker = tmp_path / "a-file"

@@ -33,9 +33,14 @@ from neuron_ckpt.models.llama import LlamaDecoderLayer, LlamaOptions
 from neuron_ckpt.models.llama_args import LlamaArgs
 from neuron_ckpt.models.rotary import RotaryEmbedding
 from neuron_ckpt.recompute import (
-    RecomputeConfig, apply_recompute, checkpoint, checkpoint_without_output, discard_outputs, remove_recompute,
+    RecomputeConfig,
+    apply_recompute,
+    checkpoint,
+    checkpoint_without_output,
+    discard_outputs,
+    remove_recompute,
     run_layers,
-)  # fmt: skip
+)
 
 
 class NormWithDropout(torch.nn.Module):

@@ -24,8 +24,7 @@ import pytest
 import torch
 
 from neuron_ckpt.distributed.runtime import free_port
-from neuron_ckpt.train import CheckpointManager, NonFiniteError
-from neuron_ckpt.train import faults
+from neuron_ckpt.train import CheckpointManager, NonFiniteError, faults
 from neuron_ckpt.train.metrics import read_metrics
 
 from .helpers import patched
@@ -56,11 +55,14 @@ class _Job:
         for r in range(n):
             e = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(r),
                  "WORLD_SIZE": str(n), "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(n), "OMP_NUM_THREADS": "1",
-                 "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), **(env or {})}  # fmt: skip
+                 "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+                 **(env or {})}  # fmt: skip
             e.pop("PJRT_DEVICE", None)
             self.logs.append(tmp / f"{script.stem}_{time.monotonic_ns()}_rank{r}.log")
             with open(self.logs[-1], "w") as log:
-                self.procs.append(subprocess.Popen([sys.executable, str(script), *argv], env=e, stdout=log, stderr=subprocess.STDOUT))
+                self.procs.append(
+                    subprocess.Popen([sys.executable, str(script), *argv], env=e, stdout=log, stderr=subprocess.STDOUT)
+                )
 
     def wait(self, timeout: float) -> list[int]:
         deadline = time.monotonic() + timeout
@@ -95,6 +97,7 @@ def _train_nan(argv: list[str], poison_rank: int | None = None, poison_step: int
     """Worker: train.main(argv); a NonFiniteError comes back as a dict. ``poison_rank`` sets one
     weight of that rank's MLP to NaN before step ``poison_step`` (NaN weights stay NaN)."""
     import torch.distributed as dist
+
     from neuron_ckpt.train import loop
 
     real = loop.train_step
@@ -111,7 +114,13 @@ def _train_nan(argv: list[str], poison_rank: int | None = None, poison_step: int
         try:
             train_module().main(argv)
         except NonFiniteError as e:
-            return {"step": e.step, "loss": e.loss, "grad_norm": e.grad_norm, "last_finite": e.last_finite, "message": str(e)}
+            return {
+                "step": e.step,
+                "loss": e.loss,
+                "grad_norm": e.grad_norm,
+                "last_finite": e.last_finite,
+                "message": str(e),
+            }
     return {}
 
 

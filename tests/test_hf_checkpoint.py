@@ -273,7 +273,9 @@ def _measure(directory: str) -> dict:
         del sd
 
     old_peak = _peak_delta(old)
-    export = _peak_delta(lambda: save_hf_checkpoint(model, Path(directory).parent / "export", max_shard_size=EXPORT_SHARD))
+    export = _peak_delta(
+        lambda: save_hf_checkpoint(model, Path(directory).parent / "export", max_shard_size=EXPORT_SHARD)
+    )
     shard = sum(p.numel() * p.element_size() for p in model.parameters())
     return {"new": new, "old": old_peak, "export": export, "shard": shard, "check": check}
 
@@ -341,7 +343,10 @@ def _tied_export(t: int, src: str, dst: str) -> dict:
     config = hf_config_for(src)
     model = LlamaForCausalLM(config)
     load_hf_checkpoint(model, src)  # a save_pretrained file without lm_head.weight
-    out = {"loaded": model(ids(), return_logits="full").logits.detach(), "tied": model.lm_head.weight is model.embed_tokens.weight}
+    out = {
+        "loaded": model(ids(), return_logits="full").logits.detach(),
+        "tied": model.lm_head.weight is model.embed_tokens.weight,
+    }
     with torch.no_grad():
         model.embed_tokens.weight.add_(0.01)  # our own weights now: the export must carry them
     out["ours"] = model(ids(), return_logits="full").logits.detach()

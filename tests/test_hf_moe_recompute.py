@@ -40,7 +40,8 @@ FAMILIES = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
                   dict(num_key_value_heads=2, moe_intermediate_size=F, num_experts=4, head_dim=8)),
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
-                  dict(num_key_value_heads=2, moe_intermediate_size=F, shared_expert_intermediate_size=S_F, num_experts=4)),
+                  dict(num_key_value_heads=2, moe_intermediate_size=F, shared_expert_intermediate_size=S_F,
+                       num_experts=4)),
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(moe_intermediate_size=F, **MLA)),
 }  # fmt: skip
 MODULES = {  # which of the four each family has
@@ -119,8 +120,8 @@ def test_each_module_is_bit_exact_with_dropout_and_jitter(family, module, expert
     model = tiny(family, experts)
     names = apply_recompute(model, selective(module, reentrant=reentrant))
     moe_layers = [1] if family == "deepseek_v3" else [0, 1]  # DeepSeek's first layer is dense: skipped
-    where = {"moe": "mlp", "moe_act": "mlp.experts", "shared_experts": "mlp.shared_expert" + "s" * (family != "qwen2_moe"),
-             "mla_up_proj": "self_attn"}[module]  # fmt: skip
+    where = {"moe": "mlp", "moe_act": "mlp.experts", "mla_up_proj": "self_attn",
+             "shared_experts": "mlp.shared_expert" + "s" * (family != "qwen2_moe")}[module]  # fmt: skip
     assert names == [f"{i}.{where}" for i in ([0, 1] if module == "mla_up_proj" else moe_layers)]
     exact = not (family == "qwen2_moe" and module == "shared_experts" and reentrant)
     assert_equal(step(model), reference(family, experts), exact)
@@ -148,8 +149,11 @@ def _shift_bias(model) -> None:
         model.model.layers[1].mlp.gate.e_score_correction_bias.copy_(torch.tensor([10.0, 10.0, 0.0, 0.0]))
 
 
-@pytest.mark.parametrize("config", [selective("moe"), selective("moe", reentrant=True),
-                                    RecomputeConfig.preset("full")], ids=["moe", "moe-reentrant", "full"])
+@pytest.mark.parametrize(
+    "config",
+    [selective("moe"), selective("moe", reentrant=True), RecomputeConfig.preset("full")],
+    ids=["moe", "moe-reentrant", "full"],
+)
 @pytest.mark.parametrize("experts", EXPERTS)
 def test_rerun_replays_the_forward_routing(experts, config, monkeypatch):
     reference = step(tiny("deepseek_v3", experts), between=_shift_bias)
@@ -180,8 +184,11 @@ def test_two_retain_graph_backwards_replay_routing_and_jitter_each_time(reentran
     assert_equal(step(model, backwards=2), reference("mixtral", "grouped_mm"))
 
 
-@pytest.mark.parametrize("config", [selective("moe", reentrant=True),
-                                    RecomputeConfig("full", "uniform", 1, use_reentrant=True)], ids=["moe", "full"])
+@pytest.mark.parametrize(
+    "config",
+    [selective("moe", reentrant=True), RecomputeConfig("full", "uniform", 1, use_reentrant=True)],
+    ids=["moe", "full"],
+)
 def test_aux_loss_counts_each_layer_once_and_trains_the_router_in_the_reentrant_variant(config, monkeypatch):
     model = tiny("mixtral")
     apply_recompute(model, config)
@@ -199,8 +206,10 @@ def test_aux_loss_counts_each_layer_once_and_trains_the_router_in_the_reentrant_
     apply_recompute(model, config)
     got = step(model)
     assert torch.equal(got[1], reference("mixtral", "grouped_mm")[1])
-    assert not torch.equal(got[3]["model.layers.0.mlp.gate.weight"],
-                           reference("mixtral", "grouped_mm")[3]["model.layers.0.mlp.gate.weight"])
+    assert not torch.equal(
+        got[3]["model.layers.0.mlp.gate.weight"],
+        reference("mixtral", "grouped_mm")[3]["model.layers.0.mlp.gate.weight"],
+    )
 
 
 def _kept(model, layer: int) -> int:
@@ -247,7 +256,7 @@ def test_what_each_module_drops_to_the_byte(family, module, experts, attn):
       with ``core_attn`` (its checkpoint saves q/k/v as notes): q, k and v's root.
     """
     layer = 1
-    ROPE_COPY = T * 8 * 4  # noqa: N806
+    ROPE_COPY = T * 8 * 4
     model = tiny(family, experts, attn=attn)
     base = _kept(model, layer)
     expected = {
@@ -255,8 +264,11 @@ def test_what_each_module_drops_to_the_byte(family, module, experts, attn):
         ("shared_experts", "deepseek_v3"): 4 * T * F * 4, ("shared_experts", "qwen2_moe"): 4 * T * S_F * 4,
         ("mla_up_proj", "eager"): 2 * (2 * 4 * 12 * 16 * 4) - ROPE_COPY, ("mla_up_proj", "sdpa"): -ROPE_COPY,
     }  # fmt: skip
-    want = _block_bytes(model, layer) if module == "moe" else expected.get((module, experts)) or expected.get(
-        (module, family)) or expected[(module, attn)]
+    want = (
+        _block_bytes(model, layer)
+        if module == "moe"
+        else expected.get((module, experts)) or expected.get((module, family)) or expected[(module, attn)]
+    )
     apply_recompute(model, selective(module))
     dropped = base - _kept(model, layer)
     assert dropped == want
@@ -269,15 +281,19 @@ def test_what_each_module_drops_to_the_byte(family, module, experts, attn):
         assert attn_only - _kept(model, layer) == 2 * (2 * 4 * 12 * 16 * 4) + 2 * 12 * 4 * (8 + 8) * 4 - ROPE_COPY
 
 
-@pytest.mark.parametrize("extra", [{}, {"q_lora_rank": None}, {"rope_interleave": False}],
-                         ids=["q-latent", "no-q-latent", "rope-halves"])
+@pytest.mark.parametrize(
+    "extra", [{}, {"q_lora_rank": None}, {"rope_interleave": False}], ids=["q-latent", "no-q-latent", "rope-halves"]
+)
 def test_mla_forward_is_transformers_forward_op_for_op(extra):
     """Bit-identical logits in evaluation (no grad: the up part runs plainly) and loss and
     gradients in training."""
     plain, ours = tiny("deepseek_v3", **extra), tiny("deepseek_v3", **extra)
     assert apply_recompute(ours, selective("mla_up_proj")) == ["0.self_attn", "1.self_attn"]
     attn = ours.model.layers[0].self_attn
-    assert "forward" in attn.__dict__ and type(attn) is transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3Attention
+    assert (
+        "forward" in attn.__dict__
+        and type(attn) is transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3Attention
+    )
     with torch.no_grad():
         plain.eval(), ours.eval()
         assert torch.equal(ours(input_ids=_ids()).logits, plain(input_ids=_ids()).logits)
@@ -312,8 +328,11 @@ def test_names_no_layer_has_are_one_line_errors_before_anything_changes():
     from neuron_ckpt.models import LlamaForCausalLM
     from neuron_ckpt.models.llama_args import LlamaArgs
 
-    with pytest.raises(ValueError, match=r"^modules: unknown module 'moes'; known modules: \[.*'moe', 'moe_act', "
-                                         r"'shared_experts', 'mla_up_proj'\]$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^modules: unknown module 'moes'; known modules: \[.*'moe', 'moe_act', "
+        r"'shared_experts', 'mla_up_proj'\]$",
+    ):
         selective("moes")
     cases = [
         (transformers.LlamaForCausalLM(transformers.LlamaConfig(
@@ -326,8 +345,11 @@ def test_names_no_layer_has_are_one_line_errors_before_anything_changes():
     ]  # fmt: skip
     for model, name in cases:
         before = [type(m) for m in model.modules()]
-        with pytest.raises(ValueError, match=rf"^modules: '{name}' matched no submodule of any layer of "
-                                             rf"{type(model).__name__} .*\(.*\); pass module_map") as error:
+        with pytest.raises(
+            ValueError,
+            match=rf"^modules: '{name}' matched no submodule of any layer of "
+            rf"{type(model).__name__} .*\(.*\); pass module_map",
+        ) as error:
             apply_recompute(model, selective(name))
         assert "\n" not in str(error.value)
         assert [type(m) for m in model.modules()] == before
@@ -338,8 +360,11 @@ def test_an_attention_class_mla_up_proj_does_not_mirror_is_refused():
     model = tiny("deepseek_v3")
     cls = type(model.model.layers[0].self_attn)
     model.model.layers[0].self_attn.__class__ = type("MyAttention", (cls,), {"forward": cls.forward.__wrapped__})
-    with pytest.raises(ValueError, match=r"^modules: 'mla_up_proj' matched 'self_attn' in layer 0 \(MyAttention\), "
-                                         r"which is not supported: only \['DeepseekV3Attention'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"^modules: 'mla_up_proj' matched 'self_attn' in layer 0 \(MyAttention\), "
+        r"which is not supported: only \['DeepseekV3Attention'\]",
+    ):
         apply_recompute(model, selective("mla_up_proj"))
     assert "forward" not in model.model.layers[1].self_attn.__dict__
 
@@ -347,8 +372,9 @@ def test_an_attention_class_mla_up_proj_does_not_mirror_is_refused():
 # --- TP 2 (gloo): the experts split by the model's own plan, recompute against none ---------------
 
 
-def _tp2_recompute(family: str, experts: str, modules: tuple[str, ...], reentrant: bool | None,
-                   distribute: bool = False) -> list[str]:
+def _tp2_recompute(
+    family: str, experts: str, modules: tuple[str, ...], reentrant: bool | None, distribute: bool = False
+) -> list[str]:
     """At TP 2 each rank's loss, aux loss and local gradients with ``modules`` recomputed equal
     (bit for bit) those of the same split model without recompute; returns what differs.
     ``distribute``: keep half of the (replicated) input of each ``moe`` checkpoint per rank."""
@@ -356,9 +382,10 @@ def _tp2_recompute(family: str, experts: str, modules: tuple[str, ...], reentran
 
     nc.initialize_model_parallel(2)
     results = []
-    config = RecomputeConfig("selective", modules=modules, use_reentrant=reentrant,
-                             distribute_saved_activations=distribute)
-    for config in (None, config):
+    recompute = RecomputeConfig(
+        "selective", modules=modules, use_reentrant=reentrant, distribute_saved_activations=distribute
+    )
+    for config in (None, recompute):
         nc.model_parallel_manual_seed(1234)
         model = nc.apply_tensor_parallel(tiny(family, experts))
         if config is not None:
@@ -366,7 +393,11 @@ def _tp2_recompute(family: str, experts: str, modules: tuple[str, ...], reentran
         nc.model_parallel_manual_seed(7)  # attention dropout (tracker stream) and jitter (default generator)
         results.append(step(model))
     got, want = results
-    bad = [k for k, a, b in (("loss", got[0], want[0]), ("aux", got[1], want[1])) if not (a is None and b is None or torch.equal(a, b))]
+    bad = [
+        k
+        for k, a, b in (("loss", got[0], want[0]), ("aux", got[1], want[1]))
+        if not (a is None and b is None or torch.equal(a, b))
+    ]
     return bad + [n for n in want[3] if not torch.equal(got[3][n], want[3][n])]
 
 

@@ -34,8 +34,10 @@ FAMILIES = {  # 4 experts, top 2 (the defaults of several exceed 4), intermediat
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",  # shared expert and its sigmoid gate: replicated by the plan
                   dict(moe_intermediate_size=16, shared_expert_intermediate_size=32, num_experts=4)),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(intermediate_size=16, num_experts=4, eos_token_id=2)),
-    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(moe_intermediate_size=16, n_routed_experts=4, **MLA)),
-    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", dict(moe_intermediate_size=16, n_routed_experts=4, **MLA)),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
+                    dict(moe_intermediate_size=16, n_routed_experts=4, **MLA)),
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM",
+                    dict(moe_intermediate_size=16, n_routed_experts=4, **MLA)),
     # transposed expert weights [E, h, 2i] / [E, i, h]: packed_rowwise gate_up, colwise down
     "aria": ("AriaTextConfig", "AriaTextForCausalLM", dict(intermediate_size=16, moe_num_experts=4, moe_topk=2)),
     "llama4": ("Llama4TextConfig", "Llama4ForCausalLM",  # its own experts forward (batched bmm, no top_k_weights)
@@ -124,7 +126,9 @@ def test_tp2_equals_the_dense_model(world, family, experts):
         moe = "model.layers.1.feed_forward.experts" if family == "llama4" else "model.layers.1.mlp.experts"
         assert {f"{moe}.gate_up_proj", f"{moe}.down_proj"} <= set(r["split"]), r["split"]
         if family.startswith("deepseek"):  # shared experts and the dense first layer split by the plan
-            assert {"model.layers.1.mlp.shared_experts.up_proj.weight", "model.layers.0.mlp.up_proj.weight"} <= set(r["split"])
+            assert {"model.layers.1.mlp.shared_experts.up_proj.weight", "model.layers.0.mlp.up_proj.weight"} <= set(
+                r["split"]
+            )
             attention_split = "model.layers.1.self_attn.kv_b_proj.weight" in r["split"]
             assert attention_split == (family == "deepseek_v2")  # V3's plan leaves MLA whole, V2's splits the heads
 
@@ -145,14 +149,17 @@ def _errors() -> dict:
     before = _snapshot(model), _snapshot(gpt_oss)
     out = {}
     for key, call in {
-        "style": lambda: nc.apply_tensor_parallel(model, {**plan, moe: "moe_identity_expert"}),  # a 5.24 style not mapped
+        # a 5.24 style not mapped
+        "style": lambda: nc.apply_tensor_parallel(model, {**plan, moe: "moe_identity_expert"}),
         "divisible": lambda: nc.apply_tensor_parallel(tiny("mixtral", intermediate_size=15)),
         "unsummed": lambda: nc.apply_tensor_parallel(model, without(moe)),
         "unsplit": lambda: nc.apply_tensor_parallel(model, without(f"{moe}.down_proj")),
         "dim": lambda: nc.apply_tensor_parallel(model, {**plan, f"{moe}.gate_up_proj": "rowwise"}),
-        "module": lambda: nc.apply_tensor_parallel(model, {**plan, "model.layers.*.self_attn.q_proj": "packed_colwise"}),
+        "module": lambda: nc.apply_tensor_parallel(model, {**plan,
+                                                            "model.layers.*.self_attn.q_proj": "packed_colwise"}),
         "biases": lambda: nc.apply_tensor_parallel(gpt_oss, {**gpt_oss.tp_plan, moe: "moe_tp_experts",
-                                                            f"{moe}.gate_up_proj": "packed_rowwise", f"{moe}.down_proj": "colwise"}),
+                                                            f"{moe}.gate_up_proj": "packed_rowwise",
+                                                            f"{moe}.down_proj": "colwise"}),
     }.items():  # fmt: skip
         with pytest.raises(ValueError) as e:
             call()
@@ -168,7 +175,9 @@ def test_bad_moe_plans_fail_in_one_line_before_anything_changes(world):
     assert r["style"].startswith(
         "apply_tensor_parallel: plan entry 'model.layers.*.mlp.experts' has style 'moe_identity_expert', which "
         "neuron_ckpt does not map (supported: colwise, "
-    ) and r["style"].endswith("moe_tp_experts, mla_kv_a_proj, ep_dispatch_experts, packed_colwise, packed_rowwise, grouped_gemm)")
+    ) and r["style"].endswith(
+        "moe_tp_experts, mla_kv_a_proj, ep_dispatch_experts, packed_colwise, packed_rowwise, grouped_gemm)"
+    )
     assert r["divisible"] == (
         "apply_tensor_parallel: model.layers.0.mlp.experts.gate_up_proj (packed_colwise): intermediate_dim=15 is not "
         "divisible by the tensor-parallel size 2"
@@ -177,7 +186,9 @@ def test_bad_moe_plans_fail_in_one_line_before_anything_changes(world):
         "apply_tensor_parallel: model.layers.0.mlp.experts.down_proj is split but model.layers.0.mlp.experts is not "
         "planned 'moe_tp_experts'"
     )
-    assert r["unsplit"].startswith("apply_tensor_parallel: model.layers.0.mlp.experts (moe_tp_experts): down_proj not split")
+    assert r["unsplit"].startswith(
+        "apply_tensor_parallel: model.layers.0.mlp.experts (moe_tp_experts): down_proj not split"
+    )
     assert r["dim"] == (
         "apply_tensor_parallel: model.layers.0.mlp.experts.gate_up_proj (rowwise): slices dim 2 of gate_up_proj "
         "[4, 32, 32], whose intermediate size is dim 1 (gate and up packed): its style is 'packed_colwise'"
@@ -199,11 +210,17 @@ def _slices_and_loading() -> dict:
     model = nc.apply_tensor_parallel(tiny("mixtral"))
     experts = model.model.layers[0].mlp.experts
     gate_up, down = whole["model.layers.0.mlp.experts.gate_up_proj"], whole["model.layers.0.mlp.experts.down_proj"]
-    mine = torch.cat([gate_up[:, r * i:(r + 1) * i], gate_up[:, 16 + r * i:16 + (r + 1) * i]], 1)  # gate rows, up rows
+    mine = torch.cat(
+        [gate_up[:, r * i : (r + 1) * i], gate_up[:, 16 + r * i : 16 + (r + 1) * i]], 1
+    )  # gate rows, up rows
     out = {
         "gate_up": torch.equal(experts.gate_up_proj, mine),
-        "down": torch.equal(experts.down_proj, down[:, :, r * i:(r + 1) * i]),
-        "tags": (experts.gate_up_proj.partition_dim, experts.gate_up_proj.partition_stride, experts.down_proj.partition_dim),
+        "down": torch.equal(experts.down_proj, down[:, :, r * i : (r + 1) * i]),
+        "tags": (
+            experts.gate_up_proj.partition_dim,
+            experts.gate_up_proj.partition_stride,
+            experts.down_proj.partition_dim,
+        ),
         "intermediate_dim": experts.intermediate_dim,
         "keys": list(model.state_dict()) == list(whole),
         "router": torch.equal(model.model.layers[0].mlp.gate.weight, whole["model.layers.0.mlp.gate.weight"]),
@@ -213,7 +230,9 @@ def _slices_and_loading() -> dict:
         for p in other.parameters():
             p.mul_(-1)
     model.load_state_dict(other.state_dict())
-    out["loaded_whole"] = torch.equal(experts.gate_up_proj, -mine) and torch.equal(experts.down_proj, -down[:, :, r * i:(r + 1) * i])
+    out["loaded_whole"] = torch.equal(experts.gate_up_proj, -mine) and torch.equal(
+        experts.down_proj, -down[:, :, r * i : (r + 1) * i]
+    )
     model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()})  # its own slices load as they are
     out["loaded_own"] = torch.equal(experts.gate_up_proj, -mine)
     return out

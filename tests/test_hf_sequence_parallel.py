@@ -226,7 +226,7 @@ def test_distributed_saved_activations_is_refused_under_sequence_parallel(world)
 def _layers_called_directly() -> bool:
     # A stack run without the model's own forward (as a pipeline stage would): the first layer
     # splits once, also when full recompute splits it before its checkpoint.
-    ps = nc.initialize_model_parallel(2)
+    nc.initialize_model_parallel(2)
     torch.manual_seed(1)
     ids = torch.randint(0, VOCAB, (2, 12))
     outs = []

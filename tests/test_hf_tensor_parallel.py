@@ -30,7 +30,11 @@ FAMILIES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 8}),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 8, "pad_token_id": 0}),  # tied, soft-capped
-    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),  # fused qkv / gate_up, gather-split styles
+    "phi3": (
+        "Phi3Config",
+        "Phi3ForCausalLM",
+        {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
+    ),  # fused qkv / gate_up, gather-split styles
 }
 PRESETS = ["none", "selective", "full"]
 
@@ -49,7 +53,9 @@ def tiny(family: str, dropout: float = 0.0, kv_heads: int = 2, attn: str = "eage
 
 def full(param_or_grad: torch.Tensor, like: torch.Tensor, tp) -> torch.Tensor:
     """A sharded tensor gathered along the dim the plan split it on (``like`` carries the tag)."""
-    return C.all_gather(param_or_grad.contiguous(), like.partition_dim, tp) if is_tensor_parallel(like) else param_or_grad
+    return (
+        C.all_gather(param_or_grad.contiguous(), like.partition_dim, tp) if is_tensor_parallel(like) else param_or_grad
+    )
 
 
 def step(model, ids, tp=None, seed: int = 2):
@@ -175,7 +181,8 @@ def _names_slices_and_loading() -> dict:
         "names": after.keys() == before.keys(),
         "halved": {n for n in after if after[n] != before[n]},
         "sliced_right": sliced_right,
-        "loaded_full": loaded_full and torch.equal(q.weight, -full_state["model.layers.0.self_attn.q_proj.weight"][rows]),
+        "loaded_full": loaded_full
+        and torch.equal(q.weight, -full_state["model.layers.0.self_attn.q_proj.weight"][rows]),
         "print": str(model.model.layers[0].self_attn),
     }
 
@@ -232,7 +239,9 @@ def test_bad_plans_fail_in_one_line_before_anything_changes(world):
         "moe_tp_experts, mla_kv_a_proj, ep_dispatch_experts, packed_colwise, packed_rowwise, grouped_gemm)"
     )
     assert r["kind"] == "apply_tensor_parallel: model.norm (colwise): needs a torch.nn.Linear, got LlamaRMSNorm"
-    assert r["heads"].startswith("apply_tensor_parallel: model.layers.0.self_attn.k_proj (colwise): 1 heads of 8 do not split")
+    assert r["heads"].startswith(
+        "apply_tensor_parallel: model.layers.0.self_attn.k_proj (colwise): 1 heads of 8 do not split"
+    )
     assert "has no tensor-parallel plan" in r["none"]
     assert r["seed"].endswith("call nc.model_parallel_manual_seed(seed) first")
     assert all("\n" not in v for v in r.values() if isinstance(v, str))

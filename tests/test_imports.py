@@ -143,6 +143,9 @@ def test_no_import_cycle_counting_function_level_imports():
     found = cycles(graph)
     failing = [c for c in found if any(_checked(m) for m in c)]
     assert not failing, (
-        f"import cycles through {', '.join(CHECKED)}:\n" + "\n".join(describe(c, graph) for c in failing)
-        + "\n(all cycles in the package:\n" + "\n".join(describe(c, graph) for c in found) + ")"
+        f"import cycles through {', '.join(CHECKED)}:\n"
+        + "\n".join(describe(c, graph) for c in failing)
+        + "\n(all cycles in the package:\n"
+        + "\n".join(describe(c, graph) for c in found)
+        + ")"
     )

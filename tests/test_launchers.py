@@ -52,7 +52,7 @@ def test_empty_arrays_expand_guarded(script: Path) -> None:
     for name in set(re.findall(r"(\w+)=\(\)", text)):
         plain = text.count(f'"${{{name}[@]}}"')
         guarded = text.count(f'${{{name}[@]+"${{{name}[@]}}"}}')
-        assert plain == guarded, f"{script.name}: unguarded \"${{{name}[@]}}\" ({plain - guarded}x)"
+        assert plain == guarded, f'{script.name}: unguarded "${{{name}[@]}}" ({plain - guarded}x)'
 
 
 def _fake_bin(tmp_path: Path) -> Path:
@@ -144,9 +144,21 @@ def test_dry_run_clean_env_set_u(tmp_path: Path) -> None:
     """No inherited variables (env -i), `bash -u`, COMPILE mode with no user arguments."""
     home = tmp_path / "h"
     r = subprocess.run(
-        ["env", "-i", f"PATH={_fake_bin(tmp_path)}:/usr/bin:/bin", f"HOME={home}", "DRY_RUN=1", "COMPILE=1",
-         "bash", "-u", str(RUN_TRN1)],
-        cwd=tmp_path, capture_output=True, text=True, timeout=30,
+        [
+            "env",
+            "-i",
+            f"PATH={_fake_bin(tmp_path)}:/usr/bin:/bin",
+            f"HOME={home}",
+            "DRY_RUN=1",
+            "COMPILE=1",
+            "bash",
+            "-u",
+            str(RUN_TRN1),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=30,
     )
     assert r.returncode == 0 and r.stderr == "", r.stderr
     _, argv = _dry(r.stdout)
@@ -197,9 +209,17 @@ def test_dry_run_70b(tmp_path: Path, model: str) -> None:
     _, argv = _dry(r.stdout)
     assert _opt(argv, "--model-config") == model and _opt(argv, "--data") == f"{home}/{data}"
     assert (_opt(argv, "--tp"), _opt(argv, "--pp"), _opt(argv, "--attention")) == ("32", "8", attention)
-    assert (_opt(argv, "--lr"), _opt(argv, "--min-lr-ratio"), _opt(argv, "--decay")) == (lr, "0.06666666666666667", "cosine")
+    assert (_opt(argv, "--lr"), _opt(argv, "--min-lr-ratio"), _opt(argv, "--decay")) == (
+        lr,
+        "0.06666666666666667",
+        "cosine",
+    )
     assert float(lr) * float(_opt(argv, "--min-lr-ratio")) == pytest.approx(float(lr) / 15, rel=1e-12)  # 1e-5, 1e-6
-    assert (_opt(argv, "--warmup-steps"), _opt(argv, "--max-steps"), _opt(argv, "--recompute")) == ("2000", "30000", "none")
+    assert (_opt(argv, "--warmup-steps"), _opt(argv, "--max-steps"), _opt(argv, "--recompute")) == (
+        "2000",
+        "30000",
+        "none",
+    )
     assert (_opt(argv, "--global-batch-size"), _opt(argv, "--micro-batch-size")) == ("1024", "1")
     assert (_opt(argv, "--weight-decay"), _opt(argv, "--beta2"), _opt(argv, "--log-every")) == ("0.1", "0.95", "1")
     assert "--sequence-parallel" in argv and "--pp-schedule" not in argv  # train.py's 1F1B, as NxD's
@@ -223,7 +243,9 @@ def test_dry_run_pp_layout(tmp_path: Path) -> None:
     assert (_opt(argv, "--tp"), _opt(argv, "--pp")) == ("8", "2") and "_tp8_pp2_zero1/" in _opt(argv, "--metrics-file")
 
 
-@pytest.mark.parametrize("env", [dict(MODEL="llama2-70b"), dict(MODEL="llama3.1-70b", COMPILE="1"), dict(PP_DEGREE="2")])
+@pytest.mark.parametrize(
+    "env", [dict(MODEL="llama2-70b"), dict(MODEL="llama3.1-70b", COMPILE="1"), dict(PP_DEGREE="2")]
+)
 def test_pp_refused_on_trn1(tmp_path: Path, env: dict[str, str]) -> None:
     """A real run (or compile) with PP_DEGREE > 1 stops in one line, saying why, before torchrun, sysctl
     or the output directory."""
@@ -249,8 +271,10 @@ def test_dry_run_cp_recipe(tmp_path: Path) -> None:
     assert "--sequence-parallel" in argv and "--pp" not in argv
     assert _opt(argv, "--data") == f"{home}/data/llama3_train_32k.safetensors"
     assert _opt(argv, "--checkpoint-dir") == f"{home}/runs/llama3.1_8b_tp32_cp4_zero1/checkpoints"
-    assert "# TP 32 x CP 4 = 128 ranks split each sequence of 32768 tokens (8192 per rank): DP 2 on 8 node(s), 256 " \
-           "sequences per step" in r.stdout
+    assert (
+        "# TP 32 x CP 4 = 128 ranks split each sequence of 32768 tokens (8192 per rank): DP 2 on 8 node(s), 256 "
+        "sequences per step" in r.stdout
+    )
     _, argv = _dry(_run(["bash", str(RUN_TRN1)], tmp_path, CP_DEGREE="1", **nodes).stdout)
     assert "--cp" not in argv and _opt(argv, "--tp") == "8" and _opt(argv, "--global-batch-size") == "1024"
     r = _run(["bash", str(RUN_TRN1)], tmp_path, CP_DEGREE="2", TP_DEGREE="8", RECOMPUTE="full", **nodes)
@@ -309,8 +333,12 @@ def test_dry_run_precision(tmp_path: Path, precision: str | None, rounding: str)
     r = _run(["bash", str(RUN_TRN1)], tmp_path, DRY_RUN="1", **env)
     exports, argv = _dry(r.stdout)
     assert exports["NEURON_RT_STOCHASTIC_ROUNDING_EN"] == rounding and _opt(argv, "--dtype") == "bf16"
-    assert _opt(argv, "--checkpoint-dir").endswith("_zero1_sr/checkpoints" if precision == "sr" else "_zero1/checkpoints")
-    assert "PRECISION must be fp32-master or sr" in _fails(["bash", str(RUN_TRN1)], tmp_path, DRY_RUN="1", PRECISION="bf16")
+    assert _opt(argv, "--checkpoint-dir").endswith(
+        "_zero1_sr/checkpoints" if precision == "sr" else "_zero1/checkpoints"
+    )
+    assert "PRECISION must be fp32-master or sr" in _fails(
+        ["bash", str(RUN_TRN1)], tmp_path, DRY_RUN="1", PRECISION="bf16"
+    )
 
 
 def test_dry_run_recipe(tmp_path: Path) -> None:
@@ -335,14 +363,26 @@ def test_dry_run_two_nodes_without_slurm(tmp_path: Path) -> None:
     """NUM_NODES > 1 set by hand: the torchrun topology and the EFA variables, as under Slurm."""
     r = _run(["bash", str(RUN_TRN1)], tmp_path, DRY_RUN="1", NUM_NODES="2", NODE_RANK="1", MASTER_ADDR="10.1.2.3")
     env, argv = _dry(r.stdout)
-    assert argv[:11] == ["torchrun", "--nproc_per_node", "32", "--nnodes", "2", "--node_rank", "1",
-                         "--master_addr", "10.1.2.3", "--master_port", "44000"]
+    assert argv[:11] == [
+        "torchrun",
+        "--nproc_per_node",
+        "32",
+        "--nnodes",
+        "2",
+        "--node_rank",
+        "1",
+        "--master_addr",
+        "10.1.2.3",
+        "--master_port",
+        "44000",
+    ]
     assert (env["FI_PROVIDER"], env["FI_EFA_USE_DEVICE_RDMA"], env["FI_EFA_FORK_SAFE"]) == ("efa", "1", "1")
     assert "CCOM_SOCKET_IFNAME" not in env and "ulimit" not in r.stdout
     # node 0's address is required: 127.0.0.1 would leave the other nodes waiting on themselves
     assert "needs MASTER_ADDR" in _fails(["bash", str(RUN_TRN1)], tmp_path, DRY_RUN="1", NUM_NODES="2", NODE_RANK="1")
-    assert "NODE_RANK must be in [0, 2)" in _fails(["bash", str(RUN_TRN1)], tmp_path, DRY_RUN="1", NUM_NODES="2",
-                                                    NODE_RANK="2", MASTER_ADDR="10.1.2.3")
+    assert "NODE_RANK must be in [0, 2)" in _fails(
+        ["bash", str(RUN_TRN1)], tmp_path, DRY_RUN="1", NUM_NODES="2", NODE_RANK="2", MASTER_ADDR="10.1.2.3"
+    )
 
 
 def test_dry_run_open_mpi(tmp_path: Path) -> None:
@@ -353,7 +393,11 @@ def test_dry_run_open_mpi(tmp_path: Path) -> None:
     ompi = dict(OMPI_COMM_WORLD_SIZE="4", OMPI_COMM_WORLD_RANK="3", NODELIST_HELPER=str(helper), DRY_RUN="1")
     r = _run(["bash", str(RUN_TRN1)], tmp_path, **ompi)
     env, argv = _dry(r.stdout)
-    assert (_opt(argv, "--nnodes"), _opt(argv, "--node_rank"), _opt(argv, "--master_addr")) == ("4", "3", "pod-0.workers")
+    assert (_opt(argv, "--nnodes"), _opt(argv, "--node_rank"), _opt(argv, "--master_addr")) == (
+        "4",
+        "3",
+        "pod-0.workers",
+    )
     assert env["CCOM_SOCKET_IFNAME"] == "eth0" and env["FI_PROVIDER"] == "efa" and env["FI_EFA_FORK_SAFE"] == "1"
     assert r.stdout.splitlines()[-2] == "ulimit -n 65535"
     _, argv = _dry(_run(["bash", str(RUN_TRN1)], tmp_path, MASTER_ADDR="10.0.0.9", **ompi).stdout)
@@ -368,8 +412,14 @@ def test_sbatch_from_spool_copy(tmp_path: Path) -> None:
     shutil.copy(SBATCH, spool / "slurm_script")
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    slurm = dict(SLURM_JOB_ID="77", SLURM_NNODES="2", SLURM_NODEID="1", SLURM_JOB_NODELIST="trn1-[a-b]",
-                 SLURM_SUBMIT_DIR="/tmp", DRY_RUN="1")
+    slurm = dict(
+        SLURM_JOB_ID="77",
+        SLURM_NNODES="2",
+        SLURM_NODEID="1",
+        SLURM_JOB_NODELIST="trn1-[a-b]",
+        SLURM_SUBMIT_DIR="/tmp",
+        DRY_RUN="1",
+    )
     r = _run(["bash", str(spool / "slurm_script"), "--seed", "3"], tmp_path, cwd=elsewhere, **slurm)
     assert f"tutorial directory {TUTORIAL}" in r.stdout
     env, argv = _dry(r.stdout)
@@ -387,8 +437,14 @@ def test_sbatch_from_spool_copy(tmp_path: Path) -> None:
     (no_job / "scontrol").write_text('#!/usr/bin/env bash\n[ "$2" = hostnames ] && echo trn1-a\n')
     (no_job / "scontrol").chmod(0o755)
     slurm["PATH"] = f"{no_job}:{tmp_path / 'bin'}:/usr/bin:/bin"
-    r = subprocess.run(["bash", str(spool / "slurm_script")], cwd=elsewhere, capture_output=True, text=True,
-                       env={"HOME": str(tmp_path), **slurm}, timeout=30)
+    r = subprocess.run(
+        ["bash", str(spool / "slurm_script")],
+        cwd=elsewhere,
+        capture_output=True,
+        text=True,
+        env={"HOME": str(tmp_path), **slurm},
+        timeout=30,
+    )
     assert r.returncode == 1 and "TUTORIAL_DIR=" in r.stderr and "torchrun" not in r.stdout
     r = _run(["bash", str(spool / "slurm_script")], tmp_path, cwd=elsewhere, TUTORIAL_DIR=str(TUTORIAL), **slurm)
     assert f"tutorial directory {TUTORIAL}" in r.stdout and _dry(r.stdout)[1][0] == "torchrun"

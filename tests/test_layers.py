@@ -266,7 +266,7 @@ def _attention_block(t: int) -> dict[str, float]:
             core = CoreAttention(qkv.local_heads, qkv.local_kv_heads, d)
             proj = RowParallelLinear(hidden, hidden, bias=False, sequence_parallel=sp)
 
-            def full(p, dim=0):
+            def full(p, dim=0, qkv=qkv):  # this iteration's layer, bound
                 if qkv.replicas > 1 and p is not qkv.q_weight and p is not qkv.q_bias:
                     parts = C.all_gather(p.detach().unsqueeze(0), 0, st.tp)[:: qkv.replicas]
                     return torch.cat(list(parts), dim)

@@ -46,7 +46,9 @@ def test_megatron_examples():
     assert layout.expert_data_parallel_size == 2
 
 
-@pytest.mark.parametrize("t, c, d, p, e", [(1, 1, 4, 1, 2), (2, 1, 2, 1, 2), (1, 2, 2, 1, 4), (2, 2, 1, 2, 4), (1, 1, 8, 2, 8)])
+@pytest.mark.parametrize(
+    "t, c, d, p, e", [(1, 1, 4, 1, 2), (2, 1, 2, 1, 2), (1, 2, 2, 1, 4), (2, 2, 1, 2, 4), (1, 1, 8, 2, 8)]
+)
 def test_expert_grid_is_carved_from_each_stage(t, c, d, p, e):
     world = t * c * d * p
     layout = parallel_layout(world, t, p, context_parallel_size=c, expert_model_parallel_size=e)
@@ -67,12 +69,16 @@ def test_without_cp_and_ep_the_new_kinds_are_the_old_groups():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(world_size=8, tensor_parallel_size=2, context_parallel_size=3), "tensor_parallel_size=2 x context_parallel_size=3 = 6 does not divide the world size 8"),
+    (dict(world_size=8, tensor_parallel_size=2, context_parallel_size=3),
+     "tensor_parallel_size=2 x context_parallel_size=3 = 6 does not divide the world size 8"),
     (dict(world_size=8, context_parallel_size=0), "context_parallel_size must be a positive integer"),
     (dict(world_size=8, expert_model_parallel_size=3), "expert_model_parallel_size=3 does not divide the 8 ranks"),
-    (dict(world_size=8, pipeline_parallel_size=2, expert_model_parallel_size=8), "does not divide the 4 ranks of a pipeline stage"),
-    (dict(world_size=8, tensor_parallel_size=2, expert_model_parallel_size=2, expert_tensor_parallel_size=2), "expert_tensor_parallel_size must be 1"),
-    (dict(world_size=8, tensor_parallel_size=2, expert_tensor_parallel_size=1), "expert_tensor_parallel_size must be 2"),
+    (dict(world_size=8, pipeline_parallel_size=2, expert_model_parallel_size=8),
+     "does not divide the 4 ranks of a pipeline stage"),
+    (dict(world_size=8, tensor_parallel_size=2, expert_model_parallel_size=2, expert_tensor_parallel_size=2),
+     "expert_tensor_parallel_size must be 1"),
+    (dict(world_size=8, tensor_parallel_size=2, expert_tensor_parallel_size=1),
+     "expert_tensor_parallel_size must be 2"),
     (dict(world_size=8, expert_model_parallel_size=True), "expert_model_parallel_size must be a positive integer"),
 ])  # fmt: skip
 def test_sizes_that_do_not_fit_are_refused_in_one_line(kwargs, message):

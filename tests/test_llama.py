@@ -160,7 +160,9 @@ def _load_errors() -> list[str]:
         except (KeyError, ValueError) as e:
             errors.append(str(e))
     try:  # tied: lm_head.weight may be given, but only as the embedding table itself
-        LlamaForCausalLM(transformers.LlamaConfig(**{**config.to_dict(), "tie_word_embeddings": True})).load_hf_state_dict(sd)
+        LlamaForCausalLM(
+            transformers.LlamaConfig(**{**config.to_dict(), "tie_word_embeddings": True})
+        ).load_hf_state_dict(sd)
     except ValueError as e:
         errors.append(str(e))
     return errors
@@ -177,8 +179,13 @@ def test_clear_errors(world):
 
 def test_flops_per_token_llama2_7b():
     config = transformers.LlamaConfig(
-        vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-        num_attention_heads=32, num_key_value_heads=32, tie_word_embeddings=False,
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        tie_word_embeddings=False,
     )
     shape = ModelShape.from_llama(config)
     assert shape.num_parameters() == 6_738_415_616  # Llama-2 7B
@@ -300,8 +307,8 @@ def test_longrope_switches_to_the_long_factors_like_transformers(seq):
 # Tied parity (``TIED_TOL``, relative to the largest value): fp32, the same weights on both sides.
 # Measured max rel errors at TP 1 and 2, with and without SP and under every recompute preset:
 # logits 0 (TP 1) and 1.4e-7 (TP 2), loss 0, gradients <= 4.8e-7 (TP 1) and 6.0e-7 (TP 2): a few
-# fp32 ulps from the TP-split and fused-QKV sums; ``TOL`` (1e-5) leaves >15x headroom while a head that is not the table, a lost gradient term or
-# a wrong RoPE band gives errors of order 1e-2 or more.
+# fp32 ulps from the TP-split and fused-QKV sums; ``TOL`` (1e-5) leaves >15x headroom while a head
+# that is not the table, a lost gradient term or a wrong RoPE band gives errors of order 1e-2 or more.
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}  # fmt: skip
@@ -349,8 +356,11 @@ def test_llama3_rope_scaling_matches_meta_and_transformers():
     ref_cos, ref_sin = ref(torch.zeros(1, 256, d), torch.arange(256)[None])
     assert torch.equal(cos[:, 0, 0], ref_cos[0]) and torch.equal(sin[:, 0, 0], ref_sin[0])
     # Not the unscaled table: the test can fail.
-    unscaled = RotaryEmbedding(LlamaArgs.from_hf(transformers.LlamaConfig(**{**config.to_dict(), "rope_scaling": None,
-                                                                            "rope_parameters": None})))
+    unscaled = RotaryEmbedding(
+        LlamaArgs.from_hf(
+            transformers.LlamaConfig(**{**config.to_dict(), "rope_scaling": None, "rope_parameters": None})
+        )
+    )
     assert not torch.allclose(unscaled.inv_freq, rotary.inv_freq)
 
 

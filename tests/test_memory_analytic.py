@@ -89,13 +89,32 @@ def test_gpt3_selective_recompute_saves_70_percent_under_tp_sp():
 def test_breakdown_names_and_the_papers_attention_mlp_split():
     terms = {term.name: term.nbytes for term in layer_activation_terms(*_gpt(64, 2, 64, 8), "none")}
     assert set(terms) == {
-        "ln1_input", "qkv_input", "q_k", "softmax_out", "softmax_dropout_mask",
-        "attn_dropout_out", "v", "proj_input", "attn_dropout_mask", "ln2_input",
-        "mlp_fc1_input", "gelu_input", "fc2_input", "mlp_dropout_mask",
+        "ln1_input",
+        "qkv_input",
+        "q_k",
+        "softmax_out",
+        "softmax_dropout_mask",
+        "attn_dropout_out",
+        "v",
+        "proj_input",
+        "attn_dropout_mask",
+        "ln2_input",
+        "mlp_fc1_input",
+        "gelu_input",
+        "fc2_input",
+        "mlp_dropout_mask",
     }
     sbh, as2b = 64 * 2 * 64, 8 * 64 * 64 * 2
-    attention = ("qkv_input", "q_k", "softmax_out", "softmax_dropout_mask", "attn_dropout_out",
-                 "v", "proj_input", "attn_dropout_mask")
+    attention = (
+        "qkv_input",
+        "q_k",
+        "softmax_out",
+        "softmax_dropout_mask",
+        "attn_dropout_out",
+        "v",
+        "proj_input",
+        "attn_dropout_mask",
+    )
     mlp = ("mlp_fc1_input", "gelu_input", "fc2_input", "mlp_dropout_mask")
     assert sum(terms[n] for n in attention) == 11 * sbh + 5 * as2b
     assert sum(terms[n] for n in mlp) == 19 * sbh
@@ -104,10 +123,15 @@ def test_breakdown_names_and_the_papers_attention_mlp_split():
 
 @pytest.mark.parametrize("t", (2, 8))
 def test_tp_without_sp_replicates_exactly_the_10sbh_terms(t):
-    replicated = {term.name for term in layer_activation_terms(*_gpt(64, 2, 64, 8, t), "none")
-                  if not term.split_by_tp}
-    assert replicated == {"ln1_input", "qkv_input", "attn_dropout_mask", "ln2_input",
-                          "mlp_fc1_input", "mlp_dropout_mask"}
+    replicated = {term.name for term in layer_activation_terms(*_gpt(64, 2, 64, 8, t), "none") if not term.split_by_tp}
+    assert replicated == {
+        "ln1_input",
+        "qkv_input",
+        "attn_dropout_mask",
+        "ln2_input",
+        "mlp_fc1_input",
+        "mlp_dropout_mask",
+    }
     sp_terms = layer_activation_terms(*_gpt(64, 2, 64, 8, t, sp=True), "none")
     assert all(term.split_by_tp for term in sp_terms)
 
@@ -129,17 +153,20 @@ def test_model_bytes_are_layers_times_per_layer_plus_outside_terms():
         ModelShape.gpt(64, 8, layers=0)
 
 
-@pytest.mark.parametrize("kwargs,field", [
-    (dict(seq_len=0), "seq_len"),
-    (dict(micro_batch=-1), "micro_batch"),
-    (dict(hidden=64.0), "hidden"),
-    (dict(heads=True), "heads"),
-    (dict(hidden=60, heads=8), "heads"),
-    (dict(tp=3), "tp"),
-    (dict(tp=4, hidden=96, heads=6), "must divide heads"),
-    (dict(tp=16, hidden=64, heads=8), "tp"),
-    (dict(dtype="fp8"), "dtype must be one of"),
-])
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        (dict(seq_len=0), "seq_len"),
+        (dict(micro_batch=-1), "micro_batch"),
+        (dict(hidden=64.0), "hidden"),
+        (dict(heads=True), "heads"),
+        (dict(hidden=60, heads=8), "heads"),
+        (dict(tp=3), "tp"),
+        (dict(tp=4, hidden=96, heads=6), "must divide heads"),
+        (dict(tp=16, hidden=64, heads=8), "tp"),
+        (dict(dtype="fp8"), "dtype must be one of"),
+    ],
+)
 def test_shape_errors_name_the_field(kwargs, field):
     p = dict(seq_len=64, micro_batch=2, hidden=64, heads=8, tp=1, dtype="bf16") | kwargs
     with pytest.raises(ValueError, match=field):
@@ -154,7 +181,9 @@ def test_recompute_errors_name_the_field():
         layer_activation_bytes(*layer, "block")
     with pytest.raises(ValueError, match="distribute_saved_activations.*sequence_parallel"):
         layer_activation_bytes(*_gpt(64, 2, 64, 8, t=2, sp=True), FULL_DISTRIBUTED)
-    with pytest.raises(ValueError, match="distribute_saved_activations: the selective modules \\['core_attn'\\] keep no"):
+    with pytest.raises(
+        ValueError, match="distribute_saved_activations: the selective modules \\['core_attn'\\] keep no"
+    ):
         layer_activation_bytes(*layer, RecomputeConfig.preset("selective", distribute_saved_activations=True))
     with pytest.raises(ValueError, match="num_layers=2 is larger than the 1 layers"):
         layer_activation_bytes(*layer, RecomputeConfig(granularity="full", method="block", num_layers=2))
@@ -188,14 +217,24 @@ def test_gpt_module_sets_drop_the_union_of_what_each_drops(modules, sp):
 def test_mlp_encloses_mlp_act_and_distributing_keeps_a_slice_of_the_replicated_inputs():
     layer = _gpt(64, 2, 64, 8, t=4)
     both = RecomputeConfig("selective", modules=("mlp", "mlp_act"))
-    assert layer_activation_terms(*layer, both) == layer_activation_terms(*layer, RecomputeConfig("selective", modules=["mlp"]))
+    assert layer_activation_terms(*layer, both) == layer_activation_terms(
+        *layer, RecomputeConfig("selective", modules=["mlp"])
+    )
     sbh = 64 * 2 * 64
-    sliced = {t.name: t.nbytes for t in layer_activation_terms(
-        *layer, RecomputeConfig("selective", modules=("mlp", "norm"), distribute_saved_activations=True))}
+    sliced = {
+        t.name: t.nbytes
+        for t in layer_activation_terms(
+            *layer, RecomputeConfig("selective", modules=("mlp", "norm"), distribute_saved_activations=True)
+        )
+    }
     assert sliced["ln1_input"] == sliced["ln2_input"] == 2 * sbh // 4  # 1/t of each norm's input
     assert "mlp_fc1_input" not in sliced  # the MLP checkpoint's input is the discarded norm output
-    plain = {t.name: t.nbytes for t in layer_activation_terms(
-        *layer, RecomputeConfig("selective", modules=["mlp"], distribute_saved_activations=True))}
+    plain = {
+        t.name: t.nbytes
+        for t in layer_activation_terms(
+            *layer, RecomputeConfig("selective", modules=["mlp"], distribute_saved_activations=True)
+        )
+    }
     assert plain["mlp_fc1_input"] == 2 * sbh // 4 and plain["ln2_input"] == 2 * sbh
 
 
@@ -206,7 +245,10 @@ def test_grouped_and_block_full_recompute_read_layer_by_layer():
     uniform = RecomputeConfig("full", "uniform", 3)  # groups 0-2, 3-5, 6-7
     with pytest.raises(ValueError, match="layer: recompute 'full\\(uniform 3\\)' keeps different bytes.*layer=0..7"):
         layer_activation_bytes(model, setup, uniform)
-    assert [layer_activation_bytes(model, setup, uniform, i) for i in range(8)] == [two_sbh_t, 0, 0] * 2 + [two_sbh_t, 0]
+    assert [layer_activation_bytes(model, setup, uniform, i) for i in range(8)] == [two_sbh_t, 0, 0] * 2 + [
+        two_sbh_t,
+        0,
+    ]
     assert model_activation_bytes(model, setup, uniform) == 3 * two_sbh_t
     block = RecomputeConfig("full", "block", 3)
     assert [layer_activation_bytes(model, setup, block, i) for i in range(8)] == [two_sbh_t] * 3 + [none] * 5

@@ -43,7 +43,8 @@ Path(sys.argv[0] + ".started").touch()
 conf = json.load(open(sys.argv[sys.argv.index("-c") + 1]))
 assert conf["period"] == "1s" and conf["neuron_runtimes"][0]["metrics"] == [{{"type": "memory_used"}}]
 tag = "neuron_ckpt_rank0"
-cores = {{"0": {{"constants": 1, "model_code": 2, "model_shared_scratchpad": 3 << 29, "runtime_memory": 4, "tensors": 5}},
+cores = {{"0": {{"constants": 1, "model_code": 2, "model_shared_scratchpad": 3 << 29, "runtime_memory": 4,
+               "tensors": 5}},
          "1": {{"constants": 0, "model_code": 0, "model_shared_scratchpad": 0, "runtime_memory": 0, "tensors": 0}}}}
 runtime = {{"pid": 1, "address": "", "neuron_runtime_tag": tag, "error": "", "report": {{"memory_used": {{
     "period": 1.0, "error": "", "neuron_runtime_used_bytes": {{"host": 6, "neuron_device": 7, "usage_breakdown": {{
@@ -167,21 +168,48 @@ def _standins(root: Path) -> dict:
     blocks = (np.random.default_rng(0).integers(0, 128, size=(8, 1)) + np.arange(SEQ)) % 128
     write_packed(root / "train.safetensors", blocks, vocab_size=128, tokenizer="random")
     python = sys.executable
-    rank_python = RANK_PYTHON.format(python=python, record=str(root / "ranks.jsonl"), sysfs=str(root / "sysfs"),
-                                     step_bytes=STEP_BYTES, mib=MIB)
-    return {"monitor": _executable(root / "neuron-monitor", MONITOR.format(python=python)),
-            "explorer": _executable(root / "neuron-explorer", EXPLORER.format(python=python, root=str(ROOT))),
-            "python": _executable(root / "rank-python", rank_python), "root": root,
-            "torchrun": f"{python} -m torch.distributed.run --standalone --nproc_per_node {{nproc}}",
-            "launcher": f"{_executable(root / 'launcher', LAUNCHER.format(python=python))} --nproc_per_node {{nproc}}"}
+    rank_python = RANK_PYTHON.format(
+        python=python, record=str(root / "ranks.jsonl"), sysfs=str(root / "sysfs"), step_bytes=STEP_BYTES, mib=MIB
+    )
+    return {
+        "monitor": _executable(root / "neuron-monitor", MONITOR.format(python=python)),
+        "explorer": _executable(root / "neuron-explorer", EXPLORER.format(python=python, root=str(ROOT))),
+        "python": _executable(root / "rank-python", rank_python),
+        "root": root,
+        "torchrun": f"{python} -m torch.distributed.run --standalone --nproc_per_node {{nproc}}",
+        "launcher": f"{_executable(root / 'launcher', LAUNCHER.format(python=python))} --nproc_per_node {{nproc}}",
+    }
 
 
 def _argv(s: dict, out: Path, *more: str, launcher: str = "launcher") -> list[str]:
-    return ["--model-config", str(TINY), "--data", str(s["root"] / "train.safetensors"), "--tp", "1", "--seq", str(SEQ),
-            "--dtype", "fp32", "--steps", "2", "--out", str(out), "--neuron-monitor", str(s["monitor"]),
-            "--neuron-explorer", str(s["explorer"]),
-            "--sysfs-root", str(s["root"] / "sysfs"), "--python", str(s["python"]), "--launcher", s[launcher],
-            "--extra=--device-kind cpu", *more]
+    return [
+        "--model-config",
+        str(TINY),
+        "--data",
+        str(s["root"] / "train.safetensors"),
+        "--tp",
+        "1",
+        "--seq",
+        str(SEQ),
+        "--dtype",
+        "fp32",
+        "--steps",
+        "2",
+        "--out",
+        str(out),
+        "--neuron-monitor",
+        str(s["monitor"]),
+        "--neuron-explorer",
+        str(s["explorer"]),
+        "--sysfs-root",
+        str(s["root"] / "sysfs"),
+        "--python",
+        str(s["python"]),
+        "--launcher",
+        s[launcher],
+        "--extra=--device-kind cpu",
+        *more,
+    ]
 
 
 def _ranks(s: dict) -> list[dict]:
@@ -204,14 +232,30 @@ def test_manifest_reads_back_with_every_run_and_the_job(captured):
     s, out = captured
     capture = read_capture(out)
     assert [(r.recompute, r.layers, r.attention) for r in capture.runs] == [
-        ("none", 1, "flash"), ("none", 2, "flash"), ("full", 1, "flash"), ("full", 2, "flash")]
+        ("none", 1, "flash"),
+        ("none", 2, "flash"),
+        ("full", 1, "flash"),
+        ("full", 2, "flash"),
+    ]
     assert all(set(r.files) == {"neuron_monitor", "sysfs", "neff", "explorer"} for r in capture.runs)
-    assert capture.job == {"model": "llama", "config": "config.json", "tp": 1, "dp": 1, "seq": SEQ, "micro_batch": 1,
-                           "dtype": "fp32", "sequence_parallel": True, "zero1": True, "attention": "flash"}
+    assert capture.job == {
+        "model": "llama",
+        "config": "config.json",
+        "tp": 1,
+        "dp": 1,
+        "seq": SEQ,
+        "micro_batch": 1,
+        "dtype": "fp32",
+        "sequence_parallel": True,
+        "zero1": True,
+        "attention": "flash",
+    }
     assert json.loads((out / "config.json").read_text()) == json.loads(TINY.read_text())
     for run in capture.runs:
-        assert json.loads((out / f"{run.recompute}_L{run.layers}" / "model_config.json").read_text())[
-            "num_hidden_layers"] == run.layers
+        assert (
+            json.loads((out / f"{run.recompute}_L{run.layers}" / "model_config.json").read_text())["num_hidden_layers"]
+            == run.layers
+        )
         assert "\nsummary {" in (out / f"{run.recompute}_L{run.layers}" / "train.log").read_text()  # train.py ran
     assert any("not cleared" in note for note in capture.notes)
     assert any("neuronx-cc" in note for note in capture.notes)
@@ -220,7 +264,8 @@ def test_manifest_reads_back_with_every_run_and_the_job(captured):
 def test_each_rank_is_tagged_and_compiles_into_its_runs_cache(captured):
     s, out = captured
     assert [(r["rank"], r["tag"], r["layers"], r["cache"]) for r in _ranks(s)] == [
-        ("0", "neuron_ckpt_rank0", n, str(out / f"{p}_L{n}" / "cache")) for p in ("none", "full") for n in (1, 2)]
+        ("0", "neuron_ckpt_rank0", n, str(out / f"{p}_L{n}" / "cache")) for p in ("none", "full") for n in (1, 2)
+    ]
 
 
 def test_each_run_has_a_system_profile_without_a_device_profile(captured):
@@ -229,9 +274,12 @@ def test_each_run_has_a_system_profile_without_a_device_profile(captured):
     s, out = captured
     for record in _ranks(s):
         run = out / f"{'none' if record['cache'].startswith(str(out / 'none')) else 'full'}_L{record['layers']}"
-        assert record["inspect"] == {"NEURON_RT_INSPECT_ENABLE": "1", "NEURON_RT_INSPECT_SYSTEM_PROFILE": "1",
-                                     "NEURON_RT_INSPECT_DEVICE_PROFILE": "0",
-                                     "NEURON_RT_INSPECT_OUTPUT_DIR": str(run / "inspect")}
+        assert record["inspect"] == {
+            "NEURON_RT_INSPECT_ENABLE": "1",
+            "NEURON_RT_INSPECT_SYSTEM_PROFILE": "1",
+            "NEURON_RT_INSPECT_DEVICE_PROFILE": "0",
+            "NEURON_RT_INSPECT_OUTPUT_DIR": str(run / "inspect"),
+        }
     capture = read_capture(out)
     for run in capture.runs:
         name = f"{run.recompute}_L{run.layers}"
@@ -252,8 +300,10 @@ def test_sysfs_keeps_the_largest_total_polled_while_the_job_ran(captured):
         current = sysfs.read(capture.path(run, "sysfs"), kind="current")
         assert current.bytes_of("model_shared_scratchpad", 0) == run.layers * MIB
         assert current.bytes_of("model_shared_scratchpad", 1) == 0 and current.bytes_of("model_code", 1) == 4096
-        assert sysfs.read(capture.path(run, "sysfs")).bytes_of("model_shared_scratchpad", 0) == (
-            run.layers if run.recompute == "none" else 2) * MIB  # the peak persists from none_L2 on
+        assert (
+            sysfs.read(capture.path(run, "sysfs")).bytes_of("model_shared_scratchpad", 0)
+            == (run.layers if run.recompute == "none" else 2) * MIB
+        )  # the peak persists from none_L2 on
     assert sysfs.read(s["root"] / "sysfs", kind="current").bytes_of("model_shared_scratchpad", 0) == 0
     rose = {note.split(":")[0]: "on neuron0/neuron_core0;" in note for note in capture.notes if "peak rose" in note}
     assert rose == {"none_L1": True, "none_L2": True, "full_L1": False, "full_L2": False}
@@ -276,8 +326,10 @@ def test_neuron_ckpt_compare_reads_the_capture_as_it_is(captured, capsys):
     assert cli_main(["compare", "--capture", str(out), "--json"]) == 1
     compared = json.loads(capsys.readouterr().out)
     assert {(c["source"], c["recompute"]) for c in compared["comparisons"]} == {
-        (source, preset) for source in ("neuron-monitor", "sysfs", "neff", "neuron-explorer")
-        for preset in ("none", "full")}
+        (source, preset)
+        for source in ("neuron-monitor", "sysfs", "neff", "neuron-explorer")
+        for preset in ("none", "full")
+    }
 
 
 def test_every_rank_gets_its_own_tag(script, tmp_path, monkeypatch):
@@ -287,7 +339,11 @@ def test_every_rank_gets_its_own_tag(script, tmp_path, monkeypatch):
     argv = _argv(s, tmp_path / "out", "--layers", "1,2", "--presets", "none", "--nproc", "2")
     assert script.main(argv) == 0
     assert sorted((r["rank"], r["tag"]) for r in _ranks(s)) == [
-        ("0", "neuron_ckpt_rank0"), ("0", "neuron_ckpt_rank0"), ("1", "neuron_ckpt_rank1"), ("1", "neuron_ckpt_rank1")]
+        ("0", "neuron_ckpt_rank0"),
+        ("0", "neuron_ckpt_rank0"),
+        ("1", "neuron_ckpt_rank1"),
+        ("1", "neuron_ckpt_rank1"),
+    ]
     assert {r["inspect"]["NEURON_RT_INSPECT_DEVICE_PROFILE"] for r in _ranks(s)} == {"0"}
     capture = read_capture(tmp_path / "out")
     assert capture.job["dp"] == 2
@@ -322,7 +378,11 @@ def test_a_failed_run_stops_the_capture_and_keeps_the_runs_before_it(script, tmp
     s = _standins(tmp_path / "standins")
     assert script.main(_argv(s, tmp_path / "out", "--layers", "1,2", "--presets", "full")) == 7  # the launcher's
     err = capsys.readouterr().err.strip()
-    assert "\n" not in err and "training run full_L2 failed (exit code 7)" in err and str(tmp_path / "out/full_L2/train.log") in err
+    assert (
+        "\n" not in err
+        and "training run full_L2 failed (exit code 7)" in err
+        and str(tmp_path / "out/full_L2/train.log") in err
+    )
     assert [(r.recompute, r.layers) for r in read_capture(tmp_path / "out").runs] == [("full", 1)]
 
 
@@ -358,7 +418,7 @@ def test_a_missing_neuron_monitor_is_one_line(script, tmp_path, capsys, monkeypa
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     argv = _argv(s, tmp_path / "out", "--layers", "1,2")
     at = argv.index("--neuron-monitor")
-    assert script.main(argv[:at] + argv[at + 2:]) == 1  # the default: not on PATH, not in /opt/aws/neuron/bin
+    assert script.main(argv[:at] + argv[at + 2 :]) == 1  # the default: not on PATH, not in /opt/aws/neuron/bin
     argv[at + 1] = str(tmp_path / "nowhere" / "neuron-monitor")
     assert script.main(argv) == 1
     err = capsys.readouterr().err.strip().splitlines()

@@ -108,23 +108,60 @@ def recorded_runs(world, tmp_path_factory):
 def test_recorded_llama_agrees_with_the_model_to_the_byte(capsys, recorded_runs):
     r = recorded_runs
     code, out, err = neuron_ckpt_cli(
-        capsys, "compare", "--config", str(TINY), "--seq", str(S), "--micro-batch", str(B), "--no-sequence-parallel",
-        "--no-zero1", "--attention", "explicit", "--run", f"1={r[1, 'none']}", "--run", f"2={r[2, 'none']}",
-        "--run", f"3={r[3, 'none']}", "--recompute-run", f"full={r[3, 'full']}",
-        "--recompute-run", f"selective={r[3, 'selective']}", "--json")
+        capsys,
+        "compare",
+        "--config",
+        str(TINY),
+        "--seq",
+        str(S),
+        "--micro-batch",
+        str(B),
+        "--no-sequence-parallel",
+        "--no-zero1",
+        "--attention",
+        "explicit",
+        "--run",
+        f"1={r[1, 'none']}",
+        "--run",
+        f"2={r[2, 'none']}",
+        "--run",
+        f"3={r[3, 'none']}",
+        "--recompute-run",
+        f"full={r[3, 'full']}",
+        "--recompute-run",
+        f"selective={r[3, 'selective']}",
+        "--json",
+    )
     assert code == 0, err
     result = json.loads(out)
     assert result["source"] == "recorder" and result["agrees"] and result["resolved"]
     assert result["measured_bytes_per_layer"] == result["predicted_bytes_per_layer"]  # exact: no page, no scatter
     assert result["uncertainty_bytes_per_layer"] == 0 and result["verdict"].startswith("agrees")
-    assert {s["preset"]: s["measured"] == s["predicted"] for s in result["savings"]} == {"full": True, "selective": True}
+    assert {s["preset"]: s["measured"] == s["predicted"] for s in result["savings"]} == {
+        "full": True,
+        "selective": True,
+    }
 
 
 def test_a_wrong_model_is_called_a_disagreement_with_its_size(capsys, recorded_runs):
     r = recorded_runs  # the same reports described as a longer sequence: the model predicts more
-    code, out, _ = neuron_ckpt_cli(capsys, "compare", "--config", str(TINY), "--seq", str(2 * S), "--micro-batch", str(B),
-                            "--no-sequence-parallel", "--attention", "explicit",
-                            "--run", f"1={r[1, 'none']}", "--run", f"3={r[3, 'none']}")
+    code, out, _ = neuron_ckpt_cli(
+        capsys,
+        "compare",
+        "--config",
+        str(TINY),
+        "--seq",
+        str(2 * S),
+        "--micro-batch",
+        str(B),
+        "--no-sequence-parallel",
+        "--attention",
+        "explicit",
+        "--run",
+        f"1={r[1, 'none']}",
+        "--run",
+        f"3={r[3, 'none']}",
+    )
     assert code == 1
     verdict = [line for line in out.splitlines() if "verdict:" in line][0]
     assert "disagrees by -" in verdict and "%" in verdict
@@ -144,8 +181,14 @@ def test_handmade_capture_reads_as_it_is(capsys):
     assert "unresolved" in sysfs and "layers apart would resolve it" in sysfs  # 64 MiB a layer, 512 MiB pages
     code, out, _ = neuron_ckpt_cli(capsys, "compare", "--capture", str(FIXTURE), "--json")
     result = json.loads(out)
-    for key in ("predicted_bytes_per_layer", "measured_bytes_per_layer", "uncertainty_bytes_per_layer", "control",
-                "agrees", "verdict"):
+    for key in (
+        "predicted_bytes_per_layer",
+        "measured_bytes_per_layer",
+        "uncertainty_bytes_per_layer",
+        "control",
+        "agrees",
+        "verdict",
+    ):
         assert key in result, key
     assert result["source"] == "neff" and result["agrees"] is False and result["resolved"] is True
     by_source = {c["source"]: c for c in result["comparisons"]}
@@ -165,16 +208,19 @@ def test_a_failing_control_says_the_method_is_broken(capsys, tmp_path):
     assert "FAILS" in out and "the control fails" in out and "says nothing about the model" in out
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--seq", "64", "--run", "1=a.json"], "no such file"),
-    (["--seq", "64", "--run", "x=a.json", "--run", "2=b.json"], "LAYERS must be a positive integer"),
-    (["--seq", "64"], "give --run LAYERS=PATH two or more times"),
-    (["--run", "1=a", "--run", "2=b"], "--seq is required"),
-    (["--capture", "."], "not a capture directory"),
-    (["--capture", str(FIXTURE), "--tp", "4"], "--tp 4 differs from the capture's 8"),
-    (["--capture", str(FIXTURE), "--source", "recorder"], "the capture has neff, sysfs"),
-    (["--seq", "64", "--run", "1"], "expected LAYERS=PATH"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--seq", "64", "--run", "1=a.json"], "no such file"),
+        (["--seq", "64", "--run", "x=a.json", "--run", "2=b.json"], "LAYERS must be a positive integer"),
+        (["--seq", "64"], "give --run LAYERS=PATH two or more times"),
+        (["--run", "1=a", "--run", "2=b"], "--seq is required"),
+        (["--capture", "."], "not a capture directory"),
+        (["--capture", str(FIXTURE), "--tp", "4"], "--tp 4 differs from the capture's 8"),
+        (["--capture", str(FIXTURE), "--source", "recorder"], "the capture has neff, sysfs"),
+        (["--seq", "64", "--run", "1"], "expected LAYERS=PATH"),
+    ],
+)
 def test_bad_input_is_one_line(capsys, tmp_path, monkeypatch, argv, message):
     monkeypatch.chdir(tmp_path)
     code, out, err = neuron_ckpt_cli(capsys, "compare", *argv)
@@ -195,8 +241,16 @@ def test_one_layer_count_or_mixed_formats_are_refused(capsys, recorded_runs, tmp
 # neuron-monitor as a multi-process job writes it (tests/neuron_reports.py: every runtime lists all
 # 32 NeuronCores of a trn1.32xlarge, zeros where it holds nothing, one shared tag, the vcpu error).
 
-JOB = {"model": "llama", "config": "llama2-7b", "seq": 4096, "micro_batch": 1, "dtype": "bf16",
-       "sequence_parallel": True, "zero1": True, "attention": "flash"}
+JOB = {
+    "model": "llama",
+    "config": "llama2-7b",
+    "seq": 4096,
+    "micro_batch": 1,
+    "dtype": "bf16",
+    "sequence_parallel": True,
+    "zero1": True,
+    "attention": "flash",
+}
 SCRATCH_BASE, TENSORS_BASE = 3 * PAGE, 6 << 30
 
 
@@ -221,16 +275,25 @@ def _monitor_capture(root: Path, tp: int, dp: int, cores_of, prometheus: bool = 
         neuron_reports.write_lines(root / files["neuron_monitor"], lines)
         if prometheus:  # the exporter needs a tag per process (neuron_reports: shared tags collapse)
             files["prometheus"] = f"{preset}_L{layers}/metrics.txt"
-            scrapes = [neuron_reports.report(neuron_reports.job(cores_of(layers), 32, neuron_reports.held(
-                -(-scratch // PAGE) * PAGE, TENSORS_BASE + layers * state), tag="neuron_ckpt_rank{rank}"))]
+            scrapes = [
+                neuron_reports.report(
+                    neuron_reports.job(
+                        cores_of(layers),
+                        32,
+                        neuron_reports.held(-(-scratch // PAGE) * PAGE, TENSORS_BASE + layers * state),
+                        tag="neuron_ckpt_rank{rank}",
+                    )
+                )
+            ]
             (root / files["prometheus"]).write_text("".join(map(neuron_reports.exposition, scrapes * 2)))
         runs.append(Run(layers, preset, "flash", files))
     write_capture(root, {**JOB, "tp": tp, "dp": dp}, runs)
     return root
 
 
-@pytest.mark.parametrize("tp, dp, cores", [(8, 1, range(8, 16)), (8, 4, range(32))],
-                         ids=["8-processes", "32-processes"])
+@pytest.mark.parametrize(
+    "tp, dp, cores", [(8, 1, range(8, 16)), (8, 4, range(32))], ids=["8-processes", "32-processes"]
+)
 def test_a_trn1_32xlarge_capture_compares_on_the_cores_the_job_used(capsys, tmp_path, tp, dp, cores):
     capture = _monitor_capture(tmp_path / "capture", tp, dp, lambda layers: cores, prometheus=tp * dp == 8)
     code, out, err = neuron_ckpt_cli(capsys, "compare", "--capture", str(capture), "--json")
@@ -272,8 +335,10 @@ def test_the_reader_is_picked_from_what_the_file_holds(tmp_path, recorded_runs):
     assert source_of(tmp_path / "stats.json") == "cuda_stats"
     (tmp_path / "other.json").write_text('{"loss": 1.5}')
     (tmp_path / "notes.txt").write_text("loss went down\n")
-    for path, message in [(tmp_path / "other.json", "JSON of no known report"),
-                          (tmp_path / "notes.txt", "not a memory report this tool reads"),
-                          (tmp_path, "neither an unpacked NEFF")]:
+    for path, message in [
+        (tmp_path / "other.json", "JSON of no known report"),
+        (tmp_path / "notes.txt", "not a memory report this tool reads"),
+        (tmp_path, "neither an unpacked NEFF"),
+    ]:
         with pytest.raises(ValueError, match=message):
             source_of(path)

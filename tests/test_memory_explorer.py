@@ -28,8 +28,18 @@ from .helpers import neuron_ckpt_cli
 MIB, GIB = 1 << 20, 1 << 30
 JOB_CORES = [9, 10, 11, 12, 5, 6, 7, 8]  # rank r runs on JOB_CORES[r]
 RANK0_EXTRA = {9: 256 * MIB}
-JOB = {"model": "llama", "config": "llama2-7b", "tp": 8, "dp": 1, "seq": 4096, "micro_batch": 1, "dtype": "bf16",
-       "sequence_parallel": True, "zero1": True, "attention": "flash"}
+JOB = {
+    "model": "llama",
+    "config": "llama2-7b",
+    "tp": 8,
+    "dp": 1,
+    "seq": 4096,
+    "micro_batch": 1,
+    "dtype": "bf16",
+    "sequence_parallel": True,
+    "zero1": True,
+    "attention": "flash",
+}
 SCRATCH_BASE, TENSORS_BASE = 3 * 512 * MIB, 2 * GIB
 LAYERS = (4, 8, 12, 16)
 
@@ -49,7 +59,8 @@ def test_every_hbm_is_a_core_with_its_largest_value_per_category(tmp_path):
     samples = ep.step_samples(2112 * MIB, 9 * GIB, JOB_CORES, RANK0_EXTRA)
     root = ep.write_profile(tmp_path / "L16", samples)
     assert sorted(p.name for p in explorer.parts(root, "SystemProfileHbmUsage")) == [
-        f"SystemProfileHbmUsage_{k}.parquet" for k in range(3)]
+        f"SystemProfileHbmUsage_{k}.parquet" for k in range(3)
+    ]
     reading = explorer.read(root)
     expected: dict[int, dict[str, int]] = {}  # the same rows, reduced in plain Python
     for row in ep.hbm_rows(samples):
@@ -140,8 +151,14 @@ def test_a_profile_directory_is_picked_by_what_it_holds(capsys, tmp_path):
 
 
 def test_without_a_system_profile_the_per_core_summary_is_read(tmp_path):
-    held = {"weights": 24 * MIB, "tensors": 5 * GIB, "shared_scratchpad": 2112 * MIB, "scratchpad": 0,
-            "profiler_buffers": 2 * GIB, "dma_rings_io": MIB}
+    held = {
+        "weights": 24 * MIB,
+        "tensors": 5 * GIB,
+        "shared_scratchpad": 2112 * MIB,
+        "scratchpad": 0,
+        "profiler_buffers": 2 * GIB,
+        "dma_rings_io": MIB,
+    }
     root = ep.write_summary(tmp_path / "device", {(2, 1): held, (3, 0): held})  # on-device core indices
     reading = explorer.read(root)
     assert (reading.kind, sorted(reading.cores)) == ("current", [5, 6])
@@ -182,8 +199,9 @@ def _drop_column(root):
 
 
 def _two_instances(root):
-    ep.write_table(root, "SystemProfileHbmUsage_3", ep.hbm_rows([ep.Sample(9.0)], instance="i-0fffffffffffffff0"),
-                   ep.SCHEMA)
+    ep.write_table(
+        root, "SystemProfileHbmUsage_3", ep.hbm_rows([ep.Sample(9.0)], instance="i-0fffffffffffffff0"), ep.SCHEMA
+    )
     return root
 
 
@@ -198,13 +216,17 @@ def _no_memory_tables(root):
     return root
 
 
-@pytest.mark.parametrize("change, message", [
-    (_gap, "SystemProfileHbmUsage parts [0, 2]: one is missing"),
-    (_drop_column, "SystemProfileHbmUsage_0.parquet: no column tensors_bytes"),
-    (_two_instances, "HBM rows of 2 instances (i-0a1b2c3d4e5f60718, i-0fffffffffffffff0)"),
-    (_not_parquet, "SystemProfileHbmUsage_2.parquet: not a Parquet table"),
-    (_no_memory_tables, "an Explorer profile without SystemProfileHbmUsage or HbmUsageSummaryByType"),
-], ids=["missing-part", "missing-column", "two-instances", "not-parquet", "sdk-2.28"])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (_gap, "SystemProfileHbmUsage parts [0, 2]: one is missing"),
+        (_drop_column, "SystemProfileHbmUsage_0.parquet: no column tensors_bytes"),
+        (_two_instances, "HBM rows of 2 instances (i-0a1b2c3d4e5f60718, i-0fffffffffffffff0)"),
+        (_not_parquet, "SystemProfileHbmUsage_2.parquet: not a Parquet table"),
+        (_no_memory_tables, "an Explorer profile without SystemProfileHbmUsage or HbmUsageSummaryByType"),
+    ],
+    ids=["missing-part", "missing-column", "two-instances", "not-parquet", "sdk-2.28"],
+)
 def test_bad_profiles_are_one_line_naming_the_file(tmp_path, change, message):
     _one_line_error(explorer.read, change(_profile(tmp_path)), message)
 

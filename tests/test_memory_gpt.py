@@ -32,8 +32,10 @@ ROWS = {
     "tensor + sequence parallel + selective": (True, "selective"),
     "full recompute": (False, "full"),
     "full recompute + sequence parallel": (True, "full"),
-    "full recompute + distribute_saved_activations":
-        (False, RecomputeConfig.preset("full", distribute_saved_activations=True)),
+    "full recompute + distribute_saved_activations": (
+        False,
+        RecomputeConfig.preset("full", distribute_saved_activations=True),
+    ),
 }
 
 
@@ -111,10 +113,16 @@ def _layer_output(t: int, sequence_parallel: bool, recompute: str | None) -> tup
     nc.destroy_model_parallel()
     state = nc.initialize_model_parallel(t)
     torch.manual_seed(0)
-    config = GPTConfig(64, 4, hidden_dropout=0.0, attention_dropout=0.0, sequence_parallel=sequence_parallel,
-                       dtype=torch.float32)
-    rc = None if recompute is None else RecomputeConfig(granularity=recompute, **(
-        dict(method="uniform", num_layers=1) if recompute == "full" else {}))
+    config = GPTConfig(
+        64, 4, hidden_dropout=0.0, attention_dropout=0.0, sequence_parallel=sequence_parallel, dtype=torch.float32
+    )
+    rc = (
+        None
+        if recompute is None
+        else RecomputeConfig(
+            granularity=recompute, **(dict(method="uniform", num_layers=1) if recompute == "full" else {})
+        )
+    )
     stack = GPTStack(2, config)
     if rc is not None:
         apply_recompute(stack, rc)
@@ -135,7 +143,9 @@ def _layer_output(t: int, sequence_parallel: bool, recompute: str | None) -> tup
 def _layer_outputs() -> dict:
     return {
         (t, sp, rc): _layer_output(t, sp, rc)
-        for t in (1, 2, 4) for sp in (False, True) for rc in (None, "selective", "full")
+        for t in (1, 2, 4)
+        for sp in (False, True)
+        for rc in (None, "selective", "full")
         if torch.distributed.get_world_size() % t == 0
     }
 
@@ -145,8 +155,8 @@ def test_the_layer_computes_the_same_function_at_every_tp_degree(world):
     ref_out, ref_grad = results[0][(1, False, None)]
     for rank in results:
         for key, (out, grad) in rank.items():
-            torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5, msg=lambda m: f"{key}: {m}")
-            torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-5, msg=lambda m: f"{key}: {m}")
+            torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5, msg=lambda m, key=key: f"{key}: {m}")
+            torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-5, msg=lambda m, key=key: f"{key}: {m}")
 
 
 def test_config_errors_name_the_field():

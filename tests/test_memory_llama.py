@@ -31,8 +31,13 @@ ROWS = {
     "full": (False, "full"),
     "full + distribute_saved_activations": (False, RecomputeConfig.preset("full", distribute_saved_activations=True)),
 }
-_CASES = [(shape, row, dtype, attention) for shape in SHAPES for row in ROWS for dtype in ("bf16", "fp32")
-          for attention in ("explicit", "flash")]
+_CASES = [
+    (shape, row, dtype, attention)
+    for shape in SHAPES
+    for row in ROWS
+    for dtype in ("bf16", "fp32")
+    for attention in ("explicit", "flash")
+]
 _MEASURED: dict[int, dict] = {}
 
 
@@ -67,12 +72,15 @@ def test_measured_matches_analytic(measured, t, shape, row, dtype, attention):
         assert m.unscoped_bytes == 0
         assert m.per_layer_bytes[0] == m.per_layer_bytes[1]
         ratio = m.bytes_per_layer / analytic
-        assert abs(ratio - 1) <= TOLERANCE, f"{row} {dtype} {attention}, t={t}, shape={shape}, rank {m.rank}: {ratio:.4f}"
+        assert abs(ratio - 1) <= TOLERANCE, (
+            f"{row} {dtype} {attention}, t={t}, shape={shape}, rank {m.rank}: {ratio:.4f}"
+        )
         assert m.bytes_per_layer == analytic  # nothing is left out of the Llama model
 
 
-def _by_name(model: ModelShape, recompute: str = "none", s: int = 64, b: int = 2, t: int = 1,
-             attention: str = "explicit") -> dict[str, int]:
+def _by_name(
+    model: ModelShape, recompute: str = "none", s: int = 64, b: int = 2, t: int = 1, attention: str = "explicit"
+) -> dict[str, int]:
     setup = TrainingSetup(s, b, tp=t, sequence_parallel=False, attention=attention)
     return {term.name: term.nbytes for term in layer_activation_terms(model, setup, recompute)}
 
@@ -87,12 +95,16 @@ def test_terms_follow_the_derivation():
     assert terms["k"] == terms["v"] == 2 * s * b * g * d  # kv heads, not repeated
     assert terms["probs"] == 2 * a * s * s * b  # the fused masked softmax keeps only its bf16 output
     assert sum(terms[n] for n in ("gate", "up", "down_input")) == 6 * s * b * f  # silu(gate) recomputed
-    assert sum(terms.values()) == 2 * norm + 2 * 2 * sbh + 2 * s * b * (2 * a * d + 2 * g * d) \
-        + 2 * a * s * s * b + 6 * s * b * f
+    assert (
+        sum(terms.values())
+        == 2 * norm + 2 * 2 * sbh + 2 * s * b * (2 * a * d + 2 * g * d) + 2 * a * s * s * b + 6 * s * b * f
+    )
     selective = _by_name(_llama(h, a, g, f), "selective", s=s, b=b)
     assert set(terms) - set(selective) == {"probs"}
     mlp_act = _by_name(_llama(h, a, g, f), "selective+mlp_act", s=s, b=b)
-    assert set(selective) - set(mlp_act) == {"down_input"}  # output-discarding SwiGLU: the down projection keeps nothing
+    assert set(selective) - set(mlp_act) == {
+        "down_input"
+    }  # output-discarding SwiGLU: the down projection keeps nothing
 
 
 def test_flash_keeps_a_logsumexp_instead_of_the_probabilities():

@@ -125,8 +125,10 @@ def test_bytes_do_not_depend_on_how_tokens_spread_over_experts(family, experts):
                 layer.mlp.gate.weight.zero_()
     used = []
     for model in (spread, tied):
-        chosen = []
-        handle = model.model.layers[1].mlp.gate.register_forward_hook(lambda m, a, out: chosen.append(out[2]))
+        chosen: list = []
+        handle = model.model.layers[1].mlp.gate.register_forward_hook(
+            lambda m, a, out, chosen=chosen: chosen.append(out[2])
+        )
         measured = measure_layers(model, s).per_layer_bytes
         handle.remove()
         used.append(chosen[0].unique().numel())
@@ -153,7 +155,9 @@ def test_routing_replay_holds_its_indices_outside_autograd(family, choice, monke
     held = [sum(t.numel() * t.element_size() for t in r.recorded) for r in replays]
     want = layer_memory(SHAPES[family], s, choice, "moe")
     moe_layers = kinds(SHAPES[family]).count("moe")  # a dense layer routes nothing: no replay
-    assert held == [want.nbytes - want.autograd_bytes] * moe_layers == [sum(t.nbytes for t in want.outside)] * moe_layers
+    assert (
+        held == [want.nbytes - want.autograd_bytes] * moe_layers == [sum(t.nbytes for t in want.outside)] * moe_layers
+    )
     assert len(replays[0].recorded) == len(want.outside) == (3 if family == "deepseek_v3" else 1)
 
 
@@ -182,8 +186,10 @@ def test_the_routed_experts_cost_a_fixed_amount_per_routed_row():
     the same F terms, the row three times (gathered, down output, weighted) and the weight."""
     shape, w = SHAPES["mixtral"], 2
     T, h, F, E, k = S * B, shape.hidden, shape.moe_ffn, shape.experts, shape.top_k
-    experts = lambda terms: sum(v for n, v in terms.items() if n.split(".")[0] in  # noqa: E731
-                                ("dispatch", "grouped_mm", "experts", "combine"))
+
+    def experts(terms):
+        return sum(v for n, v in terms.items() if n.split(".")[0] in ("dispatch", "grouped_mm", "experts", "combine"))
+
     grouped = experts(_terms(shape, MoESetup(S, B, experts="grouped_mm")))
     eager = experts(_terms(shape, MoESetup(S, B, experts="eager")))
     assert grouped == T * k * (3 * 8 + w * (2 * h + 4 * F) + 4) + 4 * E
@@ -211,8 +217,10 @@ def test_real_models_at_4096_tokens():
         assert _terms(deepseek, ds, kind="dense")["mlp.product"] == 2 * T * 18432 // t
         fused = _terms(deepseek, replace(ds, attention="sdpa-fused"))  # CUDA's memory-efficient kernel
         assert "probs_fp32" not in fused and fused["logsumexp_fp32"] == 4 * 128 * T
-    assert layer_memory(deepseek, MoESetup(T, 1, 8), "none", "dense").nbytes < \
-        layer_memory(deepseek, MoESetup(T, 1, 1), "none", "dense").nbytes
+    assert (
+        layer_memory(deepseek, MoESetup(T, 1, 8), "none", "dense").nbytes
+        < layer_memory(deepseek, MoESetup(T, 1, 1), "none", "dense").nbytes
+    )
 
 
 @pytest.mark.parametrize("choice,kept", [

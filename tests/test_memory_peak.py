@@ -18,7 +18,6 @@ import torch
 
 import neuron_ckpt as nc
 from neuron_ckpt.memory import ModelShape, TrainingSetup, memory_budget
-from neuron_ckpt.memory.analytic import layer_activation_bytes, model_activation_peak_bytes
 from neuron_ckpt.memory.live import LiveSavedTensors
 from neuron_ckpt.models.llama import LlamaForCausalLM
 from neuron_ckpt.parallel import CoreAttention
@@ -29,12 +28,18 @@ from .helpers import tiny_config
 S, B, LAYERS = 32, 2, 8
 SIZES = {"vocab_size": 256, "intermediate_size": 176, "max_position_embeddings": S, "num_hidden_layers": LAYERS}
 FULL = {f"uniform {k}": RecomputeConfig("full", "uniform", k) for k in (1, 2, 4)} | {
-    "block 3": RecomputeConfig("full", "block", 3)}
-SELECTIVE = {"+".join(m): RecomputeConfig("selective", modules=m) for m in (
-    ("core_attn",), ("mlp",), ("core_attn", "mlp"), ("norm",), ("mlp_act",), ("mlp", "norm"))}
+    "block 3": RecomputeConfig("full", "block", 3)
+}
+SELECTIVE = {
+    "+".join(m): RecomputeConfig("selective", modules=m)
+    for m in (("core_attn",), ("mlp",), ("core_attn", "mlp"), ("norm",), ("mlp_act",), ("mlp", "norm"))
+}
 CHOICES = {"none": RecomputeConfig()} | FULL | SELECTIVE
-DISTRIBUTED = {f"{name}, distributed": RecomputeConfig(c.granularity, c.method, c.num_layers, distribute_saved_activations=True)
-               for name, c in FULL.items() if name in ("uniform 2", "block 3")}
+DISTRIBUTED = {
+    f"{name}, distributed": RecomputeConfig(c.granularity, c.method, c.num_layers, distribute_saved_activations=True)
+    for name, c in FULL.items()
+    if name in ("uniform 2", "block 3")
+}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -95,8 +100,14 @@ def test_recompute_in_backward_is_seen_through_the_reentrant_checkpoint_only(use
 
 def _reentrant(config: RecomputeConfig) -> RecomputeConfig:
     """The same recompute through the reentrant checkpoint, whose rerun the tracker sees."""
-    return RecomputeConfig(config.granularity, config.method, config.num_layers, config.modules,
-                           config.distribute_saved_activations, use_reentrant=True)
+    return RecomputeConfig(
+        config.granularity,
+        config.method,
+        config.num_layers,
+        config.modules,
+        config.distribute_saved_activations,
+        use_reentrant=True,
+    )
 
 
 def _peaks(t: int, sp: bool, attention: str, choices: dict[str, RecomputeConfig]) -> dict[str, tuple[int, int, int]]:
@@ -106,8 +117,9 @@ def _peaks(t: int, sp: bool, attention: str, choices: dict[str, RecomputeConfig]
     out = {}
     for label, config in choices.items():
         torch.manual_seed(0)
-        model = LlamaForCausalLM(tiny_config(**SIZES), sequence_parallel=sp, attention_implementation=attention,
-                                 dtype=torch.bfloat16).train()
+        model = LlamaForCausalLM(
+            tiny_config(**SIZES), sequence_parallel=sp, attention_implementation=attention, dtype=torch.bfloat16
+        ).train()
         if config.enabled:
             apply_recompute(model, _reentrant(config), sequence_parallel=sp)
         masks = [m.causal_mask(S, torch.device("cpu")) for m in model.modules() if isinstance(m, CoreAttention)]
@@ -128,8 +140,12 @@ def _budget(t: int, sp: bool, attention: str, config: RecomputeConfig):
     return memory_budget(model, TrainingSetup(S, B, tp=t, dp=2 // t, sequence_parallel=sp, attention=attention), config)
 
 
-RUNS = [(1, False, "explicit", CHOICES), (1, False, "flash", FULL), (2, True, "explicit", CHOICES),
-        (2, False, "explicit", DISTRIBUTED)]
+RUNS = [
+    (1, False, "explicit", CHOICES),
+    (1, False, "flash", FULL),
+    (2, True, "explicit", CHOICES),
+    (2, False, "explicit", DISTRIBUTED),
+]
 
 
 def _all_peaks() -> list[dict[str, tuple[int, int, int]]]:
@@ -153,6 +169,8 @@ def test_measured_peak_equals_the_budget(measured, t, sp, attention, label):
     budget = _budget(t, sp, attention, config)
     for rank, by_label in enumerate(measured[(t, sp, attention)]):
         forward, peak, after = by_label[label]
-        assert forward == budget.activation_bytes, f"rank {rank}: forward keeps {forward}, budget {budget.activation_bytes}"
+        assert forward == budget.activation_bytes, (
+            f"rank {rank}: forward keeps {forward}, budget {budget.activation_bytes}"
+        )
         assert peak == budget.activation_peak_bytes, f"rank {rank}: peak {peak}, budget {budget.activation_peak_bytes}"
         assert after == 0, f"rank {rank}: {after} bytes held after the backward"

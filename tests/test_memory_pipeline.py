@@ -34,8 +34,14 @@ from neuron_ckpt.memory.analytic import layer_activation_bytes, rotary_terms
 from neuron_ckpt.memory.budget import _outside_items, embedding_bytes
 from neuron_ckpt.memory.options import layer_options
 from neuron_ckpt.memory.pipeline import (
-    PipelinePlan, PipelineSetup, closed_form_in_flight, peak_in_flight, plan_pipeline, rank_order,
-    smallest_pp, stage_budgets,
+    PipelinePlan,
+    PipelineSetup,
+    closed_form_in_flight,
+    peak_in_flight,
+    plan_pipeline,
+    rank_order,
+    smallest_pp,
+    stage_budgets,
 )  # fmt: skip
 from neuron_ckpt.memory.pipeline.measure import measure_rank
 from neuron_ckpt.memory.pipeline.schedule import Action
@@ -87,13 +93,25 @@ def _torch_interleaved(pp: int, m: int, v: int, rank: int) -> list[Action]:
     from torch.distributed.pipelining import ScheduleInterleaved1F1B
     from torch.distributed.pipelining.schedules import _ComputationType as C
 
-    stages = [SimpleNamespace(num_stages=pp * v, group_size=pp, group_rank=rank, stage_index=j * pp + rank,
-                              is_first=j * pp + rank == 0, is_last=j * pp + rank == pp * v - 1,
-                              stage_index_to_group_rank=None) for j in range(v)]
+    stages = [
+        SimpleNamespace(
+            num_stages=pp * v,
+            group_size=pp,
+            group_rank=rank,
+            stage_index=j * pp + rank,
+            is_first=j * pp + rank == 0,
+            is_last=j * pp + rank == pp * v - 1,
+            stage_index_to_group_rank=None,
+        )
+        for j in range(v)
+    ]
     schedule = ScheduleInterleaved1F1B(stages, m, loss_fn=lambda out, target: out)
     kinds = {C.FORWARD: "F", C.FULL_BACKWARD: "B"}
-    return [Action(kinds[a.computation_type], a.stage_index, a.microbatch_index)
-            for a in schedule.pipeline_order_with_comms[rank] if a is not None and a.computation_type in kinds]
+    return [
+        Action(kinds[a.computation_type], a.stage_index, a.microbatch_index)
+        for a in schedule.pipeline_order_with_comms[rank]
+        if a is not None and a.computation_type in kinds
+    ]
 
 
 @pytest.mark.parametrize("pp", [2, 3, 4])
@@ -181,8 +199,9 @@ TIED = replace(SEVEN_B, tie_word_embeddings=True, name="tied")
 GPT = ModelShape.gpt(2048, 16, 32)
 
 
-@pytest.mark.parametrize("model, attention", [(SEVEN_B, "explicit"), (SEVEN_B, "flash"), (TIED, "flash"),
-                                              (GPT, "explicit")])
+@pytest.mark.parametrize(
+    "model, attention", [(SEVEN_B, "explicit"), (SEVEN_B, "flash"), (TIED, "flash"), (GPT, "explicit")]
+)
 def test_one_stage_is_the_whole_model_budget(model, attention):
     """Without torch's runtime (which would hold the logits until the backward). A tied model's
     table counts once on one stage; over two, the last stage holds its own copy."""
@@ -219,8 +238,11 @@ def test_uneven_cut_bytes_per_stage():
         assert sum(b.budget.items[0].nbytes for b in budgets) == SEVEN_B.local_parameters(8) * 2  # bf16
         for i, b in enumerate(budgets):
             n = min(m, 4 - i)
-            outside = rope + (embedding_bytes(SEVEN_B, setup) if i == 0 else 0) + (
-                sum(x.nbytes for x in after) if i == 3 else 0)
+            outside = (
+                rope
+                + (embedding_bytes(SEVEN_B, setup) if i == 0 else 0)
+                + (sum(x.nbytes for x in after) if i == 3 else 0)
+            )
             assert b.in_flight == (n,) and b.layers == cut[i]
             assert b.activation_bytes == n * (cut[i] * layer + outside)
             params = cut[i] * per_layer + (table if i == 0 else 0) + (one - per_layer - table if i == 3 else 0)
@@ -246,8 +268,14 @@ def _reentrant(config: RecomputeConfig | None) -> RecomputeConfig | None:
     """The same recompute through the reentrant checkpoint, whose rerun the tracker sees."""
     if config is None:
         return None
-    return RecomputeConfig(config.granularity, config.method, config.num_layers, config.modules,
-                           config.distribute_saved_activations, use_reentrant=True)
+    return RecomputeConfig(
+        config.granularity,
+        config.method,
+        config.num_layers,
+        config.modules,
+        config.distribute_saved_activations,
+        use_reentrant=True,
+    )
 
 
 SEL, FULL = RecomputeConfig("selective", modules=("core_attn",)), RecomputeConfig("full", "uniform", 1)
@@ -271,8 +299,14 @@ def _planned() -> PipelinePlan:
     """The planner's recompute for the "plan" case: ZeRO-1 over 64 with small buckets, so the
     activations decide, and a limit that mixes none, selective and full on the stages."""
     setup = TrainingSetup(S, B, tp=1, dp=64, sequence_parallel=False, attention="explicit", bucket_cap_mb=0.01)
-    return plan_pipeline(ModelShape.from_llama(tiny_config(**SIZES)), setup, PipelineSetup(2, 4, stage_layers=(4, 4)),
-                         1_750_000 / 2**30, reserve_gib=0, allowed=("none", "selective", "full"))
+    return plan_pipeline(
+        ModelShape.from_llama(tiny_config(**SIZES)),
+        setup,
+        PipelineSetup(2, 4, stage_layers=(4, 4)),
+        1_750_000 / 2**30,
+        reserve_gib=0,
+        allowed=("none", "selective", "full"),
+    )
 
 
 def _measure(case: tuple) -> tuple:
@@ -283,26 +317,51 @@ def _measure(case: tuple) -> tuple:
 
     t, p, schedule, m, v, cut, attention, layers = case
     nc.initialize_model_parallel(tensor_parallel_size=t, pipeline_parallel_size=p)
-    pipe = LlamaPipeline(tiny_config(**SIZES), PipelineConfig(schedule, m, v, cut), B, S, sequence_parallel=t > 1,
-                         attention_implementation=attention, dtype=torch.bfloat16)
+    pipe = LlamaPipeline(
+        tiny_config(**SIZES),
+        PipelineConfig(schedule, m, v, cut),
+        B,
+        S,
+        sequence_parallel=t > 1,
+        attention_implementation=attention,
+        dtype=torch.bfloat16,
+    )
     if layers == "plan":  # what the planner writes, as apply_pipeline_recompute takes it
         apply_pipeline_recompute(pipe, [[_reentrant(c) for c in stage] for stage in _planned().recompute()])
     elif layers is not None:
         apply_pipeline_recompute(pipe, [_reentrant(c) for c in layers])
     ids = torch.randint(0, VOCAB, (m * B, S), generator=torch.Generator().manual_seed(0))
     pipe.step(ids, ids.clone())
-    masks = [x.causal_mask(S, torch.device("cpu")) for stage in pipe.modules for x in stage.modules()
-             if isinstance(x, CoreAttention)]
-    got = measure_rank(lambda: pipe.step(ids, ids.clone()), pipe.modules, pipe.torch_stages,
-                       exclude_modules=pipe.modules, exclude_tensors=masks)
+    masks = [
+        x.causal_mask(S, torch.device("cpu"))
+        for stage in pipe.modules
+        for x in stage.modules()
+        if isinstance(x, CoreAttention)
+    ]
+    got = measure_rank(
+        lambda: pipe.step(ids, ids.clone()),
+        pipe.modules,
+        pipe.torch_stages,
+        exclude_modules=pipe.modules,
+        exclude_tensors=masks,
+    )
     # torch's receive buffers, by distinct storage. Private attributes: PipelineStage keeps them
     # there and nowhere public (one per micro-batch, for the input and for the output's gradient).
-    buffers = {info.buffer.untyped_storage().data_ptr(): info.buffer.untyped_storage().nbytes()
-               for stage in pipe.torch_stages
-               for infos in (*stage.args_recv_info.values(), *stage.grad_recv_info.values())
-               for info in infos if getattr(info, "buffer", None) is not None}
-    return (pipe.parallel_state.pp_rank, pipe.cut.layers_per_stage, got.most_after_forward, got.peak_bytes,
-            got.after_step, sum(buffers.values()))
+    buffers = {
+        info.buffer.untyped_storage().data_ptr(): info.buffer.untyped_storage().nbytes()
+        for stage in pipe.torch_stages
+        for infos in (*stage.args_recv_info.values(), *stage.grad_recv_info.values())
+        for info in infos
+        if getattr(info, "buffer", None) is not None
+    }
+    return (
+        pipe.parallel_state.pp_rank,
+        pipe.cut.layers_per_stage,
+        got.most_after_forward,
+        got.peak_bytes,
+        got.after_step,
+        sum(buffers.values()),
+    )
 
 
 def _measure_all(n: int) -> list[tuple]:
@@ -348,8 +407,9 @@ def test_measured_equals_analytic_per_stage(measured, n, i):
         assert plan.fits and sorted(len(stage.counts) for stage in plan.stages) == [2, 3]  # mixes on both stages
         budgets = [stage.budget for stage in plan.stages]
     else:
-        budgets = stage_budgets(shape, setup, pipeline,
-                                "none" if layers is None else [c or RecomputeConfig() for c in layers])
+        budgets = stage_budgets(
+            shape, setup, pipeline, "none" if layers is None else [c or RecomputeConfig() for c in layers]
+        )
     assert len(ranks) == t * p
     for pp_rank, _, most, peak, after, buffers in ranks:
         budget = budgets[pp_rank]
@@ -357,8 +417,10 @@ def test_measured_equals_analytic_per_stage(measured, n, i):
         shared = 8 * max(budget.in_flight[-1] - 1, 0) if budget.chunks[-1].last else 0
         refill = 2 * S * B * 176 // t if layers is ACT and pp_rank == 0 else 0
         assert after == 0
-        print(f"\nn={n} case {i} stage {pp_rank}: kept {most + shared} (analytic {budget.activation_bytes}), "
-              f"peak {peak + shared + refill} (analytic {budget.budget.activation_peak_bytes})")
+        print(
+            f"\nn={n} case {i} stage {pp_rank}: kept {most + shared} (analytic {budget.activation_bytes}), "
+            f"peak {peak + shared + refill} (analytic {budget.budget.activation_peak_bytes})"
+        )
         assert most + shared == budget.activation_bytes, f"stage {pp_rank}: kept {most}"
         assert peak + shared + refill == budget.budget.activation_peak_bytes, f"stage {pp_rank}: peak {peak}"
 
@@ -377,8 +439,13 @@ def test_stage_plan_is_the_cheapest_that_fits_against_brute_force():
     pipeline = PipelineSetup(2, 4, "1f1b")
     options = layer_options(model, setup)
     ranks = [RankModel(model, setup, pipeline, r) for r in range(2)]
-    priced = [[(sum(o.recompute_flops for o in combo), rank.budget([list(combo)]).total_bytes)
-               for combo in itertools.product(options.values(), repeat=4)] for rank in ranks]
+    priced = [
+        [
+            (sum(o.recompute_flops for o in combo), rank.budget([list(combo)]).total_bytes)
+            for combo in itertools.product(options.values(), repeat=4)
+        ]
+        for rank in ranks
+    ]
     lows = [min(b for _, b in p) for p in priced]
     highs = [max(b for _, b in p) for p in priced]
     mixed = 0
@@ -401,12 +468,18 @@ def test_smallest_pp_is_the_first_degree_that_fits():
     fits_at = {p: plan_pipeline(model, setup, PipelineSetup(p, 8, "gpipe"), 1.0, reserve_gib=0) for p in (2, 4, 8)}
     # A limit that two stages cannot keep, even recomputing, and four can.
     top = max(s.budget.total_bytes for s in fits_at[4].stages)
-    limit = next(top * f / 100 for f in range(100, 10, -1)
-                 if not plan_pipeline(model, setup, pipeline, top * f / 100 / 2**30, reserve_gib=0).fits)
+    limit = next(
+        top * f / 100
+        for f in range(100, 10, -1)
+        if not plan_pipeline(model, setup, pipeline, top * f / 100 / 2**30, reserve_gib=0).fits
+    )
     assert not all(s.budget.total_bytes <= limit for s in fits_at[2].stages)
     plan = plan_pipeline(model, setup, pipeline, limit / 2**30, reserve_gib=0)
-    first = next(p for p in range(3, LAYERS + 1)
-                 if plan_pipeline(model, setup, PipelineSetup(p, 8, "gpipe"), limit / 2**30, reserve_gib=0).fits)
+    first = next(
+        p
+        for p in range(3, LAYERS + 1)
+        if plan_pipeline(model, setup, PipelineSetup(p, 8, "gpipe"), limit / 2**30, reserve_gib=0).fits
+    )
     assert not plan.fits and plan.smallest_pp == first <= 4
     assert smallest_pp(model, setup, pipeline, limit_bytes(limit / 2**30, 0)) == first
     assert f"would fit: pp={first}" in plan.message() and "\n" not in plan.message()

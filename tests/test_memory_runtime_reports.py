@@ -39,7 +39,7 @@ NEFF id to name mapping:
 1001: "1.0.41235.0+df4a714bb-/local/out-test0_meta_dense"
 1002: "1.0.41235.0+df4a714bb-/local/out-test0_meta_concat3"
 1003: "1.0.41235.0+df4a714bb-/local/out-test0_meta_concat3"
-"""
+"""  # noqa: E501  the runtime's lines verbatim, as AWS prints them
 
 AWS_LOAD = """2025-May-15 07:41:15.014997 2198754:2198754  INFO  TDRV:dml_log_dev_neff_mem
 [ND 0:NC 0] Current Usage Total: 96.543MB
@@ -84,9 +84,16 @@ def test_the_oom_table_of_awss_page(tmp_path):
     assert source_of(path) == "oom_table"
     _one_line_error(oom_table.read, path, "NC 4 on ND 0, but cores_per_device is 2")  # trn1's; this is a trn2
     reading = oom_table.read(path, cores_per_device=8)  # trn2 at LNC=1
-    assert (reading.source, reading.kind, reading.samples, sorted(reading.cores)) == ("neuron-oom-table", "current", 1, [4, 5])
+    assert (reading.source, reading.kind, reading.samples, sorted(reading.cores)) == (
+        "neuron-oom-table",
+        "current",
+        1,
+        [4, 5],
+    )
     nc4 = reading.core(4)
-    assert nc4["total"] == round(20.094 * GIB) and nc4["tensors"] == 20 * GIB and nc4["model_code"] == round(96.065 * MIB)
+    assert (
+        nc4["total"] == round(20.094 * GIB) and nc4["tensors"] == 20 * GIB and nc4["model_code"] == round(96.065 * MIB)
+    )
     assert nc4["shared_scratchpad"] == nc4["scratchpad"] == 0 and nc4["dma_rings_collectives"] == 0
     assert nc4["runtime"] == round(229.062 * KIB) and nc4["xt_cc"] == nc4["profiler_buffers"] == 0
     assert nc4["neff_model_code"] == round(31.875 * KIB) and nc4["neff_runtime"] == 108 * KIB  # the largest NEFF's
@@ -96,17 +103,27 @@ def test_the_oom_table_of_awss_page(tmp_path):
 def _trn1_table(shared: str, tensors: str, label: str = "ND 12 HBM 1") -> str:
     """Hand-made: one trn1 core of device 12 that loaded two NEFFs (the newer ``HBM`` row label)."""
     head = AWS_OOM.split("\n\n")[1].splitlines()[:2]
-    row = "| {} |192.102MB | 82.344KB | {} | {} |  0.000B  |350.125KB |179.000KB | 64.000KB |  0.000B   | 68.000KB |  0.000B   |  0.000B  |  0.000B  |"
-    return "\n".join([*head, f"{label:<14}" + row.format("15.910GB", tensors, shared),
-                      "\\_NC 1        " + row.format("15.910GB", tensors, shared),
-                      "  \\_NEFF 1002 |282.648MB | 59.870MB | 24.000KB |   n/a    |   n/a    |282.648MB |108.000KB | 57.000KB | 32.000KB |  0.000B   | 4.000KB  |  0.000B   |   n/a    |   n/a    |",
-                      "  \\_NEFF 1008 |370.354MB |182.810MB | 24.000KB |   n/a    |   n/a    |370.354MB |108.000KB | 57.000KB | 32.000KB |  0.000B   | 4.000KB  |  0.000B   |   n/a    |   n/a    |",
-                      "", "NEFF id to name mapping:", ""])
+    row = "| {} |192.102MB | 82.344KB | {} | {} |  0.000B  |350.125KB |179.000KB | 64.000KB |  0.000B   | 68.000KB |  0.000B   |  0.000B  |  0.000B  |"  # noqa: E501  a row as the runtime prints it
+    return "\n".join(
+        [
+            *head,
+            f"{label:<14}" + row.format("15.910GB", tensors, shared),
+            "\\_NC 1        " + row.format("15.910GB", tensors, shared),
+            "  \\_NEFF 1002 |282.648MB | 59.870MB | 24.000KB |   n/a    |   n/a    |282.648MB |108.000KB | 57.000KB | 32.000KB |  0.000B   | 4.000KB  |  0.000B   |   n/a    |   n/a    |",  # noqa: E501  a row as the runtime prints it
+            "  \\_NEFF 1008 |370.354MB |182.810MB | 24.000KB |   n/a    |   n/a    |370.354MB |108.000KB | 57.000KB | 32.000KB |  0.000B   | 4.000KB  |  0.000B   |   n/a    |   n/a    |",  # noqa: E501  a row as the runtime prints it
+            "",
+            "NEFF id to name mapping:",
+            "",
+        ]
+    )
 
 
 def test_tables_in_one_log_give_the_largest_figure_and_the_page(tmp_path):
-    path = _write(tmp_path, "neuron_mem_table_device_12_nc_1.log",
-                  _trn1_table("384.000MB", "12.000GB") + _trn1_table("384.000MB", "13.500GB"))
+    path = _write(
+        tmp_path,
+        "neuron_mem_table_device_12_nc_1.log",
+        _trn1_table("384.000MB", "12.000GB") + _trn1_table("384.000MB", "13.500GB"),
+    )
     reading = oom_table.read(path)
     assert sorted(reading.cores) == [25] and reading.samples == 2  # device 12, core 1 on it
     assert reading.core(25)["tensors"] == round(13.5 * GIB) and reading.core(25)["shared_scratchpad"] == 384 * MIB
@@ -114,14 +131,24 @@ def test_tables_in_one_log_give_the_largest_figure_and_the_page(tmp_path):
     assert reading.quantum == CONTIGUOUS_PAGE_BYTES and "64 MiB pages" in reading.notes[1]
 
 
-@pytest.mark.parametrize("text, message", [
-    ("              | TOTAL | Code | Constants | Tensors | Scratchpad |\nND 0 HBM 0    | 1.0GB | 1.0MB | 0.0B | 1.0GB | 0.0B |\n",
-     "an OOM table without shared_scratchpad"),
-    (_trn1_table("n/a", "12.000GB"), "NC 1's shared_scratchpad is n/a"),
-    ("\n".join(line for line in _trn1_table("1.0GB", "1.0GB").splitlines() if not line.startswith("ND")),
-     "'\\\\_NC 1' comes before any 'ND <d>' row"),
-    ("ERROR TDRV:log_dev_mem Failed to allocate 4.000GB\n", "no OOM table with NeuronCore rows"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        (
+            (
+                "              | TOTAL | Code | Constants | Tensors | Scratchpad |\n"
+                "ND 0 HBM 0    | 1.0GB | 1.0MB | 0.0B | 1.0GB | 0.0B |\n"
+            ),
+            "an OOM table without shared_scratchpad",
+        ),
+        (_trn1_table("n/a", "12.000GB"), "NC 1's shared_scratchpad is n/a"),
+        (
+            "\n".join(line for line in _trn1_table("1.0GB", "1.0GB").splitlines() if not line.startswith("ND")),
+            "'\\\\_NC 1' comes before any 'ND <d>' row",
+        ),
+        ("ERROR TDRV:log_dev_mem Failed to allocate 4.000GB\n", "no OOM table with NeuronCore rows"),
+    ],
+)
 def test_oom_table_errors_are_one_line_naming_the_file(tmp_path, text, message):
     _one_line_error(oom_table.read, _write(tmp_path, "table.log", text), message)
 
@@ -131,22 +158,38 @@ def test_the_load_log_of_awss_page(tmp_path):
     assert source_of(path) == "load_log"
     reading = load_log.read(path)
     assert (reading.source, reading.kind, reading.samples, reading.quantum) == ("neuron-load-log", "peak", 1, 1)
-    assert reading.cores == {0: {
-        "current_total": round(96.543 * MIB), "shared_scratchpad": 0, "neff_total": round(230.562 * KIB),
-        "neff_model_code": round(30.562 * KIB), "neff_model_constants": 24 * KIB, "neff_scratchpad": 0,
-        "neff_runtime": 95 * KIB, "neff_dma_rings_io": 61 * KIB, "neff_dma_rings_spill": 16 * KIB,
-        "neff_dma_rings_collectives": 0, "neff_dma_rings_runtime": 4 * KIB, "neff_collectives": 0}}
+    assert reading.cores == {
+        0: {
+            "current_total": round(96.543 * MIB),
+            "shared_scratchpad": 0,
+            "neff_total": round(230.562 * KIB),
+            "neff_model_code": round(30.562 * KIB),
+            "neff_model_constants": 24 * KIB,
+            "neff_scratchpad": 0,
+            "neff_runtime": 95 * KIB,
+            "neff_dma_rings_io": 61 * KIB,
+            "neff_dma_rings_spill": 16 * KIB,
+            "neff_dma_rings_collectives": 0,
+            "neff_dma_rings_runtime": 4 * KIB,
+            "neff_collectives": 0,
+        }
+    }
 
 
 def _load(nc: int, scratchpad: str, name: str = "step", device: int = 3) -> str:
     """A hand-made load block in the AWS sample's form, between other INFO lines."""
-    return AWS_LOAD.replace("[ND 0:NC 0]", f"[ND {device}:NC {nc}]").replace(
-        "scratchpad: 0.000B\n        * runtime", f"scratchpad: {scratchpad}\n        * runtime").replace(
-        "out-test0_meta_concat3", name) + "2025-May-15 07:41:16.000001 2198754:2198754  INFO  NRT:nrt_load  done\n"
+    return (
+        AWS_LOAD.replace("[ND 0:NC 0]", f"[ND {device}:NC {nc}]")
+        .replace("scratchpad: 0.000B\n        * runtime", f"scratchpad: {scratchpad}\n        * runtime")
+        .replace("out-test0_meta_concat3", name)
+        + "2025-May-15 07:41:16.000001 2198754:2198754  INFO  NRT:nrt_load  done\n"
+    )
 
 
 def test_each_core_keeps_its_largest_neffs_figures(tmp_path):
-    text = _load(0, "282.648MB", "optimizer") + _load(1, "1.250GB") + _load(0, "370.354MB") + _load(1, "12.000KB", "init")
+    text = (
+        _load(0, "282.648MB", "optimizer") + _load(1, "1.250GB") + _load(0, "370.354MB") + _load(1, "12.000KB", "init")
+    )
     reading = load_log.read(_write(tmp_path, "ranks.log", text))
     assert sorted(reading.cores) == [6, 7] and reading.samples == 4  # device 3: cores 6 and 7
     assert reading.core(6)["neff_scratchpad"] == round(370.354 * MIB)
@@ -154,13 +197,22 @@ def test_each_core_keeps_its_largest_neffs_figures(tmp_path):
     assert reading.quantum == GIB // 1000  # core 7's largest figure is printed in GB: 1/1000 of one
 
 
-@pytest.mark.parametrize("text, message", [
-    (AWS_LOAD.replace("        * scratchpad: 0.000B\n", ""), "the load block of NC 0 lacks neff_scratchpad"),
-    (AWS_LOAD.split("Per NEFF")[0] + AWS_LOAD, "the load block of NC 0 lacks neff_total, neff_scratchpad before line 5"),
-    ("\n".join(AWS_LOAD.splitlines()[3:]), "a per-NEFF breakdown with no '[ND <d>:NC <n>] Current Usage Total' line"),
-    (AWS_LOAD.replace("96.543MB", "96.5 MB"), "Current Usage Total: '96.5' is not a size"),
-    ("INFO nothing to see\n", "no per-NEFF load block"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        (AWS_LOAD.replace("        * scratchpad: 0.000B\n", ""), "the load block of NC 0 lacks neff_scratchpad"),
+        (
+            AWS_LOAD.split("Per NEFF")[0] + AWS_LOAD,
+            "the load block of NC 0 lacks neff_total, neff_scratchpad before line 5",
+        ),
+        (
+            "\n".join(AWS_LOAD.splitlines()[3:]),
+            "a per-NEFF breakdown with no '[ND <d>:NC <n>] Current Usage Total' line",
+        ),
+        (AWS_LOAD.replace("96.543MB", "96.5 MB"), "Current Usage Total: '96.5' is not a size"),
+        ("INFO nothing to see\n", "no per-NEFF load block"),
+    ],
+)
 def test_load_log_errors_are_one_line_naming_the_file(tmp_path, text, message):
     _one_line_error(load_log.read, _write(tmp_path, "bad.log", text), message)
 
@@ -178,9 +230,12 @@ def test_compare_reads_load_logs_as_the_step_neffs_exact_scratchpad(capsys, tmp_
     for layers in (4, 8):
         text = "".join(_load(nc, f"{(GIB + layers * per_layer) / GIB:.3f}GB", device=0) for nc in (0, 1))
         runs.append(f"--run={layers}={_write(tmp_path, f'L{layers}.log', _load(0, '12.000KB', 'init') + text)}")
-    code, out, err = neuron_ckpt_cli(capsys, "compare", "--config", "llama2-7b", "--tp", "8", "--seq", "4096",
-                                     "--json", *runs)
+    code, out, err = neuron_ckpt_cli(
+        capsys, "compare", "--config", "llama2-7b", "--tp", "8", "--seq", "4096", "--json", *runs
+    )
     assert code == 0, err
     result = json.loads(out)
     assert result["source"] == "neuron-load-log" and result["agrees"] and result["quantum"] == GIB // 1000
-    assert abs(result["measured_bytes_per_layer"] - per_layer) <= result["uncertainty_bytes_per_layer"] <= GIB / 1000 / 2
+    assert (
+        abs(result["measured_bytes_per_layer"] - per_layer) <= result["uncertainty_bytes_per_layer"] <= GIB / 1000 / 2
+    )

@@ -29,8 +29,13 @@ SUBSETS = [subset for n in range(1, 5) for subset in itertools.combinations(DENS
 
 def _cases(t: int) -> list[tuple[tuple[str, ...], bool, str, str, bool]]:
     """(modules, sequence parallel, attention, dtype, distribute) measured at degree t."""
-    cases = [(m, sp, attention, dtype, False) for m in SUBSETS for sp in ((False, True) if t > 1 else (False,))
-             for attention in ("explicit", "flash") for dtype in ("bf16", "fp32")]
+    cases = [
+        (m, sp, attention, dtype, False)
+        for m in SUBSETS
+        for sp in ((False, True) if t > 1 else (False,))
+        for attention in ("explicit", "flash")
+        for dtype in ("bf16", "fp32")
+    ]
     if t > 1:
         cases += [(m, False, "explicit", "bf16", True) for m in SUBSETS if {"mlp", "norm"} & set(m)]
     return cases
@@ -75,11 +80,15 @@ def measured(world):
 
 
 def _param(t: int, modules, sp: bool, attention: str, dtype: str, distribute: bool):
-    name = f"t{t}-{'+'.join(modules)}-{'sp' if sp else 'nosp'}-{attention}-{dtype}" + ("-distributed" if distribute else "")
+    name = f"t{t}-{'+'.join(modules)}-{'sp' if sp else 'nosp'}-{attention}-{dtype}" + (
+        "-distributed" if distribute else ""
+    )
     return pytest.param(t, modules, sp, attention, dtype, distribute, id=name)
 
 
-@pytest.mark.parametrize("t,modules,sp,attention,dtype,distribute", [_param(t, *c) for t in (1, 2, 4) for c in _cases(t)])
+@pytest.mark.parametrize(
+    "t,modules,sp,attention,dtype,distribute", [_param(t, *c) for t in (1, 2, 4) for c in _cases(t)]
+)
 def test_measured_matches_analytic(measured, t, modules, sp, attention, dtype, distribute):
     analytic = layer_activation_bytes(*_case(t, modules, sp, attention, dtype, distribute))
     for m in measured(t)[("llama", modules, sp, attention, dtype, distribute)]:

@@ -64,14 +64,44 @@ def test_longest_sequence_that_fits_a_trn1_core(table):
 
 
 def test_llama2_anchor_equals_the_api_and_the_cli(table, rows, capsys):
-    (row,) = [r for r in rows if r.preset == "llama2-7b" and r.sequence_parallel and r.recompute == "selective"
-              and r.attention == "explicit"]
+    (row,) = [
+        r
+        for r in rows
+        if r.preset == "llama2-7b" and r.sequence_parallel and r.recompute == "selective" and r.attention == "explicit"
+    ]
     setup = TrainingSetup(4096, micro_batch=1, tp=8, dtype="bf16", sequence_parallel=True)
     assert row.analytic_bytes == layer_activation_bytes(table.model_shape("llama2-7b"), setup, "selective") == ANCHOR
     assert "| 67,375,104 | 64.254 |" in table.format_table(rows)
-    assert cli_main(["memory", "--model", "llama", "--hidden", "4096", "--heads", "32", "--kv-heads", "32",
-                     "--ffn", "11008", "--seq", "4096", "--micro-batch", "1", "--tp", "8", "--sequence-parallel",
-                     "--recompute", "selective", "--dtype", "bf16", "--json"]) == 0
+    assert (
+        cli_main(
+            [
+                "memory",
+                "--model",
+                "llama",
+                "--hidden",
+                "4096",
+                "--heads",
+                "32",
+                "--kv-heads",
+                "32",
+                "--ffn",
+                "11008",
+                "--seq",
+                "4096",
+                "--micro-batch",
+                "1",
+                "--tp",
+                "8",
+                "--sequence-parallel",
+                "--recompute",
+                "selective",
+                "--dtype",
+                "bf16",
+                "--json",
+            ]
+        )
+        == 0
+    )
     assert json.loads(capsys.readouterr().out)["analytic_bytes_per_layer"] == row.analytic_bytes
 
 

@@ -135,7 +135,10 @@ def test_finite_mask_matches_plain_inf_references(dtype, heads, kv_heads, softma
     qkv, r = _inputs(heads, kv_heads, dtype)
     attn = CoreAttention(heads, kv_heads, D, softmax_in_fp32=softmax_in_fp32, implementation="explicit")
     got = _forward_backward(attn, qkv, r)
-    for ref_name, fn in (("plain -inf", _plain_inf(heads, kv_heads, softmax_in_fp32)), ("sdpa", _sdpa(heads, kv_heads))):
+    for ref_name, fn in (
+        ("plain -inf", _plain_inf(heads, kv_heads, softmax_in_fp32)),
+        ("sdpa", _sdpa(heads, kv_heads)),
+    ):
         ref = _forward_backward(fn, qkv, r)
         errs = {name: rel_norm(a, b) for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref)}
         bad = {k: f"{v:.2e}" for k, v in errs.items() if not v < TOL[dtype]}

@@ -40,7 +40,12 @@ import neuron_ckpt as nc
 from neuron_ckpt.distributed.parallel_state import Group, ParallelState, parallel_layout
 from neuron_ckpt.models import LlamaForCausalLM
 from neuron_ckpt.pipeline import (
-    LlamaPipeline, LlamaStage, PipelineConfig, apply_pipeline_recompute, check_tied_weights, cut_layers,
+    LlamaPipeline,
+    LlamaStage,
+    PipelineConfig,
+    apply_pipeline_recompute,
+    check_tied_weights,
+    cut_layers,
 )  # fmt: skip
 from neuron_ckpt.pipeline.hf_weights import stage_hf_state_dict
 from neuron_ckpt.recompute import Recompute, RecomputeConfig, apply_recompute
@@ -360,8 +365,9 @@ def _dropout_runs() -> dict:
     # orders (1e-7 apart with dropout off too), so the gradients agree to rounding, not bit for bit;
     # with one stream per rank the masks differ and so do the gradients (by 80-90%).
     a, b = run("Interleaved1F1B", None, v=2), run("LoopedBFS", None, v=2)
-    same["interleaved_vs_bfs"] = (a[0] is None or torch.equal(a[0], b[0])) and \
-        max(rel_max(g, b[1][k]) for k, g in a[1].items()) < 1e-6
+    same["interleaved_vs_bfs"] = (a[0] is None or torch.equal(a[0], b[0])) and max(
+        rel_max(g, b[1][k]) for k, g in a[1].items()
+    ) < 1e-6
     changed = None if base[0] is None else not torch.equal(base[0], no_dropout[0])
     return {"same": same, "changed": changed, "untouched": base[2], "seeds": base[3]}
 
@@ -442,7 +448,8 @@ def _groups_at_pp4() -> tuple:
 
 def test_middle_stages_are_outside_the_embedding_group(world):
     assert _run(world, 4, _groups_at_pp4) == [
-        ((0, 1, 2, 3), (0, 3), (0,)), ((0, 1, 2, 3), None, (1,)), ((0, 1, 2, 3), None, (2,)), ((0, 1, 2, 3), (0, 3), (3,)),
+        ((0, 1, 2, 3), (0, 3), (0,)), ((0, 1, 2, 3), None, (1,)),
+        ((0, 1, 2, 3), None, (2,)), ((0, 1, 2, 3), (0, 3), (3,)),
     ]  # fmt: skip
 
 

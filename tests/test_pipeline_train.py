@@ -26,8 +26,8 @@ eps 1e-6 (NxD's, used here). A real error moves a weight by about lr (a stage's 
 end not summed: its update's sign or size), 1000 times the tolerance; errors of scale show in the
 norm.
 
-Every multi-process call is bounded (``_run`` of tests/test_pipeline.py: 120 s), so a pipeline that hangs on gloo fails the
-test instead of hanging CI.
+Every multi-process call is bounded (``_run`` of tests/test_pipeline.py: 120 s), so a pipeline that
+hangs on gloo fails the test instead of hanging CI.
 """
 
 from __future__ import annotations
@@ -44,9 +44,9 @@ from neuron_ckpt.distributed import runtime
 from neuron_ckpt.models import LlamaForCausalLM, save_hf_checkpoint
 from neuron_ckpt.optim import Zero1Optimizer
 from neuron_ckpt.pipeline import LlamaPipeline, LlamaStage, PipelineConfig, apply_pipeline_recompute, check_tied_weights
-from neuron_ckpt.recompute import RecomputeConfig
 from neuron_ckpt.pipeline.hf_checkpoint import load_pipeline_hf_checkpoint
 from neuron_ckpt.pipeline.xla import XLA_REFUSAL
+from neuron_ckpt.recompute import RecomputeConfig
 
 from .helpers import TINY, patched, rel_max
 from .test_pipeline import MB, SEQ, VOCAB, _one_process, _run, config
@@ -107,16 +107,24 @@ def _zero1_matches_dense(options: dict, steps: int = 2) -> dict:
 
 # The zero-bubble schedule computes weight gradients in a pass of their own, after the input
 # gradients: ZeRO-1's fp32 accumulation hooks and the tied sum must see them all the same.
-ZERO_BUBBLE = {"accumulate_fp32": True, "schedule": "InterleavedZeroBubble",
-               "recompute": RecomputeConfig("full", method="block", num_layers=1)}
+ZERO_BUBBLE = {
+    "accumulate_fp32": True,
+    "schedule": "InterleavedZeroBubble",
+    "recompute": RecomputeConfig("full", method="block", num_layers=1),
+}
 
 
-@pytest.mark.parametrize("options", [{}, {"accumulate_fp32": True}, ZERO_BUBBLE],
-                         ids=["grads", "fp32_buffer", "zero_bubble_fp32_buffer_full_recompute"])
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"accumulate_fp32": True}, ZERO_BUBBLE],
+    ids=["grads", "fp32_buffer", "zero_bubble_fp32_buffer_full_recompute"],
+)
 def test_zero1_per_stage_equals_dense_adamw(world, options):
     ranks = _run(world, 4, _zero1_matches_dense, options)
-    print(f"\nZeRO-1 x PP 2 x DP 2 vs dense AdamW: norms {ranks[0]['norms']} (dense {ranks[0]['ref_norms']}), "
-          f"largest weight difference {max(r['err'] for r in ranks):.1e} x lr")
+    print(
+        f"\nZeRO-1 x PP 2 x DP 2 vs dense AdamW: norms {ranks[0]['norms']} (dense {ranks[0]['ref_norms']}), "
+        f"largest weight difference {max(r['err'] for r in ranks):.1e} x lr"
+    )
     for rank in ranks:
         assert rank["norms"] == pytest.approx(rank["ref_norms"], rel=TOL), rank  # the whole model's norm
         assert min(rank["norms"]) > CLIP, rank  # clipped every step
@@ -292,12 +300,14 @@ def test_pipeline_options_are_refused_in_one_line(capsys):
         assert message in err, err
 
 
-
 def test_too_few_micro_batches_for_1f1b_are_refused(world, run_files):
     root, common = run_files
     message = _run(world, 4, train_error, common + ["--pp", "2", "--global-batch-size", "2", "--micro-batch-size", "1"])
-    assert all("--pp 2 --pp-schedule 1f1b: schedule '1F1B' needs micro_batches >= pipeline_parallel_size=2, got 1"
-               in m and "= 1)" in m for m in message), message
+    assert all(
+        "--pp 2 --pp-schedule 1f1b: schedule '1F1B' needs micro_batches >= pipeline_parallel_size=2, got 1" in m
+        and "= 1)" in m
+        for m in message
+    ), message
 
 
 # ---------------------------------------------------------------------------------------------

@@ -53,7 +53,9 @@ SIZES = {"vocab_size": 256, "intermediate_size": 176, "max_position_embeddings":
 
 
 def _configs(names) -> list[RecomputeConfig | None]:
-    options = layer_options(ModelShape.from_llama(tiny_config(**SIZES, num_hidden_layers=len(names))), TrainingSetup(S, B))
+    options = layer_options(
+        ModelShape.from_llama(tiny_config(**SIZES, num_hidden_layers=len(names))), TrainingSetup(S, B)
+    )
     return [options[n].recompute for n in names]
 
 
@@ -87,8 +89,9 @@ def _measure_whole_model(t: int, sp: bool, attention: str) -> dict[str, int]:
     out = {}
     for label, names in _assignments(attention).items():
         torch.manual_seed(0)
-        model = LlamaForCausalLM(tiny_config(**SIZES), sequence_parallel=sp, attention_implementation=attention,
-                                 dtype=torch.bfloat16).train()
+        model = LlamaForCausalLM(
+            tiny_config(**SIZES), sequence_parallel=sp, attention_implementation=attention, dtype=torch.bfloat16
+        ).train()
         apply_recompute(model, _configs(names), sequence_parallel=sp)
         masks = [m.causal_mask(S, torch.device("cpu")) for m in model.modules() if isinstance(m, CoreAttention)]
         ids, labels = _batch()
@@ -182,8 +185,12 @@ def test_planner_is_optimal_against_brute_force(layers, kind):
         model = ModelShape.gpt(64, 4, layers, vocab=128)
     setup = TrainingSetup(seq_len=128, micro_batch=2, tp=1, zero1=False)
     options = layer_options(model, setup)
-    totals = sorted({memory_budget(model, setup, n, options).total_bytes
-                     for n in [*itertools.product(options, repeat=layers), *_grouped(model)]})
+    totals = sorted(
+        {
+            memory_budget(model, setup, n, options).total_bytes
+            for n in [*itertools.product(options, repeat=layers), *_grouped(model)]
+        }
+    )
     limits = sorted({x + d for x in totals for d in (-1, 0)})
     for limit in limits:
         best, _ = _brute_force(model, setup, limit)
@@ -225,8 +232,10 @@ def test_budget_line_items_follow_zero1_and_dtype():
     bf16_grads = memory_budget(model, TrainingSetup(4096, 1, tp=8, dp=4, accumulate_fp32=False), "selective")
     assert {i.name: i.nbytes for i in bf16_grads.items}["gradients"] == 2 * n
     assert items["master weights"] == 4 * n // 4 and items["optimizer moments"] == 8 * n // 4
-    plain = {i.name: i.nbytes for i in memory_budget(model, TrainingSetup(4096, 1, tp=8, dp=4, zero1=False),
-                                                      "selective").items}
+    plain = {
+        i.name: i.nbytes
+        for i in memory_budget(model, TrainingSetup(4096, 1, tp=8, dp=4, zero1=False), "selective").items
+    }
     assert plain["master weights"] == 4 * n and plain["optimizer moments"] == 8 * n
     fp32 = {i.name for i in memory_budget(model, TrainingSetup(4096, 1, tp=8, dtype="fp32", zero1=False)).items}
     assert "master weights" not in fp32  # fp32 parameters are their own master copy
@@ -248,9 +257,12 @@ def test_budget_prices_any_recompute_config():
     subset = RecomputeConfig("selective", modules=["mlp", "norm"])
     mixed = memory_budget(model, setup, [RecomputeConfig.preset("full"), None, subset, "selective", *[None] * 4])
     assert mixed.layers == ("full", "none", "selective[mlp,norm]", "selective", *["none"] * 4)
-    assert mixed.activation_bytes == memory_budget(model, setup, ("full", "none", "none", "selective", *["none"] * 4)
-                                                   ).activation_bytes - (memory_budget(model, setup, "none").activation_bytes
-                                                                         - memory_budget(model, setup, subset).activation_bytes) // 8
+    assert (
+        mixed.activation_bytes
+        == memory_budget(model, setup, ("full", "none", "none", "selective", *["none"] * 4)).activation_bytes
+        - (memory_budget(model, setup, "none").activation_bytes - memory_budget(model, setup, subset).activation_bytes)
+        // 8
+    )
     with pytest.raises(ValueError, match=r"layers\[1\]: .*use num_layers=1, got num_layers=2"):
         memory_budget(model, setup, [None, RecomputeConfig("full", "uniform", 2), *[None] * 6])
     with pytest.raises(ValueError, match=r"layers\[0\] must be a preset name, a RecomputeConfig or None"):
@@ -327,10 +339,15 @@ def test_llama2_7b_on_trn1_plan():
     assert plan.counts == {"none": 10, "selective": 6, "selective+mlp_act": 4, "selective+mlp_act+norm": 12}
     # Without the leanest layer: fewer attention cores kept.
     assert plan_recompute(model, setup, "trn1", allowed=("none", "selective", "selective+mlp_act", "full")).counts == {
-        "none": 9, "selective": 10, "selective+mlp_act": 13}
+        "none": 9,
+        "selective": 10,
+        "selective+mlp_act": 13,
+    }
     # Without mlp_act, the attention cores alone: 7 layers keep theirs.
     assert plan_recompute(model, setup, "trn1", allowed=("none", "selective", "full")).counts == {
-        "none": 7, "selective": 25}
+        "none": 7,
+        "selective": 25,
+    }
     assert plan.overhead < selective.overhead  # less recompute, by using the memory selective leaves free
     assert plan.budget.total_bytes > selective.budget.total_bytes
     assert not evaluate(model, setup, "none", plan.limit_bytes).fits
@@ -470,11 +487,17 @@ def test_cli_prints_the_plan(capsys):
     assert "plan: 32 x none" in out and "optimizer moments" in out
     assert "optimizer step: largest collective 128 MiB" in out and "host memory (trn1.32xlarge" in out
     assert "checkpoint on disk per step" in out
-    assert _run([*SEVEN_B[:-1], "2", "--device-memory", "16", "--reserve", "0", "--attention", "explicit",
-                 "--json"]) == 0
+    assert (
+        _run([*SEVEN_B[:-1], "2", "--device-memory", "16", "--reserve", "0", "--attention", "explicit", "--json"]) == 0
+    )
     data = json.loads(capsys.readouterr().out)
     assert data["attention"] == "explicit" and data["attention_notes"] == []
-    assert data["fits"] and data["counts"] == {"none": 16, "selective": 4, "selective+mlp_act": 1, "selective+mlp_act+norm": 11}
+    assert data["fits"] and data["counts"] == {
+        "none": 16,
+        "selective": 4,
+        "selective+mlp_act": 1,
+        "selective+mlp_act+norm": 11,
+    }
     assert data["optimizer_step"]["largest_collective_bytes"] == 128 * 2**20
     assert data["host"]["instance"] == "trn1.32xlarge" and data["host"]["fits"]
     assert data["recompute_is_per_layer"]
@@ -507,8 +530,11 @@ def test_budget_follows_the_attention():
     # With flash, core attention is never recomputed; the output-discarding modules still are.
     assert set(layer_options(model, flash)) == {"none", "selective[mlp_act]", "selective[mlp_act,norm]", "full"}
     lean = layer_options(model, flash)["selective[mlp_act,norm]"]
-    assert lean.saved_bytes < layer_options(model, flash)["selective[mlp_act]"].saved_bytes < layer_options(
-        model, flash)["none"].saved_bytes
+    assert (
+        lean.saved_bytes
+        < layer_options(model, flash)["selective[mlp_act]"].saved_bytes
+        < layer_options(model, flash)["none"].saved_bytes
+    )
     with pytest.raises(ValueError, match="'selective' is not offered.*flash"):
         memory_budget(model, flash, "selective")
     kept = memory_budget(model, explicit, "full").activation_bytes, memory_budget(model, flash, "full").activation_bytes
@@ -567,7 +593,9 @@ def test_cli_pp_json_lists_every_stage(capsys):
     assert data["fits"] and data["pp"] == 8 and data["schedule"] == "1f1b" and data["smallest_pp"] is None
     assert [s["stage"] for s in data["stages"]] == list(range(8))
     for i, stage in enumerate(data["stages"]):
-        assert {"stage", "layers", "microbatches_in_flight", "activation_bytes", "total_bytes", "recompute"} <= set(stage)
+        assert {"stage", "layers", "microbatches_in_flight", "activation_bytes", "total_bytes", "recompute"} <= set(
+            stage
+        )
         n = (9, 10, 10, 10, 10, 10, 11, 10)[i]  # the pipeline's own cut of 80 layers
         assert stage["layers"] == n and stage["microbatches_in_flight"] == 8 - i and stage["recompute"] == {"none": n}
         assert stage["activation_bytes"] < stage["total_bytes"] <= data["limit_bytes"]
@@ -575,8 +603,26 @@ def test_cli_pp_json_lists_every_stage(capsys):
 
 
 def test_cli_pp_nothing_fits_names_the_smallest_pp(capsys):
-    argv = ["--config", "llama3.1-70b", "--seq", "8192", "--tp", "32", "--dp", "4", "--device-memory", "trn1",
-            "--pp", "2", "--micro-batches", "16", "--schedule", "gpipe", "--attention", "explicit"]
+    argv = [
+        "--config",
+        "llama3.1-70b",
+        "--seq",
+        "8192",
+        "--tp",
+        "32",
+        "--dp",
+        "4",
+        "--device-memory",
+        "trn1",
+        "--pp",
+        "2",
+        "--micro-batches",
+        "16",
+        "--schedule",
+        "gpipe",
+        "--attention",
+        "explicit",
+    ]
     assert _run(argv) == 1
     captured = capsys.readouterr()
     assert captured.err.count("\n") == 1 and "nothing fits" in captured.err and "would fit: pp=3" in captured.err

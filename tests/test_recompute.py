@@ -25,7 +25,13 @@ import neuron_ckpt as nc
 from neuron_ckpt.distributed.random import get_rng_tracker
 from neuron_ckpt.parallel import ColumnParallelLinear, CoreAttention, QKVParallelLinear, RMSNorm, RowParallelLinear
 from neuron_ckpt.recompute import (
-    Recompute, RecomputeConfig, apply_recompute, checkpoint, remove_recompute, run_layers, unwrapped,
+    Recompute,
+    RecomputeConfig,
+    apply_recompute,
+    checkpoint,
+    remove_recompute,
+    run_layers,
+    unwrapped,
 )
 
 from .helpers import counted_forwards
@@ -93,7 +99,11 @@ VARIANTS = {
     "block2": RecomputeConfig(granularity="full", method="block", num_layers=2),
 }
 VARIANTS.update(
-    {f"{k}_reentrant": RecomputeConfig(**{**v.__dict__, "use_reentrant": True}) for k, v in VARIANTS.items() if v.enabled}
+    {
+        f"{k}_reentrant": RecomputeConfig(**{**v.__dict__, "use_reentrant": True})
+        for k, v in VARIANTS.items()
+        if v.enabled
+    }
 )
 
 
@@ -191,8 +201,10 @@ def test_bit_identical_with_distributed_saved_activations_tp2(world):
 
 def test_dropout_is_active():
     # Guards the tests above: with another seed the loss changes, so equal results are meaningful.
-    assert not torch.equal(_single(lambda: _train_step(RecomputeConfig(), 1, False))[0],
-                           _single(lambda: _train_step(RecomputeConfig(), 1, False, seed=99))[0])
+    assert not torch.equal(
+        _single(lambda: _train_step(RecomputeConfig(), 1, False))[0],
+        _single(lambda: _train_step(RecomputeConfig(), 1, False, seed=99))[0],
+    )
 
 
 def _single(fn):
@@ -223,7 +235,7 @@ def _saved_bytes_and_counts(names: list[str], t: int, sp: bool, seq: int):
         params = {q.untyped_storage().data_ptr() for q in model.parameters()}
         storages: dict[int, int] = {}
 
-        def pack(tensor):
+        def pack(tensor, params=params, storages=storages):  # this iteration's, bound
             ptr = tensor.untyped_storage().data_ptr()
             if ptr not in params:
                 storages[ptr] = tensor.untyped_storage().nbytes()
@@ -557,7 +569,12 @@ def test_recompute_presets_have_one_owner():
     assert RecomputeConfig.preset("selective+mlp_act").modules == ("core_attn", "mlp_act")
     assert RecomputeConfig.preset("selective+mlp_act+norm").modules == ("core_attn", "mlp_act", "norm")
     full = RecomputeConfig.preset("full", distribute_saved_activations=True)
-    assert (full.granularity, full.method, full.num_layers, full.distribute_saved_activations) == ("full", "uniform", 1, True)
+    assert (full.granularity, full.method, full.num_layers, full.distribute_saved_activations) == (
+        "full",
+        "uniform",
+        1,
+        True,
+    )
     assert [RecomputeConfig.preset(n).preset_name for n in PRESETS] == list(PRESETS)
     assert full.preset_name == "full"
     assert RecomputeConfig(granularity="full", method="block", num_layers=2).preset_name is None

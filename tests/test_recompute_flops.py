@@ -85,7 +85,9 @@ def _priced(name: str, t: int, sp: bool, attention: str, whole: bool = False) ->
     model, setup, choice = ModelShape.from_llama(_args(t)), _setup(t, sp, attention), CHOICES[name]
     if whole:
         priced = resolve(model, setup, choice)
-        return sum(rerun_flops(model, setup, priced.layer(i, model.layers), whole=True).matmul for i in range(model.layers))
+        return sum(
+            rerun_flops(model, setup, priced.layer(i, model.layers), whole=True).matmul for i in range(model.layers)
+        )
     if isinstance(choice, list):
         options = per_layer_options(model, setup, choice, layer_options(model, setup))
     else:
@@ -138,7 +140,9 @@ def test_the_eager_reentrant_checkpoint_reruns_every_region_to_its_end(world):
     # distribute_saved_activations (TP 2 without sequence parallel) runs the reentrant checkpoint,
     # which reruns the down projection too; so does use_reentrant=True at TP 1.
     names = ("full", "selective[mlp,norm]")
-    for rank, counted in enumerate(world(2).run(_counted, 2, False, "explicit", names, distribute_saved_activations=True)):
+    for rank, counted in enumerate(
+        world(2).run(_counted, 2, False, "explicit", names, distribute_saved_activations=True)
+    ):
         for name, flops in counted.items():
             assert flops == pytest.approx(_priced(name, 2, False, "explicit", whole=True), rel=TOLERANCE), (name, rank)
             assert flops > _priced(name, 2, False, "explicit")
@@ -193,8 +197,8 @@ def _applied_counted(choices: list) -> list[int]:
 def test_plans_price_what_their_recompute_reruns(world):
     model, setup = ModelShape.from_llama(ARGS), _setup(1, False, "explicit")
     # A byte short of keeping everything: some layers recompute.
-    plan = plan_recompute(model, setup, (plan_recompute(model, setup, 1.0, reserve_gib=0).budget.total_bytes - 1) / 2**30,
-                          reserve_gib=0)  # fmt: skip
+    everything = plan_recompute(model, setup, 1.0, reserve_gib=0).budget.total_bytes
+    plan = plan_recompute(model, setup, (everything - 1) / 2**30, reserve_gib=0)
     assert set(plan.layers) != {"none"}
     # Per pipeline stage (2 stages of 2 layers, 8 micro-batches): each stage planned on its own.
     stages = plan_pipeline(model, setup, PipelineSetup(pp=2, microbatches=8), 0.018, reserve_gib=0)

@@ -34,7 +34,11 @@ PROBE = textwrap.dedent(
 
 
 def _clean_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "PJRT_DEVICE")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "PJRT_DEVICE")
+    }
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     return env
 
@@ -42,7 +46,9 @@ def _clean_env() -> dict[str, str]:
 def test_single_plain_process_needs_no_launcher(tmp_path):
     script = tmp_path / "probe.py"
     script.write_text(PROBE)
-    out = subprocess.run([sys.executable, str(script), "1"], env=_clean_env(), capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, str(script), "1"], env=_clean_env(), capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     info = json.loads(out.stdout.strip().splitlines()[-1])
     assert info == dict(backend="gloo", rank=0, world=1, device="cpu", tp=[0], dp=[0])
@@ -141,7 +147,9 @@ def _stand_in_accelerator(monkeypatch, device_type: str, backend: str | None = N
     runtime selects."""
     monkeypatch.delenv("PJRT_DEVICE", raising=False)
     monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
-    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda check_available=False: torch.device(device_type))
+    monkeypatch.setattr(
+        torch.accelerator, "current_accelerator", lambda check_available=False: torch.device(device_type)
+    )
     if backend is not None:
         monkeypatch.setitem(torch.distributed.Backend.default_device_backend_map, device_type, backend)
     selected: list[int] = []
@@ -159,7 +167,7 @@ def test_any_accelerator_gives_its_device_and_torchs_backend(monkeypatch, device
     cuda/nccl; torch-neuronx without torch-xla is then the TorchNeuron eager path, not an error."""
     _stand_in_accelerator(monkeypatch, device_type, None if device_type == "xpu" else backend)
     for installed in (set(), {"torch_neuronx"}):
-        monkeypatch.setattr(runtime, "_module_available", lambda name: name in installed)
+        monkeypatch.setattr(runtime, "_module_available", lambda name, installed=installed: name in installed)
         assert runtime.accelerator_type() == device_type
         assert runtime.detect_device_type() == device_type
         assert runtime.detect_backend() == backend

@@ -44,8 +44,14 @@ SELECTIVE = RecomputeConfig(granularity="selective", modules=["core_attn", "mlp_
 
 def tiny_llama(layers: int = 2, recompute: RecomputeConfig | None = None) -> LlamaForCausalLM:
     """A tiny Llama (LlamaArgs: no transformers import), with ``recompute`` applied."""
-    args = LlamaArgs(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=layers,
-                     num_attention_heads=2, max_position_embeddings=32)
+    args = LlamaArgs(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        max_position_embeddings=32,
+    )
     model = LlamaForCausalLM(args)
     if recompute is not None:
         apply_recompute(model, recompute)
@@ -86,8 +92,14 @@ SCRIPT = textwrap.dedent(
 def _env(rank: int, port: int) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "PJRT_DEVICE")}
     env.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE="2", OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE="2",
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE="2",
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
     )
     return env
 
@@ -98,8 +110,14 @@ def _launch(script: str, log_dir: str, run: int) -> list[tuple[subprocess.Popen,
     for rank in (0, 1):
         log = os.path.join(log_dir, f"run{run}_rank{rank}.log")
         with open(log, "wb") as out:
-            procs.append((subprocess.Popen([sys.executable, script], env=_env(rank, port), stdout=out,
-                                           stderr=subprocess.STDOUT), log))
+            procs.append(
+                (
+                    subprocess.Popen(
+                        [sys.executable, script], env=_env(rank, port), stdout=out, stderr=subprocess.STDOUT
+                    ),
+                    log,
+                )
+            )
     return procs
 
 
@@ -179,7 +197,9 @@ def test_destroy_distributed_leaves_no_group_reachable(single):
     assert state.tp.process_group is world() and state.dp.process_group is world()
     # The walk does see the state and the groups while they are set.
     assert {type(o) for o in _reachable_from_package((ParallelState, dist.ProcessGroup))} == {
-        ParallelState, type(world())}
+        ParallelState,
+        type(world()),
+    }
 
     kept = tiny_llama(1, SELECTIVE)  # a model the user still holds
     del model
@@ -194,7 +214,7 @@ def test_destroy_distributed_leaves_no_group_reachable(single):
     with pytest.raises(RuntimeError, match="not initialised"):
         runtime.get_runtime()  # forgotten (and reachable from no module: checked above)
     with pytest.raises(RuntimeError, match="released by neuron_ckpt.destroy_distributed"):
-        state.tp.process_group
+        _ = state.tp.process_group  # the property raises
     assert not dist.is_initialized()
 
     # A new world works after the teardown.
@@ -243,8 +263,12 @@ class Stack(torch.nn.Module):
         SELECTIVE,
         RecomputeConfig(granularity="full", method="uniform", num_layers=2),  # grouped: a _Group
         RecomputeConfig(granularity="full", method="block", num_layers=1),
-        [None, RecomputeConfig(granularity="full", method="uniform", num_layers=1),
-         RecomputeConfig(granularity="selective", modules=["mlp_act", "norm"]), None],
+        [
+            None,
+            RecomputeConfig(granularity="full", method="uniform", num_layers=1),
+            RecomputeConfig(granularity="selective", modules=["mlp_act", "norm"]),
+            None,
+        ],
     ],
     ids=["selective", "uniform2", "block1", "per_layer"],
 )
@@ -292,9 +316,14 @@ def test_backward_after_the_model_is_dropped_still_recomputes(single):
         assert all(ref() is None for ref in refs)  # the graph was the last holder
 
 
-@pytest.mark.parametrize("config", [RecomputeConfig(granularity="selective", modules=["mlp_act", "norm"]),
-                                    RecomputeConfig(granularity="full", method="uniform", num_layers=2)],
-                         ids=["selective", "uniform2"])
+@pytest.mark.parametrize(
+    "config",
+    [
+        RecomputeConfig(granularity="selective", modules=["mlp_act", "norm"]),
+        RecomputeConfig(granularity="full", method="uniform", num_layers=2),
+    ],
+    ids=["selective", "uniform2"],
+)
 def test_a_copied_model_recomputes_itself_and_is_freed(single, config):
     """deepcopy and pickle copy each Recompute with the module it holds (a deep copy shares the
     process groups; pickling needs groups without one)."""
@@ -302,8 +331,10 @@ def test_a_copied_model_recomputes_itself_and_is_freed(single, config):
     import pickle
 
     one = Group(None, (0,), ((0,),), 0)
-    for make, state in ((copy.deepcopy, nc.initialize_model_parallel(1)),
-                        (lambda m: pickle.loads(pickle.dumps(m)), ParallelState(one, one))):
+    for make, state in (
+        (copy.deepcopy, nc.initialize_model_parallel(1)),
+        (lambda m: pickle.loads(pickle.dumps(m)), ParallelState(one, one)),
+    ):
         model = Stack(4, state)
         apply_recompute(model.layers, config)
         _check_copy(model, make)
@@ -311,7 +342,9 @@ def test_a_copied_model_recomputes_itself_and_is_freed(single, config):
 
 def _check_copy(model: torch.nn.Module, make) -> None:
     clone = make(model)
-    assert clone.layers[0].up.parallel_state.tp == model.layers[0].up.parallel_state.tp  # the same group (deepcopy: itself)
+    assert (
+        clone.layers[0].up.parallel_state.tp == model.layers[0].up.parallel_state.tp
+    )  # the same group (deepcopy: itself)
     wrapped = [m for m in clone.modules() if isinstance(m, Recompute)]
     params = {id(p) for p in clone.parameters()}
     assert wrapped and all({id(p) for p in m.module.parameters()} <= params for m in wrapped)  # the copy's own

@@ -152,7 +152,12 @@ def test_corrupt_checkpoint_files_get_clear_errors(tmp_path, damage):
         (path / "meta.json").write_text("{not json")
     else:
         rank_file.unlink()
-    needle = {"truncate": "truncated or corrupt", "flip": "truncated or corrupt", "meta": "meta.json", "missing": "missing"}
+    needle = {
+        "truncate": "truncated or corrupt",
+        "flip": "truncated or corrupt",
+        "meta": "meta.json",
+        "missing": "missing",
+    }
     with pytest.raises(ValueError, match=needle[damage]) as err:
         mgr.load(path, {"tp_size": 1})
     assert str(path) in str(err.value)
@@ -229,7 +234,9 @@ def test_corpus_is_scanned_by_one_rank_per_host(world, tmp_path):
 
 def test_log_every_logs_the_interval_and_the_last_step(world, run_files):
     root, common = run_files
-    out = world(4).run(_train, common + ["--max-steps", "7", "--log-every", "3", "--metrics-file", str(root / "l.jsonl")])
+    out = world(4).run(
+        _train, common + ["--max-steps", "7", "--log-every", "3", "--metrics-file", str(root / "l.jsonl")]
+    )
     lines = read_metrics(root / "l.jsonl")["step"]
     assert [r["step"] for r in lines] == [3, 6, 7]
     assert all(r["step_time_s"] > 0 and r["tokens_seen"] == r["step"] * 8 * 16 for r in lines)
@@ -273,7 +280,9 @@ def test_checkpoint_writes_model_once_per_tp_rank(world, run_files, tmp_path):
             assert info["rank"] == str(tp) and info["tp_rank"] == str(tp) and info["dp_rank"] == "0", info
             assert "layers.0.mlp.down_proj.weight" in f.keys() and "lm_head.weight" in f.keys()
     meta = json.loads((path / "meta.json").read_text())
-    assert meta["format"] == "neuron_ckpt.train.checkpoint/2" and meta["shared"] == {"model": ["model_tp00000", "model_tp00001"]}
+    assert meta["format"] == "neuron_ckpt.train.checkpoint/2" and meta["shared"] == {
+        "model": ["model_tp00000", "model_tp00001"]
+    }
     assert [f for prefix in meta["shared"]["model"] for f in meta["groups"][prefix]] == models
     assert {k: v for k, v in meta["files"].items()} == {k: v for k, v in sizes.items() if k != "meta.json"}
 
@@ -289,7 +298,10 @@ def test_checkpoint_writes_model_once_per_tp_rank(world, run_files, tmp_path):
         old += len(buf.getvalue()) + 64
     new = sum(sizes.values())
     model_bytes = sum(sizes[m] for m in models)
-    print(f"\ncheckpoint bytes at TP 2 x DP 2: old layout {old}, new layout {new} ({new / old:.1%}); model files {model_bytes}")
+    print(
+        f"\ncheckpoint bytes at TP 2 x DP 2: old layout {old}, new layout {new} ({new / old:.1%}); "
+        f"model files {model_bytes}"
+    )
     assert new < old
     assert old - new > 0.8 * model_bytes  # DP - 1 = 1 extra copy of every TP rank's model slice gone
 
@@ -315,7 +327,10 @@ def _save_in_rounds(directory: str, log: str, writers: int) -> tuple[int, int]:
         return result
 
     with patched(ck, "write_tensors", logged):
-        rank_state = {"model": {"w": torch.full((4,), float(parallel.tp_rank))}, "opt": torch.full((3,), float(rt.rank))}
+        rank_state = {
+            "model": {"w": torch.full((4,), float(parallel.tp_rank))},
+            "opt": torch.full((3,), float(rt.rank)),
+        }
         mgr.save(1, rank_state, {})
     return mgr.rounds()
 
@@ -377,7 +392,9 @@ def test_checkpoint_tensors_reach_the_host_a_group_at_a_time(tmp_path, monkeypat
 
     groups = []
     real = tensor_files._to_host
-    monkeypatch.setattr(tensor_files, "_to_host", lambda ts: groups.append([t.numel() * t.element_size() for t in ts]) or real(ts))
+    monkeypatch.setattr(
+        tensor_files, "_to_host", lambda ts: groups.append([t.numel() * t.element_size() for t in ts]) or real(ts)
+    )
     lines = []
     mgr = CheckpointManager(tmp_path, chunk_mb=16 / 1024, log=lines.append)
     model = {f"layer{i}.weight": torch.randn(32, 32) for i in range(6)}  # 4 KiB each
@@ -399,7 +416,9 @@ def test_checkpoint_tensors_reach_the_host_a_group_at_a_time(tmp_path, monkeypat
         with safe_open(str(path / name), "pt") as f:
             in_files.append(sorted(f.get_tensor(k).numel() * f.get_tensor(k).element_size() for k in f.keys()))
     assert sorted(in_files) == sorted(sorted(g) for g in groups), (in_files, groups)
-    assert len(lines) == 1 and "checkpoint step_00000001:" in lines[0] and " KB on disk" in lines[0] and " s " in lines[0]
+    assert (
+        len(lines) == 1 and "checkpoint step_00000001:" in lines[0] and " KB on disk" in lines[0] and " s " in lines[0]
+    )
     assert mgr.last_save.total_bytes == sum(p.stat().st_size for p in path.iterdir())
     loaded, _ = mgr.load(path, {})
     assert list(loaded["model"]) == list(model) and all(torch.equal(loaded["model"][k], v) for k, v in model.items())
@@ -407,7 +426,9 @@ def test_checkpoint_tensors_reach_the_host_a_group_at_a_time(tmp_path, monkeypat
     opt = loaded["optimizer"]
     assert torch.equal(opt["inner"]["state"][0]["exp_avg"], rank_state["optimizer"]["inner"]["state"][0]["exp_avg"])
     assert opt["inner"]["param_groups"][0]["betas"] == (0.9, 0.95) and opt["meta"] == {"shapes": [(2, 3)]}
-    assert torch.equal(opt["master"][0], rank_state["optimizer"]["master"][0]) and opt["master"][0].dtype == torch.float64
+    assert (
+        torch.equal(opt["master"][0], rank_state["optimizer"]["master"][0]) and opt["master"][0].dtype == torch.float64
+    )
     assert torch.equal(loaded["flags"], rank_state["flags"]) and loaded["empty"].shape == (0, 3) and loaded["n"] == 5
 
 
@@ -464,6 +485,7 @@ def _save_failing_on_rank_2(directory: str) -> str:
     parallel = nc.initialize_model_parallel(2)
     rt = runtime.get_runtime()
     mgr = CheckpointManager(directory, 1, rt.rank, rt.world_size, parallel_state=parallel, writers=1)
+
     def full(path, obj):
         raise OSError(28, "No space left on device")
 
@@ -479,7 +501,9 @@ def test_a_failed_write_on_one_rank_fails_the_save_everywhere(world, tmp_path):
     """No rank is left waiting in a writer round or commits: all raise, ``latest`` is not written."""
     out = world(4).run(_save_failing_on_rank_2, str(tmp_path))
     assert out[2] == "OSError: [Errno 28] No space left on device", out
-    assert all(o.startswith("RuntimeError: writing checkpoint") and "another rank" in o for i, o in enumerate(out) if i != 2), out
+    assert all(
+        o.startswith("RuntimeError: writing checkpoint") and "another rank" in o for i, o in enumerate(out) if i != 2
+    ), out
     assert not (tmp_path / "latest").exists() and CheckpointManager(tmp_path).complete() == []
 
 
@@ -497,8 +521,22 @@ def test_export_hf_then_init_hf_at_another_tp(world, run_files, tmp_path):
     assert hf.config.num_hidden_layers == TINY["num_hidden_layers"]
     argv = [a for a in common if a not in ("--model-config", str(root / "tiny.json"))]
     tp4 = [a if a != "2" or argv[i - 1] != "--tp" else "4" for i, a in enumerate(argv)]
-    out = world(4).run(_train, tp4 + ["--max-steps", "1", "--lr", "1e-30", "--weight-decay", "0",
-                                     "--init-hf", str(tmp_path / "a"), "--export-hf", str(tmp_path / "b")])
+    out = world(4).run(
+        _train,
+        tp4
+        + [
+            "--max-steps",
+            "1",
+            "--lr",
+            "1e-30",
+            "--weight-decay",
+            "0",
+            "--init-hf",
+            str(tmp_path / "a"),
+            "--export-hf",
+            str(tmp_path / "b"),
+        ],
+    )
     assert out[0]["steps"] == 1
     before, after = load_file(tmp_path / "a" / "model.safetensors"), load_file(tmp_path / "b" / "model.safetensors")
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
@@ -512,8 +550,10 @@ def _train_os_error(argv: list[str]) -> str:
 def test_unwritable_export_fails_before_training(world, run_files, tmp_path):
     root, common = run_files
     (tmp_path / "file").write_text("not a directory")
-    message = world(4).run(_train_os_error, common + ["--export-hf", str(tmp_path / "file" / "hf"),
-                                                      "--metrics-file", str(tmp_path / "m.jsonl")])[0]
+    message = world(4).run(
+        _train_os_error,
+        common + ["--export-hf", str(tmp_path / "file" / "hf"), "--metrics-file", str(tmp_path / "m.jsonl")],
+    )[0]
     assert "cannot write the HF checkpoint" in message
     assert not (tmp_path / "m.jsonl").exists()  # no step ran
 
@@ -553,8 +593,18 @@ def test_metrics_file_has_a_header_steps_and_nxd_summary(world, run_files, tmp_p
     """The header holds the NEURON*/XLA* environment and the resolved options (--recipe nxd's
     values); the summary has NxD's fields, the average skipping ceil(10 / log_every) records."""
     root, common = run_files
-    argv = common + ["--recipe", "nxd", "--max-steps", "8", "--log-every", "2", "--attention", "explicit",
-                     "--metrics-file", str(tmp_path / "m.jsonl")]  # explicit: a recompute the planner models
+    argv = common + [
+        "--recipe",
+        "nxd",
+        "--max-steps",
+        "8",
+        "--log-every",
+        "2",
+        "--attention",
+        "explicit",
+        "--metrics-file",
+        str(tmp_path / "m.jsonl"),
+    ]  # explicit: a recompute the planner models
     env = {"NEURON_RT_STOCHASTIC_ROUNDING_EN": "0", "XLA_FLAGS": "--xla_dump_to=x", "OTHER_VAR": "1"}
     summary = world(4).run(_train_with_env, argv, env)[0]
     kinds = read_metrics(tmp_path / "m.jsonl")
@@ -564,7 +614,12 @@ def test_metrics_file_has_a_header_steps_and_nxd_summary(world, run_files, tmp_p
     assert {"NEURON_RT_STOCHASTIC_ROUNDING_EN": "0", "XLA_FLAGS": "--xla_dump_to=x"}.items() <= header["env"].items()
     assert "OTHER_VAR" not in header["env"]
     assert {k: header["config"][k] for k in ("recipe", "decay", "beta2", "seed", "data_order")} == {
-        "recipe": "nxd", "decay": "linear", "beta2": 0.999, "seed": 12349, "data_order": "sequential"}
+        "recipe": "nxd",
+        "decay": "linear",
+        "beta2": 0.999,
+        "seed": 12349,
+        "data_order": "sequential",
+    }
     assert [r["step"] for r in steps] == [2, 4, 6, 8]
     # warmup 1 from zero: step 1 ran at 0, step 2 at the peak, then linear to 0 at step 8
     assert steps[0]["lr"] == 1e-2 and steps[1]["lr"] == pytest.approx(1e-2 * 5 / 7)

@@ -159,6 +159,7 @@ def test_bucketed_equals_unbucketed_equals_dense_adamw(world, dp):
 
 # ---- TP x DP: a column-sharded weight and a replicated vector, no parallel layers ------------
 
+
 def _tp_full_params() -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(7)
     return torch.randn(6, 5, generator=g), torch.randn(5, generator=g)  # W rows split over TP; b replicated
@@ -216,6 +217,7 @@ def test_tp2_dp2_grad_norm_and_steps_match_dense(world, options):
 
 
 # ---- state: 1/dp per rank, checkpoint round trip, mismatch errors ---------------------------
+
 
 def _state_numel(opt: Zero1Optimizer) -> int:
     sd = opt.state_dict()
@@ -353,6 +355,7 @@ def test_load_state_dict_reads_version_2_only(world):
 
 
 # ---- dtypes, frozen and unused parameters, LR scheduler ------------------------------------
+
 
 def _bf16_trains() -> tuple[list[torch.dtype], list[torch.dtype], float, float, bool]:
     ps = nc.initialize_model_parallel(1)
@@ -535,6 +538,7 @@ def test_fp32_accumulation_of_64_bf16_micro_batches(world):
 
 # ---- options, hooks -----------------------------------------------------------------------
 
+
 def _one_rank() -> ParallelState:
     one = Group(process_group=None, ranks=(0,), replica_groups=((0,),), rank=0)
     return ParallelState(tp=one, dp=one)
@@ -543,10 +547,16 @@ def _one_rank() -> ParallelState:
 @pytest.mark.parametrize(
     "options, message",
     [
-        ({"bucket_cap_mb": 0}, "bucket_cap_mb must be None (no cap), 'auto' (the backend's) or a number > 0 (MiB), got 0"),
+        (
+            {"bucket_cap_mb": 0},
+            "bucket_cap_mb must be None (no cap), 'auto' (the backend's) or a number > 0 (MiB), got 0",
+        ),
         ({"bucket_cap_mb": "128"}, "bucket_cap_mb must be None"),
         ({"bucket_cap_mb": True}, "bucket_cap_mb must be None"),
-        ({"bucket_cap_mb": 2 / 2**20}, "bucket_cap_mb=1.9073486328125e-06 holds 0 torch.float32 elements, fewer than dp"),
+        (
+            {"bucket_cap_mb": 2 / 2**20},
+            "bucket_cap_mb=1.9073486328125e-06 holds 0 torch.float32 elements, fewer than dp",
+        ),
         ({"accumulate_fp32": "auto"}, "accumulate_fp32 must be None (auto: for bf16/fp16 parameters), True or False"),
     ],
 )

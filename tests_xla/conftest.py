@@ -29,4 +29,3 @@ def xla():
     nc.initialize_model_parallel(1)
     yield rt
     nc.destroy_distributed()
-

@@ -13,7 +13,6 @@ import torch_xla
 
 from neuron_ckpt.parallel import RMSNorm
 from neuron_ckpt.recompute import RecomputeConfig, checkpoint_without_output, discard, discard_outputs
-
 from tests.helpers import rel_norm
 
 from .helpers import TOL, hlo

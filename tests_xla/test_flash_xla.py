@@ -22,7 +22,6 @@ import pytest
 import torch
 
 from neuron_ckpt.parallel import CoreAttention, flash
-
 from tests.helpers import rel_norm
 
 from .helpers import TOL, hlo
@@ -65,16 +64,39 @@ class StandInKernel:
     def __init__(self):
         self.calls: list[dict] = []
 
-    def __call__(self, q, k, v, lnc=1, dropout_p=0.0, softmax_scale=None, causal=True, mixed_precision=True,
-                 seed=None, hardware_type=None, transpose_nki_inputs=True):
+    def __call__(
+        self,
+        q,
+        k,
+        v,
+        lnc=1,
+        dropout_p=0.0,
+        softmax_scale=None,
+        causal=True,
+        mixed_precision=True,
+        seed=None,
+        hardware_type=None,
+        transpose_nki_inputs=True,
+    ):
         assert transpose_nki_inputs, "the XLA path passes [b, h, d, s], as NxD's Llama does"
         b, h, d, s = q.shape
         assert k.shape == v.shape == q.shape, f"k, v repeated to the query heads: q {q.shape}, k {k.shape}"
         assert s % 2048 == 0, "NxD's wrapper raises NotImplementedError otherwise"
-        self.calls.append({"shape": tuple(q.shape), "causal": causal, "scale": softmax_scale, "dropout_p": dropout_p,
-                           "device": q.device.type, "lnc": lnc})
-        scale = d ** -0.5 if softmax_scale is None else softmax_scale
-        t = (lambda x: x.transpose(-1, -2))  # [b, h, d, s] -> [b, h, s, d]
+        self.calls.append(
+            {
+                "shape": tuple(q.shape),
+                "causal": causal,
+                "scale": softmax_scale,
+                "dropout_p": dropout_p,
+                "device": q.device.type,
+                "lnc": lnc,
+            }
+        )
+        scale = d**-0.5 if softmax_scale is None else softmax_scale
+
+        def t(x):  # [b, h, d, s] -> [b, h, s, d]
+            return x.transpose(-1, -2)
+
         return _StandIn.apply(t(q), t(k), t(v), scale)
 
 
@@ -122,13 +144,21 @@ def test_flash_on_xla_calls_the_kernel_as_nxd_does(xla, kernel, kv_heads):
     want = _forward_backward("flash", kv_heads, torch.device("cpu"))  # torch's SDPA flash kernel
     errors = {name: rel_norm(a, b) for name, a, b in zip(("out", "dq", "dk", "dv"), got, want)}
     assert max(errors.values()) < TOL, errors
-    assert kernel.calls == [{"shape": (B, HEADS, D, S), "causal": True, "scale": 1 / math.sqrt(D), "dropout_p": 0.0,
-                             "device": "xla", "lnc": 1}]
+    assert kernel.calls == [
+        {
+            "shape": (B, HEADS, D, S),
+            "causal": True,
+            "scale": 1 / math.sqrt(D),
+            "dropout_p": 0.0,
+            "device": "xla",
+            "lnc": 1,
+        }
+    ]
 
 
 def _root_shapes(text: str) -> str:
     """The output shapes of the HLO's entry computation (its ROOT instruction's type)."""
-    entry = text[text.index("ENTRY"):]
+    entry = text[text.index("ENTRY") :]
     return re.search(r"ROOT \S+ = (\([^)]*\)|\S+)", entry).group(1)
 
 

@@ -24,7 +24,6 @@ import torch_xla.debug.metrics as met
 
 from neuron_ckpt.parallel.attention import masked_score
 from neuron_ckpt.parallel.fused_ops import masked_softmax, rms_norm, swiglu
-
 from tests.helpers import rel_norm
 
 from .helpers import TOL, hlo

@@ -16,7 +16,6 @@ import neuron_ckpt as nc
 from neuron_ckpt.distributed import collectives as C
 from neuron_ckpt.distributed.local import run_local
 from neuron_ckpt.parallel import ColumnParallelLinear, RowParallelLinear
-
 from tests.helpers import rel_norm
 
 

@@ -14,7 +14,6 @@ import torch_xla.debug.metrics as met
 import transformers
 
 from neuron_ckpt.models import LlamaForCausalLM, load_hf_checkpoint, save_hf_checkpoint
-
 from tests.helpers import rel_norm
 
 from .helpers import TOL

@@ -24,7 +24,6 @@ from neuron_ckpt.parallel import (
     VocabParallelEmbedding,
     vocab_parallel_cross_entropy,
 )
-
 from tests.helpers import rel_norm
 
 from .helpers import TOL
@@ -40,7 +39,11 @@ def randn(*shape: int, seed: int) -> torch.Tensor:
 def run(module: torch.nn.Module, inputs: list[torch.Tensor], device) -> tuple[list[torch.Tensor], list, dict]:
     """Outputs, input gradients and parameter gradients of ``sum_i (out_i * w_i)``, on ``device``."""
     # The parallel state (process groups) is shared, not copied.
-    shared = {id(m.parallel_state): m.parallel_state for m in module.modules() if getattr(m, "parallel_state", None) is not None}
+    shared = {
+        id(m.parallel_state): m.parallel_state
+        for m in module.modules()
+        if getattr(m, "parallel_state", None) is not None
+    }
     module = copy.deepcopy(module, memo=shared).to(device)
     xs = [x.detach().clone().to(device).requires_grad_(x.is_floating_point()) for x in inputs]
     outs = module(*xs)

@@ -27,7 +27,6 @@ import torch_xla
 import neuron_ckpt.parallel.attention as attention
 from neuron_ckpt.distributed.parallel_state import Group
 from neuron_ckpt.parallel import CoreAttention, vocab_parallel_cross_entropy
-
 from tests.helpers import rel_norm
 
 from .helpers import TOL, hlo
@@ -64,8 +63,7 @@ def _check_collectives(text: str, last_dim: int) -> None:
     max_reduces = [
         line
         for line in lines
-        if " all-reduce(" in line
-        and "maximum(" in bodies.get(re.search(r"to_apply=%([\w.-]+)", line).group(1), "")
+        if " all-reduce(" in line and "maximum(" in bodies.get(re.search(r"to_apply=%([\w.-]+)", line).group(1), "")
     ]
     assert max_reduces, "no all-reduce with a maximum computation in\n" + "\n".join(lines)
     for line in lines:
@@ -125,7 +123,9 @@ def _inf_problems(tensors: list[torch.Tensor], dtype: torch.dtype) -> list[str]:
         for line in text.splitlines():
             if re.search(rf"%{re.escape(name)}\b", line) and "constant(-inf)" not in line:
                 is_max_init = " reduce(" in line and re.search(rf", \S+ %{re.escape(name)}\)", line)
-                body = _computations(text).get(re.search(r"to_apply=%([\w.-]+)", line).group(1), "") if is_max_init else ""
+                body = (
+                    _computations(text).get(re.search(r"to_apply=%([\w.-]+)", line).group(1), "") if is_max_init else ""
+                )
                 if "maximum(" not in body:
                     problems.append(f"-inf constant used outside a max reduction: {line.strip()}")
     _, data = torch_xla._XLAC._get_tensors_xla_device_data_node(list(tensors))

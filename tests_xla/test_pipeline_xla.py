@@ -21,8 +21,14 @@ pytestmark = pytest.mark.usefixtures("xla")
 
 def test_llama_pipeline_is_refused_on_xla():
     assert runtime.is_xla()
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2)
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     with pytest.raises(ValueError) as info:
         LlamaPipeline(config, PipelineConfig("GPipe", 1), 1, 8)
     assert str(info.value) == XLA_REFUSAL and "aws-neuron-sdk#1189" in XLA_REFUSAL

@@ -13,7 +13,6 @@ import neuron_ckpt as nc
 from neuron_ckpt.distributed.random import get_rng_state, set_rng_state
 from neuron_ckpt.parallel import CoreAttention
 from neuron_ckpt.recompute import checkpoint
-
 from tests.helpers import rel_norm
 
 from .helpers import TOL

@@ -29,7 +29,6 @@ import torch_xla
 import neuron_ckpt as nc
 from neuron_ckpt.parallel import CoreAttention, QKVParallelLinear, RMSNorm, RowParallelLinear
 from neuron_ckpt.recompute import RecomputeConfig, activation_checkpoint, apply_recompute, checkpoint, run_layers
-
 from tests.helpers import rel_norm
 
 from .helpers import TOL, hlo
@@ -82,7 +81,11 @@ def test_barrier_keeps_xla_cse_from_merging_the_recompute(tmp_path):
     env = dict(os.environ, PJRT_DEVICE="CPU", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     out = subprocess.run(
         [sys.executable, "-m", "tests_xla.cse_probe", str(tmp_path)],
-        env=env, cwd=ROOT, capture_output=True, text=True, timeout=300,
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     dots = json.loads(out.stdout.strip().splitlines()[-1])

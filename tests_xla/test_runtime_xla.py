@@ -40,7 +40,11 @@ def test_plain_process_does_not_need_the_default_rendezvous_port():
         nc.destroy_distributed()
         """
     )
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
     env.update(PJRT_DEVICE="CPU", PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""))
     with socket.socket() as busy:
         busy.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -72,7 +72,14 @@ def _metrics(path: Path) -> list[dict]:
 
 def test_tutorial_loop_on_xla_compiles_once_syncs_only_to_log_and_matches_eager(run, monkeypatch, tmp_path):
     root, argv = run
-    ckpt = ["--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "4", "--metrics-file", str(tmp_path / "xla.jsonl")]
+    ckpt = [
+        "--checkpoint-dir",
+        str(tmp_path / "ckpt"),
+        "--checkpoint-every",
+        "4",
+        "--metrics-file",
+        str(tmp_path / "xla.jsonl"),
+    ]
     first, snaps_a = _train_xla(argv + ckpt + ["--stop-at-step", "6"], monkeypatch)
     resumed, snaps_b = _train_xla(argv + ckpt + ["--resume", "latest"], monkeypatch)
     assert first["start_step"] == 0 and resumed["start_step"] == 6
@@ -124,7 +131,14 @@ def test_graphs_only_run_on_xla_writes_no_metrics_and_no_checkpoint(run, tmp_pat
     placeholder values are neither checked nor logged, and nothing is saved."""
     root, argv = run
     monkeypatch.setenv("NEURON_EXTRACT_GRAPHS_ONLY", "1")
-    out = ["--metrics-file", str(tmp_path / "m.jsonl"), "--checkpoint-dir", str(tmp_path / "ckpt"), "--stop-at-step", "2"]
+    out = [
+        "--metrics-file",
+        str(tmp_path / "m.jsonl"),
+        "--checkpoint-dir",
+        str(tmp_path / "ckpt"),
+        "--stop-at-step",
+        "2",
+    ]
     summary = train_module().main(argv + out)
     assert summary["steps"] == 0
     assert not (tmp_path / "m.jsonl").exists() and not list((tmp_path / "ckpt").glob("step_*"))

@@ -44,16 +44,30 @@ def capture(tmp_path_factory):
 
 def _per_layer(out, cap, preset: str) -> dict[str, int]:
     """Bytes one more layer adds, by category (two layer counts one apart: a difference)."""
-    one, two = (xla_buffers.read(out / r.files["xla_buffers"]).core(0)
-                for n in LAYERS for r in cap.runs if (r.layers, r.recompute) == (n, preset))
+    one, two = (
+        xla_buffers.read(out / r.files["xla_buffers"]).core(0)
+        for n in LAYERS
+        for r in cap.runs
+        if (r.layers, r.recompute) == (n, preset)
+    )
     return {k: two[k] - one[k] for k in one}
 
 
 def test_the_capture_reads_back(capture):
     out, stdout = capture
     cap = read_capture(out)
-    assert cap.job == {"model": "llama", "config": "config.json", "tp": 1, "dp": 1, "seq": S, "micro_batch": 1,
-                       "dtype": "bf16", "sequence_parallel": False, "zero1": False, "attention": "explicit"}
+    assert cap.job == {
+        "model": "llama",
+        "config": "config.json",
+        "tp": 1,
+        "dp": 1,
+        "seq": S,
+        "micro_batch": 1,
+        "dtype": "bf16",
+        "sequence_parallel": False,
+        "zero1": False,
+        "attention": "explicit",
+    }
     runs = [(r.recompute, r.layers, r.attention) for r in cap.runs]
     assert runs == [(p, n, "explicit") for p in PRESETS for n in LAYERS]
     assert any("flash attention not captured" in n for n in cap.notes)
@@ -65,8 +79,9 @@ def test_the_compiler_per_layer_against_the_analytic_model(capture):
     out, _ = capture
     cap = read_capture(out)
     model = ModelShape.from_llama(load_llama_config(out / "config.json"))
-    setup = TrainingSetup(seq_len=S, micro_batch=1, tp=1, dtype="bf16", sequence_parallel=False, zero1=False,
-                          attention="explicit")
+    setup = TrainingSetup(
+        seq_len=S, micro_batch=1, tp=1, dtype="bf16", sequence_parallel=False, zero1=False, attention="explicit"
+    )
     h, f, a = model.hidden, model.ffn, model.heads
     one, two = (dataclasses.replace(model, layers=n).local_parameters() for n in (1, 2))
     weights = (two - one) * setup.width

@@ -24,7 +24,6 @@ from torch import nn
 from neuron_ckpt.distributed import collectives
 from neuron_ckpt.distributed.parallel_state import Group, ParallelState
 from neuron_ckpt.optim import Zero1Optimizer
-
 from tests.helpers import rel_norm
 
 from .helpers import hlo
@@ -89,7 +88,9 @@ def gather_as_two(monkeypatch):
     torch_xla._XLAC._set_all_reduce_token(ctx.device, None)
 
 
-def _lowered_step(xla, dtype: torch.dtype, cap_bytes: int | None, accumulate: bool | None) -> tuple[str, Zero1Optimizer]:
+def _lowered_step(
+    xla, dtype: torch.dtype, cap_bytes: int | None, accumulate: bool | None
+) -> tuple[str, Zero1Optimizer]:
     """HLO text of one optimizer step of :func:`_model` with a fake DP 2 (lowered, not run)."""
     model = _model(dtype, xla.device)
     opt = Zero1Optimizer(

@@ -22,7 +22,8 @@ else:
     if int(transformers.__version__.split(".")[0]) < 5:
         raise pytest.UsageError(
             f"tests_xla_hf5 needs transformers 5 (got {transformers.__version__} from {transformers.__file__}); "
-            "run it through `bash scripts/test_xla.sh`, which puts the overlay from scripts/setup_xla.sh first on PYTHONPATH"
+            "run it through `bash scripts/test_xla.sh`, which puts the overlay from scripts/setup_xla.sh first on "
+            "PYTHONPATH"
         )
     from tests_xla.conftest import xla  # noqa: F401  (the same fixture: init_distributed on XLA, TP 1)
 
@@ -33,4 +34,6 @@ def pytest_report_header(config):
     import torch
     import transformers
 
-    return f"tests_xla_hf5: torch {torch.__version__}, transformers {transformers.__version__} ({transformers.__file__})"
+    return (
+        f"tests_xla_hf5: torch {torch.__version__}, transformers {transformers.__version__} ({transformers.__file__})"
+    )

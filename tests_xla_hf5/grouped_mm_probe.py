@@ -12,10 +12,10 @@ import os
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 
-import torch  # noqa: E402
-import torch_xla  # noqa: E402
+import torch
+import torch_xla
 
-from .test_experts_xla import tiny_mixtral  # noqa: E402
+from .test_experts_xla import tiny_mixtral
 
 
 def main() -> None:

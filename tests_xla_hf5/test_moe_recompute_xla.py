@@ -31,7 +31,6 @@ import neuron_ckpt as nc
 from neuron_ckpt.recompute import RecomputeConfig, apply_recompute, unwrapped
 from neuron_ckpt.recompute import moe as moe_recompute
 from neuron_ckpt.recompute.routing import RoutingReplay
-
 from tests.test_hf_moe_recompute import _ids, _shift_bias
 from tests.test_hf_moe_recompute import tiny as cpu_tiny
 from tests_xla.helpers import hlo
@@ -46,9 +45,9 @@ MOE_LAYERS = {"mixtral": [0, 1], "deepseek_v3": [1]}  # DeepSeek's first layer i
 # down projection's output is read by no gradient); moe_act: the experts' SiLU; shared_experts:
 # its gate and up projections; mla_up_proj: q_b_proj and kv_b_proj.
 UNITS = {"moe": "mlp", "moe_act": "mlp.experts", "shared_experts": "mlp.shared_experts", "mla_up_proj": "self_attn"}
-RERUN = {("mixtral", "moe"): (" dot(", 3), ("deepseek_v3", "moe"): (" dot(", 5), ("mixtral", "moe_act"): ("logistic(", 1),
-         ("deepseek_v3", "moe_act"): ("logistic(", 1), ("deepseek_v3", "shared_experts"): (" dot(", 2),
-         ("deepseek_v3", "mla_up_proj"): (" dot(", 2)}  # fmt: skip
+RERUN = {("mixtral", "moe"): (" dot(", 3), ("deepseek_v3", "moe"): (" dot(", 5),
+         ("mixtral", "moe_act"): ("logistic(", 1), ("deepseek_v3", "moe_act"): ("logistic(", 1),
+         ("deepseek_v3", "shared_experts"): (" dot(", 2), ("deepseek_v3", "mla_up_proj"): (" dot(", 2)}  # fmt: skip
 
 
 def tiny(family: str):

@@ -114,6 +114,11 @@ def resolve(model: ModelShape, setup: TrainingSetup, recompute: Recompute) -> Pr
         config = recompute
     else:
         raise ValueError(f"recompute must be a preset name {list(PRESETS)} or a RecomputeConfig, got {recompute!r}")
+    if setup.cp > 1 and model.kind == "gpt":
+        raise ValueError(
+            f"cp (context_parallel_size) {setup.cp}: context parallelism is built and modelled for llama "
+            "only (the paper's GPT layer takes no context-parallel group); use cp=1 for gpt"
+        )
     if setup.attention == "flash" and model.kind == "gpt":
         raise ValueError(
             "attention 'flash' is modelled for llama only: the paper's GPT layer has attention dropout, "
@@ -141,7 +146,7 @@ def resolve(model: ModelShape, setup: TrainingSetup, recompute: Recompute) -> Pr
             f"distribute_saved_activations: the selective modules {list(modules)} keep no replicated "
             "input to distribute; only 'mlp' and 'norm' do (or use full recompute)"
         )
-    why = model.valid_tp(setup.tp, setup.seq_len if setup.sequence_parallel else None, include_vocab=False)
+    why = model.valid_tp(setup.tp, setup.local_seq_len if setup.sequence_parallel else None, include_vocab=False)
     if why is not None:
         raise ValueError(why)
     if model.head_dim * model.heads != model.hidden:
@@ -266,7 +271,7 @@ def rotary_terms(model: ModelShape, setup: TrainingSetup) -> list[ActivationTerm
     gradient). The embedding, final norm, LM head input and loss terms are in the whole-model
     budget (:mod:`.budget`).
     """
-    nbytes = setup.width * setup.seq_len * model.head_dim
+    nbytes = setup.width * setup.local_seq_len * model.head_dim  # this rank's positions under CP
     return [ActivationTerm("rope_cos", nbytes, False), ActivationTerm("rope_sin", nbytes, False)]
 
 

@@ -35,7 +35,7 @@ measured ``LlamaForCausalLM``. The GPT terms outside the layers are analytic onl
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any
 
@@ -175,8 +175,19 @@ def _static_items(model: ModelShape, setup: TrainingSetup, parameters: int | Non
     items.append(
         LineItem("optimizer moments", 2 * per_shard * _FP32, "static", f"AdamW exp_avg + exp_avg_sq, fp32 {where}")
     )
-    s = setup.seq_len
-    if setup.attention == "explicit":
+    s, c = setup.seq_len, setup.cp
+    if c > 1:  # the query chunks' lower-right masks: views of one [s/(2c), s] tensor (parallel.context_parallel)
+        explicit = setup.attention == "explicit"
+        what = "bool" if explicit else f"additive {setup.dtype}"
+        items.append(
+            LineItem(
+                "attention mask",
+                s // (2 * c) * s * (_BOOL if explicit else setup.width),
+                "static",
+                f"context parallel: one [s/(2c), s] {what} mask shared by every chunk and layer",
+            )
+        )
+    elif setup.attention == "explicit":
         items.append(
             LineItem(
                 "attention mask",
@@ -188,10 +199,29 @@ def _static_items(model: ModelShape, setup: TrainingSetup, parameters: int | Non
     return items, optimizer_step_bytes(model, setup, n)
 
 
+def attention_transient_bytes(model: ModelShape, setup: TrainingSetup) -> int:
+    """The most one layer's attention holds for a moment beyond what it keeps, on one rank.
+
+    Explicit, CP 1: the ``[b, a/t, s, s]`` 16-bit scores and, at worst (XLA widens them), an fp32
+    copy and the fp32 softmax; flash: nothing of that size. Under context parallelism ``c > 1``
+    (``G = c x`` this rank's K and V, the gathered copy): the forward holds the gathered K and V
+    twice while it puts them in sequence order (rank order, then sequence order), then the
+    sequence-ordered copy while the chunks attend (explicit: with the largest chunk's scores,
+    ``[b, a/t, s/(2c), s]`` widened as above); the backward the regathered copy, its gradient and
+    the reduce-scatter's input (``3 G``)."""
+    t, b, w, c = setup.tp, setup.micro_batch, setup.width, setup.cp
+    explicit = setup.attention == "explicit"
+    if c == 1:
+        return model.local_heads(t) * setup.seq_len**2 * b * (w + 8) if explicit else 0
+    gathered = c * 2 * w * setup.local_seq_len * b * model.local_kv_heads(t) * model.head_dim
+    scores = model.local_heads(t) * setup.seq_len // (2 * c) * setup.seq_len * b * (w + 8) if explicit else 0
+    return max(2 * gathered, gathered + scores, 3 * gathered)
+
+
 def embedding_bytes(model: ModelShape, setup: TrainingSetup) -> int:
     """What the embedding keeps for backward, per micro-batch: Llama's ``F.embedding`` keeps the
     (local) int64 ids, and at t > 1 the out-of-shard bool mask; GPT's embedding dropout its mask."""
-    s, b, t = setup.seq_len, setup.micro_batch, setup.tp
+    s, b, t = setup.local_seq_len, setup.micro_batch, setup.tp
     if model.kind == "gpt":
         return (s * b // t if setup.sequence_parallel else s * b) * model.hidden
     return s * b * _INT64 + (s * b * _BOOL if t > 1 else 0)
@@ -200,7 +230,7 @@ def embedding_bytes(model: ModelShape, setup: TrainingSetup) -> int:
 def _outside_items(model: ModelShape, setup: TrainingSetup) -> tuple[list[LineItem], list[LineItem], int]:
     """Activations outside the layers (per micro-batch): those kept before them and those kept
     after them (freed before the layers' backward), and the loss's transient bytes."""
-    s, b, t, h, v, w = setup.seq_len, setup.micro_batch, setup.tp, model.hidden, model.vocab, setup.width
+    s, b, t, h, v, w = setup.local_seq_len, setup.micro_batch, setup.tp, model.hidden, model.vocab, setup.width
     sb = s * b
     sb_local = sb // t if setup.sequence_parallel else sb
     logits = sb * v // t  # elements of [s, b, v/t]
@@ -220,7 +250,9 @@ def _outside_items(model: ModelShape, setup: TrainingSetup) -> tuple[list[LineIt
     # division keeps its int64 token count.
     lean = setup.dtype == "bf16"
     softmax = logits * w + sb * _FP32 if lean else logits * _FP32
-    loss = softmax + sb * (_INT64 + 2 * _BOOL) + _INT64
+    # Under context parallelism the loss is the summed cross entropy times c / (the count over
+    # CP): that multiplication keeps the fp32 scalar instead of the mean's int64 count.
+    loss = softmax + sb * (_INT64 + 2 * _BOOL) + (_FP32 if setup.cp > 1 else _INT64)
     what = "bf16 softmax [s, b, v/t] + fp32 target p" if lean else "fp32 softmax [s, b, v/t]"
     after.append(LineItem("act: loss", loss, "activations", f"{what} + targets"))
     # While it runs: the logits (w), one fp32 [s, b, v/t] buffer (the cast, shifted and
@@ -263,17 +295,23 @@ class _Parts:
     before: tuple[LineItem, ...]
     after: tuple[LineItem, ...]
     loss_transient: int
-    scores: int  # the explicit attention's forward transient (0 with flash)
+    scores: int  # the attention's transient (:func:`attention_transient_bytes`)
 
     @staticmethod
     def of(model: ModelShape, setup: TrainingSetup) -> _Parts:
         static, step = _static_items(model, setup)
         before, after, loss_transient = _outside_items(model, setup)
-        scores = 0
-        if setup.attention == "explicit":
-            # The 16-bit scores, and at worst (XLA, which widens) an fp32 copy and the fp32 softmax.
-            scores = model.local_heads(setup.tp) * setup.seq_len**2 * setup.micro_batch * (setup.width + 8)
-        return _Parts(tuple(static), step, tuple(before), tuple(after), loss_transient, scores)
+        scores = attention_transient_bytes(model, setup)
+        parts = _Parts(tuple(static), step, tuple(before), tuple(after), loss_transient, scores)
+        if setup.cp > 1:
+            note = (
+                "context parallel: the gathered K and V (forward: twice while reordered; backward: regathered, "
+                "its gradient, the reduce-scatter's input)"
+            )
+            if setup.attention == "explicit":
+                note += " or one copy + the largest chunk's scores"
+            parts = replace(parts, attention_note=note)
+        return parts
 
     @cached_property
     def sums(self) -> tuple[int, int, int]:
@@ -291,6 +329,8 @@ class _Parts:
         peak_one = stack_peak([(o.saved_bytes, o.backward_peak_bytes, n) for o, n in runs], before, after)
         return one * m, one * (m - 1) + peak_one
 
+    attention_note: str = "attention: scores + fp32 copy + fp32 softmax, [b, a/t, s, s]"
+
     def workspace(self, saved: int, peak: int) -> tuple[int, str]:
         """The largest transient on top of what is kept, and what it is."""
         candidates = [
@@ -299,7 +339,7 @@ class _Parts:
             (self.step - saved, "optimizer step: fp32 gradient slices + one bucket buffer (activations freed)"),
         ]
         if self.scores:
-            candidates.append((self.scores, "attention: scores + fp32 copy + fp32 softmax, [b, a/t, s, s]"))
+            candidates.append((self.scores, self.attention_note))
         extra, why = max(candidates, key=lambda c: c[0])
         return max(extra, 0), why
 

@@ -17,6 +17,8 @@ import torch
 
 from ..distributed import initialize_model_parallel, model_parallel_manual_seed
 from ..parallel import CoreAttention
+from ..parallel import context_parallel as cp_split
+from ..parallel.context_parallel import chunk_mask
 from ..recompute import apply_recompute, run_layers
 from ..recompute.module import unwrapped
 from .analytic import Recompute, resolve
@@ -58,7 +60,7 @@ def build_layers(
     Checked first as the analytic model checks them (a ``ValueError`` naming the field), for a
     model of ``num_layers`` layers (grouped full recompute needs enough of them)."""
     chosen = resolve(replace(model, layers=num_layers), setup, recompute).config
-    state = initialize_model_parallel(setup.tp)
+    state = initialize_model_parallel(setup.tp, context_parallel_size=setup.cp)
     dtype = TORCH_DTYPES[setup.dtype]
     if model.kind == "gpt":
         from ..models.gpt import GPTConfig, GPTLayer
@@ -79,16 +81,22 @@ def build_layers(
         )  # fmt: skip
         options = LlamaOptions(setup.sequence_parallel, setup.attention, dtype, state)
         layers = torch.nn.ModuleList(LlamaDecoderLayer(args, options) for _ in range(num_layers))
-        extra = RotaryEmbedding(args)(setup.seq_len, dtype, torch.device("cpu"))
+        positions = None
+        if state.cp is not None:  # this CP rank's global positions (parallel.context_parallel)
+            positions = cp_split.positions(setup.seq_len, state.cp_size, state.cp_rank)
+        extra = RotaryEmbedding(args)(setup.seq_len, dtype, torch.device("cpu"), positions)
     if chosen.enabled:
         apply_recompute(layers, chosen, sequence_parallel=setup.sequence_parallel)
     return layers.train(), extra
 
 
-def layer_input(model: ModelShape, setup: TrainingSetup, tp_rank: int, seed: int = 0) -> torch.Tensor:
-    """The ``[s, b, h]`` hidden states (this rank's ``[s/t, b, h]`` chunk under sequence parallel)."""
+def layer_input(model: ModelShape, setup: TrainingSetup, tp_rank: int, seed: int = 0, cp_rank: int = 0) -> torch.Tensor:
+    """The ``[s, b, h]`` hidden states: this CP rank's ``s/c`` tokens (its two chunks), and of
+    those this TP rank's ``1/t`` under sequence parallel."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(setup.seq_len, setup.micro_batch, model.hidden, generator=g).to(TORCH_DTYPES[setup.dtype])
+    if setup.cp > 1:
+        x = x.index_select(0, cp_split.positions(setup.seq_len, setup.cp, cp_rank))
     if setup.sequence_parallel:
         x = x.chunk(setup.tp, dim=0)[tp_rank].clone()  # its own storage, not a view of the whole
     return x.requires_grad_()
@@ -109,13 +117,17 @@ def measure_layers(
     """
     layers, extra = build_layers(model, setup, recompute, num_layers)
     model_parallel_manual_seed(seed)
-    state = initialize_model_parallel(setup.tp)
-    x = layer_input(model, setup, state.tp_rank, seed)
+    state = initialize_model_parallel(setup.tp, context_parallel_size=setup.cp)
+    x = layer_input(model, setup, state.tp_rank, seed, state.cp_rank)
     shared = [
         m.causal_mask(setup.seq_len, x.device)
         for m in map(unwrapped, layers.modules())
-        if isinstance(m, CoreAttention) and m.implementation == "explicit"
+        if isinstance(m, CoreAttention) and m.implementation == "explicit" and setup.cp == 1
     ]
+    if setup.cp > 1:  # the [L, s] chunk mask every chunk and layer shares (a per-model term)
+        n = setup.seq_len // (2 * setup.cp)
+        mask_dtype = torch.bool if setup.attention == "explicit" else TORCH_DTYPES[setup.dtype]
+        shared.append(chunk_mask(n, setup.seq_len, setup.seq_len, mask_dtype, x.device))
     with SavedTensorRecorder(exclude_modules=[layers], exclude_tensors=[*shared, *extra]) as rec:
         handles = rec.attach({LAYER_SCOPE.format(i): layer for i, layer in enumerate(layers)})
         try:

@@ -159,7 +159,7 @@ def offered_configs(model: ModelShape, setup: TrainingSetup) -> list[RecomputeCo
 def layer_options(model: ModelShape, setup: TrainingSetup) -> dict[str, LayerOption]:
     """The recompute options for one layer of ``model`` run as ``setup`` says (those
     :func:`offered_configs` lists), by name: the preset's, or the label of another choice."""
-    if (why := model.valid_tp(setup.tp, setup.seq_len if setup.sequence_parallel else None)) is not None:
+    if (why := model.valid_tp(setup.tp, setup.local_seq_len if setup.sequence_parallel else None)) is not None:
         raise ValueError(why)
     options = (layer_option(model, setup, config) for config in offered_configs(model, setup))
     return {option.name: option for option in options}
@@ -175,9 +175,9 @@ def canonical_order(counts: dict[str, int], options: dict[str, LayerOption]) -> 
 
 def step_flops(model: ModelShape, setup: TrainingSetup) -> float:
     """Model FLOPs of one micro-batch's forward + backward on one device: ``flops_per_token``
-    (``6N + 12LHQT``) over the ``s*b/t`` tokens per rank."""
+    (``6N + 12LHQT``, ``T`` the whole sequence) over the ``s*b/(t c)`` tokens per rank."""
     s = setup.seq_len
-    return model.flops_per_token(s) * s * setup.micro_batch / setup.tp
+    return model.flops_per_token(s) * setup.local_seq_len * setup.micro_batch / setup.tp
 
 
 __all__ = [

@@ -3,7 +3,8 @@
 ::
 
     neuron-ckpt plan --model llama --config llama2-7b --tp 8 --dp 4 --seq 4096 --micro-batch 1 \\
-        --device-memory trn1 [--attention flash|explicit] [--reserve 1] [--dtype bf16] [--zero1 | --no-zero1] [--json]
+        --device-memory trn1 [--cp 4] [--attention flash|explicit] [--reserve 1] [--dtype bf16]
+        [--zero1 | --no-zero1] [--longest-seq] [--json]
         [--pp 8 --micro-batches 256 [--schedule gpipe|1f1b|interleaved] [--virtual-stages 2]]
 
 Prints the per-device budget of the chosen plan (GiB per line item), the plan (layers per
@@ -17,7 +18,15 @@ stderr, exit status 1.
 
 ``--attention`` defaults to flash, what the reference recipe (NxD's trn1 Llama-3 tutorial) and
 ``train.py`` run where a kernel exists; with flash the planner does not offer selective recompute
-(no ``s^2`` tensor to drop) and says so.
+(no ``s^2`` tensor to drop) and says so. ``--device-memory trn1`` prices what trn1 runs: NxD's
+NKI flash kernel keeps k and v repeated to the query heads, and under context parallelism
+(``--cp``) trn1 runs the explicit attention (the NKI kernel takes equal query and key lengths
+only).
+
+``--cp c``: each rank runs ``s/c`` of the sequence (docs/context_parallel.md); ``s`` must split
+into ``2c`` chunks (``2ct`` with sequence parallelism), and ``--pp`` above 1 is refused with it,
+as ``train.py`` refuses it. When nothing fits, the message names the smallest ``--cp`` that does.
+``--longest-seq`` also prints the longest sequence that fits at these degrees.
 
 Every option given is used or refused: ``--hidden/--heads/--layers/--vocab`` describe a
 ``--model gpt`` (a Llama's shape comes from ``--config``, which a GPT does not take);
@@ -39,7 +48,7 @@ from .budget import GIB, largest_collective_bytes, optimizer_step_bytes
 from .host import INSTANCES, host_budget
 from .options import offered_presets, selective_saving_with_flash
 from .pipeline import plan_cli as pipeline_cli
-from .planner import DEVICE_PRESETS, NothingFits, Plan, device_memory_bytes, evaluate, plan_recompute
+from .planner import DEVICE_PRESETS, NothingFits, Plan, device_memory_bytes, evaluate, longest_sequence, plan_recompute
 from .shape import DEFAULT_VOCAB, DTYPE_BYTES, KINDS, ModelShape, TrainingSetup
 
 HELP = "plan recompute per layer so a training job fits a device's memory"
@@ -79,7 +88,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layers", type=int, help="gpt: number of layers")
     parser.add_argument("--vocab", type=int, default=None, help=f"gpt: vocabulary size (default {DEFAULT_VOCAB})")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
-    parser.add_argument("--dp", type=int, default=1, help="data-parallel degree (ZeRO-1 shards over it)")
+    parser.add_argument("--dp", type=int, default=1, help="data-parallel degree (ZeRO-1 shards over dp x cp)")
+    parser.add_argument(
+        "--cp",
+        type=int,
+        default=1,
+        help="context-parallel degree: each rank runs s/cp of the sequence (docs/context_parallel.md)",
+    )
     parser.add_argument("--seq", type=int, required=True, help="sequence length")
     parser.add_argument("--micro-batch", type=int, default=1)
     parser.add_argument(
@@ -125,6 +140,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=8,
         help="ranks per host writing a checkpoint at once (train.py's default 8; 0: all)",
+    )
+    parser.add_argument(
+        "--longest-seq",
+        action="store_true",
+        help="also find the longest sequence that fits at these degrees (a bisection over the planner)",
     )
     parser.add_argument("--json", action="store_true", help="one JSON object instead of tables")
     pipeline_cli.add_arguments(parser)
@@ -187,6 +207,15 @@ def build(args: argparse.Namespace) -> tuple[ModelShape, TrainingSetup]:
             "all-reduce of every gradient): drop it or use --zero1"
         )
     bucket_cap_mb = DEFAULT_BUCKET_CAP_MB if args.bucket_cap_mb is None else args.bucket_cap_mb
+    if isinstance(args.cp, bool) or not isinstance(args.cp, int) or args.cp < 1:
+        raise ValueError(f"--cp (the context-parallel degree) must be an integer >= 1, got {args.cp}")
+    if args.cp > 1 and args.pp > 1:
+        from ..pipeline.config import CP_REFUSAL
+
+        raise ValueError(f"--cp {args.cp} --pp {args.pp}: {CP_REFUSAL.format(cp=args.cp)}")
+    if args.cp > 1 and model.kind != "llama":
+        raise ValueError(f"--cp {args.cp}: context parallelism is built for --model llama only; use --cp 1 for gpt")
+    trn1 = str(args.device_memory).lower() == "trn1"
     setup = TrainingSetup(
         seq_len=args.seq,
         micro_batch=args.micro_batch,
@@ -197,8 +226,9 @@ def build(args: argparse.Namespace) -> tuple[ModelShape, TrainingSetup]:
         zero1=args.zero1,
         bucket_cap_mb=bucket_cap_mb,
         attention=args.attention,
+        flash_kernel="nki" if trn1 and args.attention == "flash" else "torch",
     )
-    return model, setup
+    return model, setup.at_context_parallel(args.cp)
 
 
 def _alternatives(model: ModelShape, setup: TrainingSetup, plan: Plan) -> list[Plan]:
@@ -247,12 +277,38 @@ def attention_notes(model: ModelShape, setup: TrainingSetup, device_memory: str 
             "those figures are measured)"
         )
     a, g = model.local_heads(setup.tp), model.local_kv_heads(setup.tp)
-    if str(device_memory).lower() == "trn1" and g < a:
-        extra = 2 * setup.width * setup.seq_len * setup.micro_batch * (a - g) * model.head_dim
+    if setup.flash_kernel == "nki" and g < a:
+        extra = 2 * setup.width * setup.local_seq_len * setup.micro_batch * (a - g) * model.head_dim
         notes.append(
             f"trn1: NxD's NKI kernel is called with k and v repeated to the {a} query heads of a rank "
-            f"(its wrapper launches over query heads) and keeps them so: {extra / 2**20:,.1f} MiB per layer "
-            f"more than counted here (torch's kernel keeps them at the {g} kv heads)"
+            f"(its wrapper launches over query heads) and keeps them so: counted here, {extra / 2**20:,.1f} MiB "
+            f"per layer more than torch's kernel keeps (k and v at the {g} kv heads)"
+        )
+    return notes
+
+
+def context_parallel_notes(model: ModelShape, setup: TrainingSetup, args: argparse.Namespace) -> list[str]:
+    """What the plan says about context parallelism: what it prices, what trn1 runs, what the
+    backward all-gathers again."""
+    if setup.cp == 1:
+        return []
+    c = setup.cp
+    kv = 2 * setup.width * setup.local_seq_len * setup.micro_batch * model.local_kv_heads(setup.tp) * model.head_dim
+    notes = [
+        (
+            f"context parallel: cp={c}, each rank runs s/{c} = {setup.local_seq_len} tokens; ZeRO-1 shards over "
+            f"dp x cp = {setup.dp * c}; {setup.tp * c * setup.dp} ranks in all"
+        ),
+        (
+            f"context parallel: each layer's backward all-gathers this rank's K and V again, (c-1) x "
+            f"{kv / 2**20:,.2f} MiB sent per layer and rank: the regather without recompute, the rerun with core "
+            "attention or full recompute (the same bytes under every choice, so the plan's FLOPs are its price)"
+        ),
+    ]
+    if args.attention == "flash" and setup.attention == "explicit":
+        notes.append(
+            "trn1: NxD's NKI flash kernel takes equal query and key lengths only, so under context parallelism "
+            "trn1 runs the explicit attention (parallel/flash.py): priced as explicit"
         )
     return notes
 
@@ -260,7 +316,8 @@ def attention_notes(model: ModelShape, setup: TrainingSetup, device_memory: str 
 def _print_plan(model: ModelShape, setup: TrainingSetup, plan: Plan, notes: list[str]) -> None:
     print(
         f"{model.name or model.kind}: L={model.layers} h={model.hidden} a={model.heads} g={model.kv_heads} "
-        f"f={model.ffn} v={model.vocab} | tp={setup.tp} dp={setup.dp} s={setup.seq_len} b={setup.micro_batch} "
+        f"f={model.ffn} v={model.vocab} | tp={setup.tp} cp={setup.cp} dp={setup.dp} s={setup.seq_len} "
+        f"b={setup.micro_batch} "
         f"{setup.dtype} sequence_parallel={setup.sequence_parallel} zero1={setup.zero1} attention={setup.attention}"
     )
     print(f"memory to plan for: {plan.limit_bytes / GIB:.2f} GiB (device memory less the reserve)\n")
@@ -295,32 +352,40 @@ def run(args: argparse.Namespace) -> int:
     (``ValueError`` naming the field; the dispatcher prints one line and exits 2)."""
     model, setup = build(args)
     pipeline = pipeline_cli.pipeline_from_args(args)
-    notes = attention_notes(model, setup, args.device_memory)
+    notes = attention_notes(model, setup, args.device_memory) + context_parallel_notes(model, setup, args)
     if pipeline is not None:
         return pipeline_cli.run(args, model, setup, pipeline, device_gib(args), notes)
+    longest = None
+    if args.longest_seq:
+        longest = longest_sequence(model, setup, device_gib(args), reserve_gib=args.reserve)
     try:
         plan = plan_recompute(model, setup, device_gib(args), reserve_gib=args.reserve)
     except NothingFits as exc:
         if args.json:
-            print(
-                json.dumps(
-                    {
-                        "fits": False,
-                        "attention": setup.attention,
-                        "message": str(exc),
-                        "smallest_tp": exc.smallest_tp,
-                        "largest_micro_batch": exc.largest_micro_batch,
-                        "least_memory": exc.least.to_dict(),
-                    },
-                    indent=2,
-                )
-            )
+            out = {
+                "fits": False,
+                "attention": setup.attention,
+                "cp": setup.cp,
+                "message": str(exc),
+                "smallest_tp": exc.smallest_tp,
+                "smallest_cp": exc.smallest_cp,
+                "largest_micro_batch": exc.largest_micro_batch,
+                "least_memory": exc.least.to_dict(),
+            }
+            if args.longest_seq:
+                out["longest_seq"] = longest
+            print(json.dumps(out, indent=2))
+        elif args.longest_seq:
+            print(_longest_text(setup, longest))
         print(f"neuron-ckpt plan: {exc}", file=sys.stderr)
         return 1
     if args.json:
         out = plan.to_dict()
         out["attention"] = setup.attention
+        out["cp"] = setup.cp
         out["attention_notes"] = notes
+        if args.longest_seq:
+            out["longest_seq"] = longest
         out["alternatives"] = {
             alt.layers[0]: {"total_gib": round(alt.budget.total_gib, 4), "fits": alt.fits, "overhead": alt.overhead}
             for alt in _alternatives(model, setup, plan)
@@ -333,5 +398,14 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(out, indent=2))
     else:
         _print_plan(model, setup, plan, notes)
+        if args.longest_seq:
+            print(_longest_text(setup, longest))
         _print_step_and_host(model, setup, args)
     return 0
+
+
+def _longest_text(setup: TrainingSetup, longest: int | None) -> str:
+    where = f"tp={setup.tp} cp={setup.cp} dp={setup.dp} micro-batch {setup.micro_batch}, {setup.attention} attention"
+    if longest is None:
+        return f"longest sequence that fits: none at {where}"
+    return f"longest sequence that fits: {longest} tokens at {where}"

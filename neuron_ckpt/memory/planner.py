@@ -10,8 +10,10 @@ reruns, matmul plus elementwise, where the backend's rerun stops (:mod:`.rerun`)
 checks it against a brute force over every per-layer assignment.
 
 When nothing fits, :class:`NothingFits` says by how much and what would: the smallest
-tensor-parallel degree that fits (same dp and micro-batch) and the largest micro-batch that fits
-at this degree.
+tensor-parallel degree that fits (same dp and micro-batch), the smallest context-parallel degree
+that fits (same tp, dp and micro-batch: each rank then runs ``s/c`` of the sequence) and the
+largest micro-batch that fits at this degree. :func:`longest_sequence` finds the longest sequence
+a job fits at its degrees.
 
 :func:`plan_activations` does the same search against a limit on the activations alone (what
 ``SavedTensorRecorder`` measures), to compare with another implementation at equal activation
@@ -170,12 +172,21 @@ class NothingFits(ValueError):
 
     least: the plan with the least memory (full recompute everywhere). smallest_tp: the smallest
     tensor-parallel degree that fits (same dp, micro-batch), or None. largest_micro_batch: the
-    largest micro-batch that fits at this degree, or None.
+    largest micro-batch that fits at this degree, or None. smallest_cp: the smallest
+    context-parallel degree above this one that fits (same tp, dp, micro-batch), or None.
     """
 
-    def __init__(self, message: str, least: Plan, smallest_tp: int | None, largest_micro_batch: int | None):
+    def __init__(
+        self,
+        message: str,
+        least: Plan,
+        smallest_tp: int | None,
+        largest_micro_batch: int | None,
+        smallest_cp: int | None = None,
+    ):
         super().__init__(message)
         self.least, self.smallest_tp, self.largest_micro_batch = least, smallest_tp, largest_micro_batch
+        self.smallest_cp = smallest_cp
 
 
 LIMITS_ON = ("total", "activations")
@@ -267,8 +278,10 @@ def _best(
 
 
 def valid_tp_degrees(model: ModelShape, setup: TrainingSetup) -> list[int]:
-    """Tensor-parallel degrees that can shard ``model`` at ``setup``'s sequence length."""
-    seq = setup.seq_len if setup.sequence_parallel else None
+    """Tensor-parallel degrees that can shard ``model`` at ``setup``'s sequence length (under
+    context parallelism sequence parallel splits each of the ``2c`` chunks over TP)."""
+    chunk = setup.seq_len // (2 * setup.cp) if setup.cp > 1 else setup.seq_len
+    seq = chunk if setup.sequence_parallel else None
     return [t for t in range(1, model.heads + 1) if model.valid_tp(t, seq) is None]
 
 
@@ -344,9 +357,24 @@ def _fits(model: ModelShape, setup: TrainingSetup, limit: int, allowed) -> bool:
     return _best(model, setup, limit, allowed)[1].fits
 
 
+MAX_CONTEXT_PARALLEL = 64
+"""The largest context-parallel degree :class:`NothingFits` tries."""
+
+
+def valid_cp_degrees(model: ModelShape, setup: TrainingSetup, largest: int = MAX_CONTEXT_PARALLEL) -> list[int]:
+    """Context-parallel degrees up to ``largest`` that split ``setup``'s sequence (``s % 2c == 0``,
+    ``s % 2ct == 0`` with sequence parallel); 1 always. The Llama layer only (GPT takes no CP)."""
+    if model.kind != "llama":
+        return [1]
+    step = 2 * setup.tp if setup.sequence_parallel else 2
+    return [1] + [c for c in range(2, largest + 1) if setup.seq_len % (step * c) == 0]
+
+
 def _nothing_fits(model: ModelShape, setup: TrainingSetup, limit: int, least: Plan, allowed) -> NothingFits:
     bigger = [t for t in valid_tp_degrees(model, setup) if t > setup.tp]
     smallest_tp = next((t for t in bigger if _fits(model, replace(setup, tp=t), limit, allowed)), None)
+    more_cp = [c for c in valid_cp_degrees(model, setup) if c > setup.cp]
+    smallest_cp = next((c for c in more_cp if _fits(model, setup.at_context_parallel(c), limit, allowed)), None)
     largest_b = None
     if setup.micro_batch > 1:
         lo, hi = 0, setup.micro_batch - 1  # memory grows with b: bisect the largest that fits
@@ -373,13 +401,51 @@ def _nothing_fits(model: ModelShape, setup: TrainingSetup, limit: int, least: Pl
         )
     else:
         parts.append(f"no tensor-parallel degree above {setup.tp} fits at this micro-batch")
+    if smallest_cp is not None:
+        ranks = setup.tp * smallest_cp
+        parts.append(
+            f"fits with --cp {smallest_cp} (the smallest context-parallel degree that fits at tp={setup.tp}, "
+            f"dp={setup.dp}, micro-batch {setup.micro_batch}: {ranks} ranks per replica, s/{smallest_cp} = "
+            f"{setup.seq_len // smallest_cp} tokens each)"
+        )
+    elif model.kind == "llama":
+        parts.append(f"no context-parallel degree above {setup.cp} fits (tried {more_cp or 'none: s does not split'})")
     if largest_b is not None:
         parts.append(f"would fit: micro-batch {largest_b} at tp={setup.tp} (the largest that fits)")
     elif setup.micro_batch > 1:
         parts.append(f"no smaller micro-batch fits at tp={setup.tp}")
     if not setup.zero1 and setup.dp > 1:
         parts.append("ZeRO-1 (--zero1) would shard the optimizer state over dp")
-    return NothingFits("; ".join(parts), least, smallest_tp, largest_b)
+    return NothingFits("; ".join(parts), least, smallest_tp, largest_b, smallest_cp)
+
+
+def longest_sequence(
+    model: ModelShape,
+    setup: TrainingSetup,
+    device_memory: float | int | str | None,
+    reserve_gib: float | None = None,
+    allowed: tuple[str, ...] | None = None,
+    longest: int = 1 << 22,
+) -> int | None:
+    """The longest sequence (up to ``longest``) at which ``setup``'s job fits, with the recompute
+    :func:`plan_recompute` would choose there; a multiple of what the sequence must split into
+    (``2c``, ``2ct`` with sequence parallel, ``t`` with it at CP 1). None if not even the shortest
+    fits. Memory grows with the sequence, so a bisection."""
+    limit = limit_bytes(device_memory, reserve_gib)
+    c, t = setup.cp, setup.tp
+    step = (2 * c if c > 1 else 1) * (t if setup.sequence_parallel else 1)
+
+    def fits(n: int) -> bool:
+        return _fits(model, replace(setup, seq_len=n * step), limit, allowed)
+
+    lo, hi = 0, longest // step
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo * step or None
 
 
 __all__ = [
@@ -390,7 +456,9 @@ __all__ = [
     "device_memory_bytes",
     "evaluate",
     "limit_bytes",
+    "longest_sequence",
     "plan_activations",
     "plan_recompute",
+    "valid_cp_degrees",
     "valid_tp_degrees",
 ]

@@ -20,9 +20,11 @@ COLORS = dict(zip(PRESETS, ("tab:red", "tab:blue", "tab:purple", "tab:orange", "
 
 
 def sequence_lengths(setup: TrainingSetup) -> list[int]:
-    """From s/8 to 4s in powers of two, keeping lengths that sequence parallel can split."""
+    """From s/8 to 4s in powers of two, keeping lengths that sequence parallel (and context
+    parallel: ``2c`` chunks, ``2ct`` with sequence parallel) can split."""
     lengths = {setup.seq_len * 2**k // 8 for k in range(6)}
-    return sorted(s for s in lengths if s >= setup.tp and s % setup.tp == 0 and s * 8 // setup.seq_len >= 1)
+    step = (2 * setup.cp if setup.cp > 1 else 1) * setup.tp
+    return sorted(s for s in lengths if s >= step and s % step == 0 and s * 8 // setup.seq_len >= 1)
 
 
 def variants(model: ModelShape, setup: TrainingSetup) -> dict[tuple[str, bool], TrainingSetup]:

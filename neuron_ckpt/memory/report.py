@@ -74,6 +74,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--micro-batch", type=positive_int, default=1, help="b, sequences per micro-batch")
     add("--tp", type=positive_int, default=1, help="t, tensor-parallel degree")
     add(
+        "--cp",
+        type=positive_int,
+        default=1,
+        help="c, context-parallel degree (llama): each rank runs s/c of the sequence (docs/context_parallel.md); "
+        "--measure runs t x c processes",
+    )
+    add(
         "--sequence-parallel",
         action="store_true",
         help="shard norms/dropouts along the sequence (with --config: apply_tensor_parallel(sequence_parallel=True))",
@@ -121,6 +128,8 @@ def case_from_args(args: argparse.Namespace) -> Case:
     kv_heads = args.heads if args.kv_heads is None else args.kv_heads
     ffn = default_ffn(args.model, args.hidden) if args.ffn is None else args.ffn
     model = ModelShape(args.model, args.hidden, args.heads, kv_heads, ffn, args.layers, DEFAULT_VOCAB)
+    if args.cp > 1 and args.model != "llama":
+        raise ValueError(f"--cp {args.cp}: context parallelism is built for --model llama only; use --cp 1 for gpt")
     setup = TrainingSetup(
         args.seq,
         args.micro_batch,
@@ -128,6 +137,7 @@ def case_from_args(args: argparse.Namespace) -> Case:
         dtype=args.dtype,
         sequence_parallel=args.sequence_parallel,
         attention=attention,
+        cp=args.cp,
     )
     recompute = RecomputeConfig.preset(args.recompute)
     if args.distribute_saved_activations:
@@ -143,11 +153,11 @@ def comparisons(model: ModelShape, setup: TrainingSetup, recompute: Recompute) -
 
 
 def measure(cases: list[Case]) -> list[dict]:
-    """Measure each case (all of one TP degree) on ``tp`` spawned gloo ranks; per case, all ranks."""
+    """Measure each case (all of one TP and CP degree) on ``tp x cp`` spawned gloo ranks; per case, all ranks."""
     from ..distributed.local import run_local
 
     layers = min(cases[0][0].layers, MEASURED_LAYERS)
-    per_rank = run_local(measure_on_ranks, cases[0][1].tp, cases, layers)
+    per_rank = run_local(measure_on_ranks, cases[0][1].tp * cases[0][1].cp, cases, layers)
     return [
         {
             "measured_bytes_per_layer": max(rank[i].bytes_per_layer for rank in per_rank),
@@ -168,7 +178,7 @@ def _spec(model: ModelShape, setup: TrainingSetup, recompute: Recompute) -> dict
     return {
         "model": model.kind, "seq_len": setup.seq_len, "micro_batch": setup.micro_batch, "hidden": model.hidden,
         "heads": model.heads, "kv_heads": model.kv_heads if model.kind == "llama" else None, "ffn": model.ffn,
-        "tp": setup.tp, "sequence_parallel": setup.sequence_parallel, "recompute": name,
+        "tp": setup.tp, "cp": setup.cp, "sequence_parallel": setup.sequence_parallel, "recompute": name,
         "distribute_saved_activations": distribute, "layers": model.layers, "dtype": setup.dtype,
         "attention": setup.attention,
     }  # fmt: skip
@@ -206,6 +216,7 @@ def format_report(report: dict) -> str:
     s = report["spec"]
     flags = (
         [f"t={s['tp']}"]
+        + ([f"cp={s['cp']} (s/{s['cp']} = {s['seq_len'] // s['cp']} tokens per rank)"] if s["cp"] > 1 else [])
         + (["sequence parallel"] if s["sequence_parallel"] else [])
         + (["distributed saved input"] if s["distribute_saved_activations"] else [])
     )
@@ -236,7 +247,7 @@ def format_report(report: dict) -> str:
         lines += [
             "",
             (
-                f"measured ({report['measured_layers']} layers, {s['tp']} gloo ranks): "
+                f"measured ({report['measured_layers']} layers, {s['tp'] * s['cp']} gloo ranks): "
                 f"{report['measured_bytes_per_layer'] / MIB:.3f} MiB per layer, "
                 f"measured/analytic {report['measured_over_analytic']:.4f}"
             ),
@@ -275,6 +286,11 @@ def check_plot_path(path: str) -> None:
 def run(args: argparse.Namespace) -> int:
     """The ``memory`` command. Raises ``ValueError`` on bad input (the CLI prints one line)."""
     if args.config is not None:  # a transformers model: its own report (.moe.report)
+        if args.cp > 1:
+            raise ValueError(
+                f"--cp {args.cp} applies to --model llama (our Llama layer); a transformers --config takes no "
+                "context parallelism"
+            )
         from .moe import report as moe_report
 
         return moe_report.run(args)

@@ -39,7 +39,10 @@ RMSNORM, LAYERNORM, ROTARY, SOFTMAX, SWIGLU, GELU, DROPOUT, ADD = 4, 8, 3, 5, 5,
 # The ops each selective module covers (an ordinary checkpoint: its region is the span from the
 # first to the last of them); ``norm`` is two units, one per norm.
 REGIONS: dict[str, tuple[tuple[str, ...], ...]] = {
-    "core_attn": (("scores", "softmax", "attn_dropout", "pv", "attention"),),
+    # Under context parallelism the attention runs per query chunk: the second's ops end in 2.
+    "core_attn": (
+        ("scores", "softmax", "attn_dropout", "pv", "attention", "scores2", "softmax2", "pv2", "attention2"),
+    ),
     "mlp": (("up", "act", "down"),),
     "mlp_act": (("act",),),
     "norm": (("norm1",), ("norm2",)),
@@ -73,14 +76,23 @@ class Op:
     flops: Flops
 
 
-def layer_ops(model: ModelShape, setup: TrainingSetup) -> list[Op]:
+def layer_ops(model: ModelShape, setup: TrainingSetup, cp_rank: int | None = None) -> list[Op]:
     """One layer's forward on one rank, op by op, in order, per micro-batch. The matmuls see the
     whole sequence and this rank's heads or MLP columns; the norms, residual adds and hidden
-    dropouts see ``s*b/t`` tokens under sequence parallel, ``s*b`` otherwise."""
-    s, b, t, h, d = setup.seq_len, setup.micro_batch, setup.tp, model.hidden, model.head_dim
+    dropouts see ``s*b/t`` tokens under sequence parallel, ``s*b`` otherwise. Under context
+    parallelism ``s`` is this rank's ``s/c`` tokens, and the attention runs once per query chunk
+    (``L = s/(2c)`` queries against the keys up to the chunk's end: chunk ``j`` scores ``(j + 1) L^2``
+    per head), the second chunk's ops named ``scores2``, ``softmax2``, ``pv2`` / ``attention2``. CP
+    rank ``r`` holds chunks ``r`` and ``2c - 1 - r``: together ``(2c + 1) L^2`` on every rank, but
+    what a rerun stops short of is the first chunk's, so the price depends on the rank; ``cp_rank``
+    None prices rank ``c - 1``, the one whose rerun costs most (the step waits for it)."""
+    s, b, t, h, d = setup.local_seq_len, setup.micro_batch, setup.tp, model.hidden, model.head_dim
     a, g, f = model.local_heads(t), model.local_kv_heads(t), model.ffn // t
     tokens = s * b // t if setup.sequence_parallel else s * b
+    c, n = setup.cp, s // 2
     square = a * s * s * b  # scores of this rank's heads
+    rank = c - 1 if cp_rank is None else cp_rank
+    chunks = [a * b * n * (j + 1) * n for j in (rank, 2 * c - 1 - rank)] if c > 1 else [square]
 
     def mm(n: float) -> Flops:
         return Flops(matmul=2.0 * n)
@@ -99,10 +111,12 @@ def layer_ops(model: ModelShape, setup: TrainingSetup) -> list[Op]:
         return [Op(n, x) for n, x in ops]
     ops = [("norm1", ew(RMSNORM, tokens * h)), ("qkv", mm(s * b * h * (a + 2 * g) * d))]
     ops.append(("rotary", ew(ROTARY, s * b * (a + g) * d)))
-    if setup.attention == "flash":  # one kernel: both matmuls over the whole square, as torch counts
-        ops.append(("attention", mm(2 * square * d) + ew(SOFTMAX, square)))
-    else:
-        ops += [("scores", mm(square * d)), ("softmax", ew(SOFTMAX, square)), ("pv", mm(square * d))]
+    for i, sq in enumerate(chunks):  # the whole square at CP 1, each query chunk's under CP
+        tag = "2" if i else ""
+        if setup.attention == "flash":  # one kernel: both matmuls over the whole square, as torch counts
+            ops.append(("attention" + tag, mm(2 * sq * d) + ew(SOFTMAX, sq)))
+        else:
+            ops += [("scores" + tag, mm(sq * d)), ("softmax" + tag, ew(SOFTMAX, sq)), ("pv" + tag, mm(sq * d))]
     ops += [("o_proj", mm(s * b * a * d * h)), ("residual1", ew(ADD, tokens * h))]
     ops += [("norm2", ew(RMSNORM, tokens * h)), ("up", mm(s * b * h * 2 * f)), ("act", ew(SWIGLU, s * b * f))]
     ops += [("down", mm(s * b * f * h)), ("residual2", ew(ADD, tokens * h))]
@@ -127,11 +141,14 @@ def _checkpoint(ops: list[Op], saves: list[str], first: int, last: int, whole: b
     return _sum(ops[first:stop])
 
 
-def rerun_flops(model: ModelShape, setup: TrainingSetup, spec: LayerSpec, whole: bool = False) -> Flops:
+def rerun_flops(
+    model: ModelShape, setup: TrainingSetup, spec: LayerSpec, whole: bool = False, cp_rank: int | None = None
+) -> Flops:
     """The forward FLOPs one layer's backward reruns under ``spec`` (:class:`~.terms.LayerSpec`),
     per micro-batch on one rank; for a group's first layer, the group's. ``whole``: as the eager
-    reentrant checkpoint reruns, every region to its end (see the module docstring)."""
-    ops = layer_ops(model, setup)
+    reentrant checkpoint reruns, every region to its end (see the module docstring). ``cp_rank``:
+    under context parallelism, the rank priced (:func:`layer_ops`; None: the costliest)."""
+    ops = layer_ops(model, setup, cp_rank)
     saves = [at for _, at in saved_at(model, setup)]
     if spec.span == 0:
         return Flops()

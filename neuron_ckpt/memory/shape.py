@@ -8,7 +8,7 @@ parameters and its FLOPs per token.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from ..checks import require_positive_int
@@ -18,6 +18,8 @@ if TYPE_CHECKING:
     from ..models.llama_args import LlamaArgs
 
 KINDS = ("llama", "gpt")
+FLASH_KERNELS = ("torch", "nki")
+"""Which flash kernel runs: torch's SDPA (CPU, CUDA) or NxD's NKI kernel (trn1)."""
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 DEFAULT_VOCAB = 51200  # the paper's GPT vocabulary
 _FP32 = 4
@@ -177,7 +179,10 @@ class ModelShape:
 class TrainingSetup:
     """How the job runs, per device.
 
-    seq_len, micro_batch: s and b of one micro-batch. tp, dp: tensor- and data-parallel degrees.
+    seq_len, micro_batch: s and b of one micro-batch (s: the whole sequence). tp, dp: tensor- and
+        data-parallel degrees. cp: the context-parallel degree (``context_parallel_size``): each rank
+        runs ``s / cp`` of the sequence's tokens (:mod:`neuron_ckpt.parallel.context_parallel`);
+        ZeRO-1 shards over dp x cp.
     dtype: parameters, gradients and activations ("bf16" | "fp16" | "fp32").
     sequence_parallel: Megatron sequence parallelism (the tutorial's default).
     zero1: shard master weights and AdamW moments over dp (``Zero1Optimizer``).
@@ -192,6 +197,11 @@ class TrainingSetup:
     attention: the core attention (:data:`~neuron_ckpt.parallel.attention.ATTENTION`):
         "explicit" keeps the ``[b, a/t, s, s]`` probabilities (the paper's layer), "flash" a fused
         kernel that keeps none (:mod:`neuron_ckpt.parallel.flash`).
+    cp: see above. flash_kernel: with ``attention="flash"``, the kernel (:data:`FLASH_KERNELS`):
+        ``"torch"`` keeps k and v at the kv heads; ``"nki"`` (trn1) is called with k and v repeated
+        to the query heads (NxD's wrapper launches over query heads) and keeps them so. It takes
+        equal query and key lengths only, so under context parallelism trn1 runs the explicit
+        attention (:meth:`at_context_parallel`).
     """
 
     seq_len: int
@@ -206,12 +216,26 @@ class TrainingSetup:
     bucket_cap_mb: float | None = 128.0
     accumulate_fp32: bool | None = None
     attention: str = "explicit"
+    cp: int = 1
+    flash_kernel: str = "torch"
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION:
             raise ValueError(f"attention must be one of {ATTENTION}, got {self.attention!r}")
-        for name in ("seq_len", "micro_batch", "tp", "dp", "microbatches_in_flight"):
+        for name in ("seq_len", "micro_batch", "tp", "dp", "microbatches_in_flight", "cp"):
             require_positive_int(name, getattr(self, name))
+        if self.flash_kernel not in FLASH_KERNELS:
+            raise ValueError(f"flash_kernel must be one of {FLASH_KERNELS}, got {self.flash_kernel!r}")
+        if self.cp > 1 and self.attention == "flash" and self.flash_kernel == "nki":
+            raise ValueError(
+                f"attention 'flash' with flash_kernel 'nki' at cp {self.cp}: NxD's NKI kernel takes equal query and "
+                "key lengths only, so trn1 runs the explicit attention under context parallelism; use "
+                "attention='explicit' (TrainingSetup.at_context_parallel does)"
+            )
+        if self.cp > 1:
+            from ..parallel.context_parallel.split import check_sequence  # lazily: it imports torch
+
+            check_sequence(self.seq_len, self.cp, self.tp, self.sequence_parallel)
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"dtype must be one of {tuple(DTYPE_BYTES)}, got {self.dtype!r}")
         if self.bucket_cap_mb is not None and not self.bucket_cap_mb > 0:
@@ -230,9 +254,22 @@ class TrainingSetup:
             return self.master_weights
         return self.zero1 or self.dtype != "fp32"
 
+    def at_context_parallel(self, cp: int) -> TrainingSetup:
+        """This job at context-parallel degree ``cp``, with the attention that then runs: on trn1
+        (``flash_kernel="nki"``) flash runs explicit under CP (``parallel/flash.py``)."""
+        if cp > 1 and self.attention == "flash" and self.flash_kernel == "nki":
+            return replace(self, cp=cp, attention="explicit", flash_kernel="torch")
+        return replace(self, cp=cp)
+
+    @property
+    def local_seq_len(self) -> int:
+        """Tokens of one sequence on one rank's layers: ``s / cp``."""
+        return self.seq_len // self.cp
+
     @property
     def optimizer_shards(self) -> int:
-        return self.dp if self.zero1 else 1
+        """Ranks ZeRO-1 shards the optimizer state over: dp x cp (the weights are replicated over both)."""
+        return self.dp * self.cp if self.zero1 else 1
 
     @property
     def grad_width(self) -> int:
@@ -241,4 +278,4 @@ class TrainingSetup:
         return _FP32 if self.zero1 and on else self.width
 
 
-__all__ = ["DEFAULT_VOCAB", "DTYPE_BYTES", "KINDS", "ModelShape", "TrainingSetup", "default_ffn"]
+__all__ = ["DEFAULT_VOCAB", "DTYPE_BYTES", "FLASH_KERNELS", "KINDS", "ModelShape", "TrainingSetup", "default_ffn"]

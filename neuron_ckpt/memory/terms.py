@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 from .shape import ModelShape, TrainingSetup
 
-_FP32, _BOOL = 4, 1
+_FP32, _BOOL, _INT64 = 4, 1, 8
 
 
 @dataclass(frozen=True)
@@ -85,15 +85,26 @@ def layer_terms(
     if spec.span == 0:
         return [], []
     w, t = setup.width, setup.tp
-    numel = setup.seq_len * setup.micro_batch * model.hidden // (t if setup.sequence_parallel else 1)
+    numel = setup.local_seq_len * setup.micro_batch * model.hidden // (t if setup.sequence_parallel else 1)
     slice_ = w * -(-numel // t) if spec.distribute else w * numel  # a distributed input: ceil(numel/t)
     gathered = t * slice_ if spec.distribute else 0  # all-gathered back for the rerun: a new storage
     if spec.span is not None:
         total = sum(x.term.nbytes for x in none)
         kept = ActivationTerm("layer_input", slice_, setup.sequence_parallel or spec.distribute)
         again = spec.span * total - w * numel + gathered  # the rerun's input is the kept one, or gathered
+        again += spec.span * _regathered_in_rerun(model, setup)
         return [kept], [RecomputeEvent("layer" if spec.span == 1 else f"{spec.span} layers", slice_, again)]
     return _selective(none, set(spec.modules), core_again, slice_, gathered)
+
+
+def _regathered_in_rerun(model: ModelShape, setup: TrainingSetup) -> int:
+    """What a layer's rerun keeps more than its forward under context parallelism: inside a
+    checkpoint's rerun the regather steps aside, so its attention keeps the gathered K and V
+    (``c`` times this rank's) where the forward kept this rank's rows: ``(c - 1)`` times them."""
+    if setup.cp == 1 or model.kind != "llama":
+        return 0
+    kv = setup.width * setup.local_seq_len * setup.micro_batch * model.local_kv_heads(setup.tp) * model.head_dim
+    return (setup.cp - 1) * 2 * kv
 
 
 def saved_at(model: ModelShape, setup: TrainingSetup) -> list[tuple[str, str]]:
@@ -197,21 +208,26 @@ def _gpt(model: ModelShape, setup: TrainingSetup) -> tuple[list[_Term], int]:
 
 
 def _llama(model: ModelShape, setup: TrainingSetup) -> tuple[list[_Term], int]:
-    s, b, h, t, w = setup.seq_len, setup.micro_batch, model.hidden, setup.tp, setup.width
+    # s: this rank's tokens of the sequence, s/c under context parallelism (every per-token term).
+    s, b, h, t, w, c = setup.local_seq_len, setup.micro_batch, model.hidden, setup.tp, setup.width, setup.cp
     sp = setup.sequence_parallel
     sb = s * b // t if sp else s * b  # replicated over TP without sequence parallel, a shard with it
     d, a_loc, g_loc, f_loc = model.head_dim, model.local_heads(t), model.local_kv_heads(t), model.ffn // t
-    q, kv, f = w * s * b * a_loc * d, w * s * b * g_loc * d, w * s * b * f_loc
     flash = setup.attention == "flash"
-    if not flash:
+    if flash and setup.flash_kernel == "nki":  # trn1: k and v repeated to the query heads, kept so
+        g_loc = a_loc
+    q, kv, f = w * s * b * a_loc * d, w * s * b * g_loc * d, w * s * b * f_loc
+    if c > 1:
+        own, gathered = _context_parallel_core(setup, q, kv, a_loc, s)
+    elif not flash:
         # The fused masked softmax keeps only its output, in the activation dtype: the tensor
         # the matmul with V keeps too (one storage).
-        core = ("probs", w * a_loc * s * s * b, "pv")
+        own, gathered = [("probs", w * a_loc * s * s * b, "pv")], 0
     else:
         # torch's flash kernel: contiguous [b, heads, s, d] copies of q, k, v (k and v at kv
         # heads) instead of the rotary outputs, its output (the projection's input) and one
         # fp32 logsumexp per query row.
-        core = ("softmax_lse_fp32", _FP32 * a_loc * s * b, "attention+")
+        own, gathered = [("softmax_lse_fp32", _FP32 * a_loc * s * b, "attention+")], 2 * kv + q
     # Where each is saved: our fused RMSNorm, SwiGLU and sequence-parallel column linear are
     # autograd Functions, which save after they run; aten ops (matmuls, the flash kernel) save
     # their inputs before and their outputs after.
@@ -223,9 +239,10 @@ def _llama(model: ModelShape, setup: TrainingSetup) -> tuple[list[_Term], int]:
         ("norm1_rstd_fp32", _FP32 * sb, sp, "norm1.own", "norm1+"),
         ("qkv_input", w * sb * h, sp, "norm1.out", "qkv" + column),  # the Q/K/V weight gradients' one input
         ("q", q, True, "core.in", "attention" if flash else "scores"),  # after rotary: the score matmul keeps it
-        ("k", kv, True, "core.in", "attention" if flash else "scores"),  # at kv heads: never repeated
+        # At kv heads, never repeated; under CP this rank's rows only (the regather's note).
+        ("k", kv, True, "core.in", "attention" if flash else "scores"),
         ("v", kv, True, "core.in", "attention" if flash else "pv"),
-        (*core[:2], True, "core.own", core[2]),
+        *((name, nbytes, True, "core.own", at) for name, nbytes, at in own),
         ("proj_input", q, True, "", "o_proj"),
         ("norm2_input", w * sb * h, sp, "norm2.in", "norm2+"),
         ("norm2_rstd_fp32", _FP32 * sb, sp, "norm2.own", "norm2+"),
@@ -234,10 +251,36 @@ def _llama(model: ModelShape, setup: TrainingSetup) -> tuple[list[_Term], int]:
         ("up", f, True, "act.in", "act+"),
         ("down_input", f, True, "act.out", "down"),
     ]
-    # What a core-attention rerun saves anew: explicit copies q (scaled) and keeps the
-    # probabilities; the flash kernel copies q, k, v and keeps its output and logsumexp.
-    core_again = q + core[1] + (2 * kv + q if flash else 0)
+    # What a core-attention rerun saves anew: its own terms again, a copy of q (scaled) for
+    # explicit, the flash kernel's copies of q, k, v at CP 1; under CP the gathered K and V
+    # (the regather steps aside inside a checkpoint's rerun: :mod:`neuron_ckpt.parallel.context_parallel`).
+    core_again = sum(n for _, n, _ in own) + (0 if flash else q) + gathered
     return [_Term(ActivationTerm(n, v, split), role, at) for n, v, split, role, at in rows], core_again
+
+
+def _context_parallel_core(
+    setup: TrainingSetup, q: int, kv: int, a_loc: int, s: int
+) -> tuple[list[tuple[str, int, str]], int]:
+    """The core attention's own terms at CP ``c > 1`` (docs/context_parallel.md, "What backward
+    keeps"), and the gathered K and V a rerun keeps (``c`` times this rank's). Each of the rank's
+    two query chunks of ``L = s/(2c)`` tokens attends to the keys up to its end: explicit keeps
+    the probabilities of both, ``(2c + 1) L^2`` per head and sample; flash each chunk's output
+    (together ``q``'s size, a new tensor beside the concatenated projection input) and its fp32
+    logsumexp. Both keep the ``2c``-element int64 index that puts the gathered rows in sequence
+    order. q, k, v are kept as at CP 1 (k, v: this rank's rows, which the regather keeps
+    concatenated)."""
+    c, b, w = setup.cp, setup.micro_batch, setup.width
+    n = s // 2  # L
+    index = ("cp_index_int64", _INT64 * 2 * c)
+    if setup.attention == "flash":
+        own = [
+            ("attention_out", q, "attention2+"),
+            ("softmax_lse_fp32", _FP32 * a_loc * s * b, "attention2+"),
+            (*index, "attention"),
+        ]
+    else:
+        own = [("probs", w * a_loc * b * (2 * c + 1) * n * n, "pv2"), (*index, "scores")]
+    return own, c * 2 * kv
 
 
 __all__ = ["ActivationTerm", "LayerSpec", "RecomputeEvent", "layer_terms", "saved_at"]

@@ -6,9 +6,8 @@ stage)."""
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
+from train_config import TrainConfig
 
 from neuron_ckpt.memory import ModelShape
 from neuron_ckpt.models import LlamaForCausalLM, load_hf_checkpoint
@@ -17,7 +16,7 @@ from neuron_ckpt.parallel.flash import unavailable as flash_unavailable
 from neuron_ckpt.pipeline import LlamaPipeline, PipelineConfig, apply_pipeline_recompute, cut_layers
 from neuron_ckpt.pipeline.hf_checkpoint import load_pipeline_hf_checkpoint
 from neuron_ckpt.recompute import apply_recompute
-from train_config import TrainConfig
+
 
 def _attention(cfg: TrainConfig, config, seq_len: int, device_type: str) -> tuple[str, str]:
     """The core attention this run uses and how to say it: flash where a kernel runs for this
@@ -31,8 +30,9 @@ def _attention(cfg: TrainConfig, config, seq_len: int, device_type: str) -> tupl
     return "explicit", f"explicit ({asked} {why})"
 
 
-def _auto_recompute(cfg: TrainConfig, config, parallel, seq_len: int, dtype: torch.dtype, device_type: str,
-                    attention: str):
+def _auto_recompute(
+    cfg: TrainConfig, config, parallel, seq_len: int, dtype: torch.dtype, device_type: str, attention: str
+):
     """``--recompute auto``: the per-layer recompute with the least recompute FLOPs that fits
     (neuron_ckpt.memory.planner, the same plan ``neuron-ckpt plan`` prints)."""
     from neuron_ckpt.memory import plan_recompute
@@ -59,8 +59,9 @@ def _setup(cfg: TrainConfig, parallel, seq_len: int, dtype: torch.dtype, attenti
     )
 
 
-def predicted_peak(cfg: TrainConfig, config, parallel, seq_len: int, dtype: torch.dtype, attention: str,
-                    recompute, plan) -> Optional[int]:
+def predicted_peak(
+    cfg: TrainConfig, config, parallel, seq_len: int, dtype: torch.dtype, attention: str, recompute, plan
+) -> int | None:
     """The planner's peak bytes per rank for this job (logged next to the device's measured peak),
     or None where the recompute is not one the planner models (e.g. full recompute in groups)."""
     from neuron_ckpt.memory import memory_budget
@@ -71,7 +72,9 @@ def predicted_peak(cfg: TrainConfig, config, parallel, seq_len: int, dtype: torc
     if layers is None:
         return None
     try:
-        return memory_budget(ModelShape.from_llama(config), _setup(cfg, parallel, seq_len, dtype, attention), layers).total_bytes
+        return memory_budget(
+            ModelShape.from_llama(config), _setup(cfg, parallel, seq_len, dtype, attention), layers
+        ).total_bytes
     except ValueError:
         return None
 
@@ -84,10 +87,17 @@ def attention_and_recompute(cfg: TrainConfig, config, parallel, seq_len: int, dt
     recompute, plan = cfg.recompute_config(), None
     if is_main:
         print(f"attention: {attention_text}", flush=True)
-        if attention == "flash" and recompute is not None and "core_attn" in (recompute.modules or ()) \
-                and recompute.granularity == "selective":
-            print("note: selective recompute of flash attention reruns the kernel to drop only its fp32 log-sum-exp "
-                  "(no s x s tensor to save); --recompute none keeps nearly the same memory", flush=True)
+        if (
+            attention == "flash"
+            and recompute is not None
+            and "core_attn" in (recompute.modules or ())
+            and recompute.granularity == "selective"
+        ):
+            print(
+                "note: selective recompute of flash attention reruns the kernel to drop only its fp32 log-sum-exp "
+                "(no s x s tensor to save); --recompute none keeps nearly the same memory",
+                flush=True,
+            )
     if cfg.recompute == "auto":
         plan = _auto_recompute(cfg, config, parallel, seq_len, dtype, rt.device.type, attention)
         recompute = plan.recompute
@@ -100,7 +110,7 @@ def attention_and_recompute(cfg: TrainConfig, config, parallel, seq_len: int, dt
     return attention, recompute, plan
 
 
-def pipeline_config(cfg: TrainConfig, config, grad_accum: int) -> Optional[PipelineConfig]:
+def pipeline_config(cfg: TrainConfig, config, grad_accum: int) -> PipelineConfig | None:
     """``--pp > 1``: the schedule over this step's ``grad_accum`` micro-batches (the loop's mean of
     micro-batch means, so ``--pp 1`` and ``--pp N`` train on the same loss), checked against the
     pipeline size and the model's layers before anything is built."""
@@ -112,17 +122,22 @@ def pipeline_config(cfg: TrainConfig, config, grad_accum: int) -> Optional[Pipel
         pipeline.validate(cfg.pp)
         cut_layers(config.num_hidden_layers, cfg.pp, v)
     except ValueError as e:
-        raise ValueError(f"--pp {cfg.pp} --pp-schedule {cfg.pp_schedule}: {e} (micro-batches per step: "
-                         f"--global-batch-size / (--micro-batch-size x DP) = {grad_accum})") from None
+        raise ValueError(
+            f"--pp {cfg.pp} --pp-schedule {cfg.pp_schedule}: {e} (micro-batches per step: "
+            f"--global-batch-size / (--micro-batch-size x DP) = {grad_accum})"
+        ) from None
     return pipeline
 
 
-def build_model(cfg: TrainConfig, config, parallel, device, dtype: torch.dtype, attention: str, recompute, pipeline,
-                seq_len: int):
+def build_model(
+    cfg: TrainConfig, config, parallel, device, dtype: torch.dtype, attention: str, recompute, pipeline, seq_len: int
+):
     """The model with recompute applied and ``--init-hf`` weights loaded: ``LlamaForCausalLM``, or
     this rank's stages of a ``LlamaPipeline`` (the recompute preset applied to each stage)."""
     if pipeline is None:
-        model = LlamaForCausalLM(config, cfg.sequence_parallel, attention, dtype, parallel_state=parallel, seed=cfg.seed)
+        model = LlamaForCausalLM(
+            config, cfg.sequence_parallel, attention, dtype, parallel_state=parallel, seed=cfg.seed
+        )
         apply_recompute(model, recompute)  # checked against the model first (e.g. --recompute-num-layers)
         model.to(device)
         if cfg.init_hf:

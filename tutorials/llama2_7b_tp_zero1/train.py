@@ -27,9 +27,10 @@ import math
 import os
 import sys
 import time
-from typing import Optional
 
 import torch
+from model_setup import attention_and_recompute, build_model, pipeline_config, predicted_peak
+from train_config import DTYPES, TrainConfig, parse_args
 
 import neuron_ckpt as nc
 from neuron_ckpt.data import DataParallelBatches, PackedDataset
@@ -45,13 +46,13 @@ from neuron_ckpt.pipeline import PipelineConfig
 from neuron_ckpt.pipeline.xla import refuse_on_xla
 from neuron_ckpt.recompute.offload import offload_stats
 from neuron_ckpt.train import (
+    RECIPES,
     CheckpointManager,
-    Interrupted,
-    NonFiniteError,
     FitOptions,
+    Interrupted,
     LRSchedule,
     MetricsWriter,
-    RECIPES,
+    NonFiniteError,
     SavePolicy,
     TrainState,
     detect_device_kind,
@@ -59,8 +60,6 @@ from neuron_ckpt.train import (
     param_groups,
     peak_tflops,
 )
-from model_setup import attention_and_recompute, build_model, pipeline_config, predicted_peak  # noqa: E402
-from train_config import DTYPES, TrainConfig, parse_args  # noqa: E402  (this directory: the script's own)
 
 
 def open_dataset(path: str, rt) -> PackedDataset:
@@ -82,7 +81,7 @@ def open_dataset(path: str, rt) -> PackedDataset:
     return dataset or PackedDataset(path)
 
 
-def _check_device_kind(device_kind: Optional[str], backend: str) -> None:
+def _check_device_kind(device_kind: str | None, backend: str) -> None:
     """trn1/trn2 (NeuronCores) are reached through torch-xla only: refuse to label a CPU or GPU
     run as one (e.g. run_trn1.sh on a machine without the Neuron SDK 2.28 venv active)."""
     if device_kind in ("trn1", "trn2") and backend != "xla":
@@ -174,12 +173,24 @@ def _model_config_and_data(cfg: TrainConfig, rt):
     for notice in dict.fromkeys(notices) if rt.rank == 0 else ():
         print(f"note: {notice}", flush=True)
     if dataset.info.vocab_size > config.vocab_size:
-        raise ValueError(f"{cfg.data}: tokenizer vocab {dataset.info.vocab_size} > model vocab_size {config.vocab_size}")
+        raise ValueError(
+            f"{cfg.data}: tokenizer vocab {dataset.info.vocab_size} > model vocab_size {config.vocab_size}"
+        )
     return config, dataset
 
 
-def _build(cfg: TrainConfig, config, dataset, parallel, device, dtype: torch.dtype, attention: str, recompute,
-           grad_accum: int, pipeline: Optional[PipelineConfig]):
+def _build(
+    cfg: TrainConfig,
+    config,
+    dataset,
+    parallel,
+    device,
+    dtype: torch.dtype,
+    attention: str,
+    recompute,
+    grad_accum: int,
+    pipeline: PipelineConfig | None,
+):
     """The model (recompute applied, ``--init-hf`` weights loaded), the ZeRO-1 optimizer and the
     batch order, as one TrainState; and the LR schedule."""
     nc.model_parallel_manual_seed(cfg.seed)
@@ -197,7 +208,12 @@ def _build(cfg: TrainConfig, config, dataset, parallel, device, dtype: torch.dty
         cfg.lr, cfg.warmup_steps, cfg.max_steps, cfg.decay, cfg.min_lr_ratio, RECIPES[cfg.recipe].warmup_from_zero
     )
     batches = DataParallelBatches(
-        dataset, cfg.micro_batch_size, parallel.dp_rank, parallel.dp_size, cfg.seed, grad_accum=grad_accum,
+        dataset,
+        cfg.micro_batch_size,
+        parallel.dp_rank,
+        parallel.dp_size,
+        cfg.seed,
+        grad_accum=grad_accum,
         shuffle=cfg.data_order == "shuffled",
     )
     return TrainState(model, optimizer, batches), schedule
@@ -233,8 +249,9 @@ def main(argv: list[str] | None = None) -> dict:
     train_state, schedule = _build(cfg, config, dataset, parallel, rt.device, dtype, attention, recompute, grad_accum,
                                    pipeline)  # fmt: skip
     model = train_state.model
-    layout = {"tp_size": parallel.tp_size, "dp_size": parallel.dp_size, "pp_size": parallel.pp_size, "cp_size": parallel.cp_size,
-              "model": {k: getattr(config, k) for k in PARAMETER_SHAPE_FIELDS}, "dtype": str(dtype)}  # fmt: skip
+    layout = {"tp_size": parallel.tp_size, "dp_size": parallel.dp_size, "pp_size": parallel.pp_size,
+              "cp_size": parallel.cp_size, "model": {k: getattr(config, k) for k in PARAMETER_SHAPE_FIELDS},
+              "dtype": str(dtype)}  # fmt: skip
     if pipeline is not None:  # which layers each stage's files hold
         layout["stage_layers"] = list(model.cut.layers_per_stage)
     resumed = train_state.resume(checkpoints, cfg.resume, layout) if cfg.resume else None
@@ -279,7 +296,8 @@ def main(argv: list[str] | None = None) -> dict:
     env = {k: v for k, v in sorted(os.environ.items()) if k.startswith(("NEURON", "XLA"))}
     metrics.write_header(
         env, dataclasses.asdict(cfg), start_step=start_step, world_size=rt.world_size, backend=rt.backend,
-        tp=parallel.tp_size, dp=parallel.dp_size, pp=parallel.pp_size, cp=parallel.cp_size, seq_len=seq_len, grad_accum=grad_accum, dtype=str(dtype),
+        tp=parallel.tp_size, dp=parallel.dp_size, pp=parallel.pp_size, cp=parallel.cp_size, seq_len=seq_len,
+        grad_accum=grad_accum, dtype=str(dtype),
         attention=attention, predicted_peak_bytes=predicted,
     )  # fmt: skip
     options = FitOptions(
@@ -319,7 +337,7 @@ def _summary(records, wall_s: float, start_step: int, train_s: float = 0.0, log_
         return {"steps": 0, "start_step": start_step, "wall_s": wall_s}
     steady = records[1:] or records  # the first step includes warm-up (and XLA compilation)
     mean = lambda key: sum(getattr(r, key) for r in steady) / len(steady)  # noqa: E731
-    after = records[math.ceil(10 / log_every):] or records  # NxD's: the first ~10 steps dropped
+    after = records[math.ceil(10 / log_every) :] or records  # NxD's: the first ~10 steps dropped
     return {
         "start_step": start_step,
         "steps": len(records),
