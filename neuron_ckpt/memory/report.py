@@ -102,6 +102,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=MOE_EXPERTS,
         help="with --config: transformers' experts implementation (default grouped_mm)",
     )
+    add("--ep", type=positive_int, default=1, help="with --config: expert_model_parallel_size (E/e experts per rank)")
+    add("--ep-rows", choices=("balanced", "worst"), default="balanced", help="with --ep: rows each rank's experts get")
     add("--measure", action="store_true", help=f"run {MEASURED_LAYERS} real layers on --tp local gloo processes")
     add("--json", action="store_true", help="print one JSON object instead of a table")
     add("--plot", metavar="PATH", help="write a PNG: bytes per layer against sequence length")
@@ -115,6 +117,8 @@ def case_from_args(args: argparse.Namespace) -> Case:
         raise ValueError(f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} required (or --config)")
     if args.experts is not None:
         raise ValueError("--experts applies to --config (transformers MoE models) only")
+    if args.ep != 1 or args.ep_rows != "balanced":
+        raise ValueError("--ep and --ep-rows apply to --config (transformers MoE models) only")
     attention = "explicit" if args.attention is None else args.attention
     if attention not in ATTENTION:
         raise ValueError(

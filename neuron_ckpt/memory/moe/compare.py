@@ -6,6 +6,8 @@ which no layer reads), applies each recompute choice in
 turn to the same model (``apply_recompute`` replaces the previous one), runs the layers once
 per choice (:func:`~.measure.measure_layers`, no backward) and returns, per layer kind and
 choice, what ``SavedTensorRecorder`` counted and what :func:`~.layer.layer_memory` says.
+Under expert parallelism (``setup.ep`` > 1) each MoE layer is priced at the rows its experts
+actually received (:func:`~.measure.received_rows`), which routing decides.
 ``experts=`` prices and builds fewer routed experts, to fit a real-size layer in memory: what a
 layer keeps depends on E only through the router's ``[T, E]`` scores and grouped_mm's ``[E]``
 offsets (the analytic side is computed for the same E, so the comparison stays exact).
@@ -23,7 +25,7 @@ from dataclasses import dataclass, field, replace
 from ...recompute import apply_recompute, remove_recompute
 from .config import load_moe_config
 from .layer import CHOICES, applies, layer_memory
-from .measure import build_model, measure_layers, recompute_config
+from .measure import build_model, measure_layers, received_rows, recompute_config
 from .shape import ATTENTION, EXPERTS, MoESetup, MoEShape
 
 
@@ -69,18 +71,19 @@ def compare(shape: MoEShape, setup: MoESetup, choices=CHOICES, vocab: int = 128)
         start = time.perf_counter()
         measured = measure_layers(model, setup, backward=False).per_layer_bytes
         seconds = time.perf_counter() - start
-        for kind, nbytes in zip(kinds, measured):
-            rows.append(Row(kind, choice, nbytes, layer_memory(shape, setup, choice, kind).autograd_bytes, seconds))
+        for kind, nbytes, received in zip(kinds, measured, received_rows(model)):
+            priced = setup if received is None else replace(setup, ep_rows=received)
+            rows.append(Row(kind, choice, nbytes, layer_memory(shape, priced, choice, kind).autograd_bytes, seconds))
     return rows
 
 
 def compare_on_ranks(shape: MoEShape, setup: MoESetup, choices=CHOICES, vocab: int = 128) -> list[Row]:
-    """:func:`compare` on every rank of a local world (``run_local``): the tensor-parallel group
-    first, where the setup splits."""
-    if setup.tp > 1 or setup.sequence_parallel:
+    """:func:`compare` on every rank of a local world (``run_local``): the tensor- and
+    expert-parallel groups first, where the setup splits."""
+    if setup.tp > 1 or setup.sequence_parallel or setup.ep > 1:
         from ...distributed import initialize_model_parallel
 
-        initialize_model_parallel(setup.tp)
+        initialize_model_parallel(setup.tp, expert_model_parallel_size=setup.ep)
     return compare(shape, setup, choices, vocab)
 
 

@@ -29,6 +29,9 @@ summed (nothing kept). It scales with E, not k.
 
 Under TP the experts' intermediate size F is split (GPT-OSS's plan leaves its experts whole);
 the router, the dispatch, the gathered rows and the experts' outputs are whole on every rank.
+Under expert parallelism (``setup.ep`` > 1: :func:`_dispatched_experts`) the rank's ``E/e``
+experts run whole on the rows the all-to-all brought (:func:`received_rows`), and the sender
+keeps what the combine needs.
 
 **Ops and FLOPs** (:meth:`~.rules.LayerTensors.op`), summed over the experts: the eager loop runs
 them one after another, but its last ``index_add_`` comes after every expert's down projection,
@@ -55,6 +58,8 @@ def experts(layer: LayerTensors, shape: MoEShape, setup: MoESetup) -> None:
     kind = FAMILY[shape.family].experts
     if kind == "all":
         return _all_experts(layer, shape, setup)
+    if setup.ep > 1:
+        return _dispatched_experts(layer, shape, setup)
     S, h, w, t = setup.tokens * shape.top_k, shape.hidden, setup.width, shape.split("experts", setup.tp)
     F, r, split = shape.moe_ffn // t, routing_weight_bytes(shape, setup), t > 1
     grouped = setup.experts == "grouped_mm"
@@ -88,6 +93,73 @@ def experts(layer: LayerTensors, shape: MoEShape, setup: MoESetup) -> None:
     layer.unit("moe_act", ["mlp.experts.silu", "mlp.experts.mul"], [gate_up], discards=[product])
 
 
+def received_rows(shape: MoEShape, setup: MoESetup) -> int:
+    """The rows this rank's experts receive at ``setup.ep`` = e > 1 (:attr:`MoESetup.ep_rows`):
+    balanced ``T' k`` (the e ranks' ``e T' k`` routes spread evenly), the dropless worst case
+    ``e T' min(k, E/e)`` (a token picks distinct experts, at most ``E/e`` of them here, and every
+    rank of the group sends all such routes here), or the count given."""
+    T, k, e = setup.dispatched_tokens, shape.top_k, setup.ep
+    if setup.ep_rows == "balanced":
+        return T * k
+    if setup.ep_rows == "worst":
+        return e * T * min(k, shape.experts // e)
+    return int(setup.ep_rows)
+
+
+def expert_weight_bytes(shape: MoEShape, setup: MoESetup) -> int:
+    """The routed experts' weights (and GPT-OSS's biases) of one MoE layer on one rank: ``E/e``
+    experts at EP e (whole: expert tensor parallel size 1), all ``E`` split ``1/t`` where the
+    family's plan splits them without EP; in the model's dtype."""
+    e = setup.ep
+    t = 1 if e > 1 else shape.split("experts", setup.tp)
+    h, F = shape.hidden, shape.moe_ffn
+    per_expert = 3 * h * F // t + ((2 * F // t + h) if FAMILY[shape.family].experts == "clamped" else 0)
+    return shape.experts // e * per_expert * setup.width
+
+
+def _dispatched_experts(layer: LayerTensors, shape: MoEShape, setup: MoESetup) -> None:
+    """The experts under expert parallelism (:mod:`neuron_ckpt.parallel.experts.all_to_all`): this
+    rank's ``T'`` tokens' ``T' k`` routes go out (the gather keeps its int64 index), its ``E/e``
+    whole experts run on the ``R`` rows received as a top-1 call of weight 1 (an empty receive:
+    one zero row), and the rows come back (the un-sort keeps its index) to be weighted and summed
+    by the sender (which keeps the returned ``[T' k, h]`` rows and its ``[T', k]`` weights). On
+    the experts' side the weights need no gradient: nothing keeps the down projection's output
+    nor (grouped_mm) the sort's permutation."""
+    clamped = FAMILY[shape.family].experts == "clamped"
+    T, k, R = setup.dispatched_tokens, shape.top_k, max(received_rows(shape, setup), 1)
+    h, w, F, r = shape.hidden, setup.width, shape.moe_ffn, routing_weight_bytes(shape, setup)
+    grouped = setup.experts == "grouped_mm"
+    layer.op("mlp.experts.dispatch")
+    mlp_ops(layer, "mlp.experts", R, h, F, CLAMPED_GLU if clamped else SILU)
+    layer.op("mlp.experts.weight", elementwise=R * h)  # the experts' own weighting, by ones
+    layer.op("mlp.experts.combine", elementwise=2 * T * k * h)  # the sender's weighting and sum
+    layer.save("ep.send_index", INT64 * T * k, False, "mlp.experts.dispatch")
+    if grouped:
+        layer.save("dispatch.token_index", INT64 * R, False, "mlp.experts.dispatch")
+        if clamped:
+            layer.save("experts.bias_index", INT64 * R, False, "mlp.experts.up", "mlp.experts.down")
+        layer.save("grouped_mm.offsets", _INT32 * (shape.experts // setup.ep), False, "mlp.experts.up")
+    else:
+        layer.save("dispatch.indices", 2 * INT64 * R, False, "mlp.experts.dispatch", "mlp.experts.weight")
+    layer.save("experts.input", w * R * h, False, "mlp.experts.up")
+    gate_up = layer.save("experts.gate_up", w * R * 2 * F, False, "mlp.experts.silu", "mlp.experts.mul")
+    if clamped:
+        for name in ("gate_clamped", "sigmoid", "glu", "up_plus_one"):
+            layer.save(f"experts.{name}", w * R * F, False, "mlp.experts.mul")
+    else:
+        layer.save("experts.act", w * R * F, False, "mlp.experts.mul")
+    product = layer.save("experts.product", w * R * F, False, "mlp.experts.down")
+    layer.save("experts.routing_weights", r * R, False, "mlp.experts.weight")
+    if grouped:
+        layer.save("combine.inverse_perm", INT64 * R, False, "mlp.experts.weight")
+    else:
+        layer.save("combine.weighted", w * R * h, False, "mlp.experts.weight")
+    layer.save("ep.combine_index", INT64 * T * k, False, "mlp.experts.combine")
+    layer.save("ep.returned", w * T * k * h, False, "mlp.experts.combine")
+    layer.save("ep.routing_weights", r * T * k, False, "mlp.experts.combine")
+    layer.unit("moe_act", ["mlp.experts.silu", "mlp.experts.mul"], [gate_up], discards=[product])
+
+
 def _all_experts(layer: LayerTensors, shape: MoEShape, setup: MoESetup) -> None:
     rows, h, w, t = shape.experts * setup.tokens, shape.hidden, setup.width, shape.split("experts", setup.tp)
     F, split = shape.moe_ffn // t, t > 1
@@ -103,6 +175,6 @@ def _all_experts(layer: LayerTensors, shape: MoEShape, setup: MoESetup) -> None:
 
 
 __all__ = [
-    "dense_mlp", "experts", "replay_indices", "router", "routing_weight_bytes", "shared_experts", "shared_gate",
-    "swiglu",
+    "dense_mlp", "expert_weight_bytes", "experts", "received_rows", "replay_indices", "router", "routing_weight_bytes",
+    "shared_experts", "shared_gate", "swiglu",
 ]  # fmt: skip

@@ -143,6 +143,25 @@ def check(shape: MoEShape, setup: MoESetup, kind: str) -> None:
     why = shape.valid_tp(setup.tp)
     if why is not None:
         raise ValueError(why)
+    if setup.ep > 1:
+        check_ep(shape, setup)
+
+
+def check_ep(shape: MoEShape, setup: MoESetup) -> None:
+    """Expert parallelism as ``apply_tensor_parallel`` allows it: a family with an ``ep_plan``,
+    ``ep`` dividing the experts, and no more rows received than routing can send."""
+    e, name = setup.ep, shape.name or shape.family
+    if FAMILY[shape.family].experts in (None, "all"):
+        raise ValueError(f"ep: {name} has no expert-parallel plan (no routed experts to dispatch), got ep={e}")
+    if shape.experts % e:
+        allowed = [d for d in range(1, shape.experts + 1) if shape.experts % d == 0]
+        raise ValueError(f"ep ({e}) must divide experts ({shape.experts}); allowed: {allowed}")
+    worst = e * setup.dispatched_tokens * min(shape.top_k, shape.experts // e)
+    if not isinstance(setup.ep_rows, str) and setup.ep_rows > worst:
+        raise ValueError(
+            f"ep_rows ({setup.ep_rows}) is more than this rank's experts can receive: {worst} "
+            f"(e T' min(k, E/e) = {e} x {setup.dispatched_tokens} x {min(shape.top_k, shape.experts // e)})"
+        )
 
 
 @dataclass(frozen=True)

@@ -59,7 +59,7 @@ def build_model(
     if FAMILY[shape.family].experts not in (None, "all"):  # Llama 4's experts have their own forward
         model.set_experts_implementation(setup.experts)
     model.train()
-    if setup.tp > 1 or setup.sequence_parallel:
+    if setup.tp > 1 or setup.sequence_parallel or setup.ep > 1:
         from ...parallel.hf import apply_tensor_parallel
 
         model = apply_tensor_parallel(model, sequence_parallel=setup.sequence_parallel)
@@ -80,6 +80,16 @@ class Measured:
 
 
 FINAL_NORM_SCOPE = "final_norm"
+
+
+def received_rows(model) -> list[int | None]:
+    """Per decoder layer, the rows this rank's experts received in the model's last forward under
+    expert parallelism (None: a layer with no dispatched experts)."""
+    out: list[int | None] = []
+    for layer in model.model.layers:
+        hooks = [m.__dict__["_expert_parallel"] for m in layer.modules() if "_expert_parallel" in m.__dict__]
+        out.append(hooks[0].received if hooks else None)
+    return out
 
 
 def layer_inputs(model, setup: MoESetup, seed: int = 0):
@@ -135,4 +145,6 @@ def measure_layers(model, setup: MoESetup, seed: int = 0, backward: bool = True)
     return Measured(per_layer, sum(by_scope.values()), storages)
 
 
-__all__ = ["Measured", "build_model", "hf_config", "layer_inputs", "measure_layers", "recompute_config"]
+__all__ = [
+    "Measured", "build_model", "hf_config", "layer_inputs", "measure_layers", "received_rows", "recompute_config",
+]  # fmt: skip

@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from dataclasses import asdict
 
 from .config import load_moe_config
+from .experts import expert_weight_bytes, received_rows
 from .families import FAMILY
 from .layer import CHOICES, LayerMemory, module_table
 from .shape import ATTENTION, EXPERTS, MoESetup, MoEShape
@@ -50,9 +52,9 @@ def setup_from_args(args: argparse.Namespace, shape: MoEShape | None = None) -> 
     if args.experts is not None and family is not None and not family.moe:
         raise ValueError(f"--experts: {shape.family} has no experts (a dense family)")  # type: ignore[union-attr]  # family set: shape given
     attention = args.attention or ("eager" if family is not None and family.eager_only else "sdpa")
-    return MoESetup(
-        args.seq, args.micro_batch, args.tp, args.dtype, attention, args.experts or "grouped_mm", args.sequence_parallel
-    )
+    experts, sp = args.experts or "grouped_mm", args.sequence_parallel
+    ep, rows = getattr(args, "ep", 1), getattr(args, "ep_rows", "balanced")
+    return MoESetup(args.seq, args.micro_batch, args.tp, args.dtype, attention, experts, sp, ep, rows)
 
 
 def _describe(shape: MoEShape) -> str:
@@ -98,7 +100,10 @@ def build_report(
         "spec": {"config": source, "name": shape.name, "family": shape.family, "seq_len": setup.seq_len,
                  "micro_batch": setup.micro_batch, "tp": setup.tp, "sequence_parallel": setup.sequence_parallel,
                  "dtype": setup.dtype, "attention": setup.attention,
-                 "experts": setup.experts, "layers": shape.layers, "dense_layers": dense,
+                 "experts": setup.experts, "ep": setup.ep, "ep_rows": setup.ep_rows,
+                 "received_rows": received_rows(shape, setup) if setup.ep > 1 and shape.experts else None,
+                 "expert_weight_bytes": expert_weight_bytes(shape, setup) if shape.experts else None,
+                 "layers": shape.layers, "dense_layers": dense,
                  "moe_layers": shape.layers - dense, "kinds": {k: shape.count(k) for k in shape.kinds},
                  "description": _describe(shape)},
         "model": {k: v for k, v in asdict(shape).items() if k != "name"},
@@ -119,6 +124,25 @@ def build_report(
     return report
 
 
+_EP_ROWS = {
+    "balanced": "T' k, T' the tokens each rank dispatches",
+    "worst": "dropless worst case: e T' min(k, E/e), every route that can land on one rank",
+}
+
+
+def _expert_lines(s: dict) -> list[str]:
+    """The expert-parallel line (EP > 1) and the routed experts' weights per rank."""
+    lines = []
+    if s["ep"] > 1 and s["received_rows"] is not None:
+        lines.append(
+            f"ep={s['ep']} (E/{s['ep']} whole experts per rank, all-to-all dispatch): {s['received_rows']:,} rows "
+            f"received per MoE layer per rank ({s['ep_rows']}: {_EP_ROWS[s['ep_rows']]})"
+        )
+    if s["expert_weight_bytes"]:
+        lines.append(f"routed experts' weights per MoE layer per rank: {s['expert_weight_bytes'] / MIB:,.1f} MiB")
+    return lines
+
+
 def format_report(report: dict) -> str:
     """The table of :func:`build_report`'s dict: MiB per layer per rank by kind, GiB for all layers."""
     s, kinds = report["spec"], list(report["per_layer_bytes"])
@@ -131,6 +155,7 @@ def format_report(report: dict) -> str:
             f"{'' if s['sequence_parallel'] else 'no '}sequence parallel), {s['attention']} attention"
             + (f", {s['experts']} experts" if s["moe_layers"] else "")
         ),
+        *_expert_lines(s),
         "activations per layer per rank (analytic), MiB; '-': the module is not in that layer",
         "",
         f"{'recompute':<16}" + "".join(f"{k + ' layer':>{width}}" for k in kinds) + f"{'all layers GiB':>16}",
@@ -159,8 +184,9 @@ def format_report(report: dict) -> str:
         lines += [
             "",
             (
-                f"measured (one layer of each kind, {s['tp']} gloo ranks): what autograd kept, MiB per rank "
-                "(the routing replay's indices are outside it)"
+                f"measured (one layer of each kind, {_world(s['tp'], s['ep'])} gloo ranks): what autograd kept, MiB "
+                "per rank (the routing replay's indices are outside it"
+                + ("; each rank priced at the rows its experts received, the largest shown)" if s["ep"] > 1 else ")")
             ),
             f"{'kind':<16}{'recompute':<16}{'measured':>12}{'analytic':>12}{'equal':>7}",
         ]
@@ -173,19 +199,26 @@ def format_report(report: dict) -> str:
     return "\n".join(lines)
 
 
+def _world(tp: int, ep: int) -> int:
+    """The smallest world that runs TP ``tp`` and EP ``ep`` (EP is carved from the TP x DP ranks)."""
+    return tp * ep // math.gcd(tp, ep)
+
+
 def measure(shape: MoEShape, setup: MoESetup) -> list:
-    """:func:`~.compare.compare` of one layer of each kind on ``setup.tp`` spawned gloo ranks: per
-    kind and choice, the largest rank's bytes, with every rank's."""
+    """:func:`~.compare.compare` of one layer of each kind on ``setup.tp`` spawned gloo ranks (the
+    least common multiple of TP and EP under expert parallelism): per kind and choice, the largest
+    rank's bytes, with every rank's; under EP the analytic side is each rank's at the rows its
+    experts received, and the largest is shown."""
     from ...distributed.local import run_local
     from .compare import Row, compare_on_ranks, one_layer_each
 
-    per_rank = run_local(compare_on_ranks, setup.tp, one_layer_each(shape), setup)
+    per_rank = run_local(compare_on_ranks, _world(setup.tp, setup.ep), one_layer_each(shape), setup)
     return [
         Row(
             r.kind,
             r.choice,
             max(rank[i].measured for rank in per_rank),
-            r.analytic,
+            max(rank[i].analytic for rank in per_rank),  # under EP each rank's at the rows it received
             r.seconds,
             [rank[i].measured for rank in per_rank],
         )  # fmt: skip

@@ -20,6 +20,7 @@ ATTENTION = ("sdpa", "eager", "sdpa-fused")
 EXPERTS = ("grouped_mm", "eager")
 VARIANTS = ("full", "sliding", "chunked", "norope")
 TOPK_METHODS = ("greedy", "group_limited_greedy")
+EP_ROWS = ("balanced", "worst")
 SPLIT_BY_PLAN = {name: family.split for name, family in FAMILY.items()}
 
 
@@ -233,6 +234,13 @@ class MoESetup:
     fused kernel whatever the head sizes (what CUDA's memory-efficient kernel keeps for MLA, whose
     head sizes differ; on CPU it is what runs wherever they are equal). experts: the experts
     implementation, "grouped_mm" (transformers' default) or "eager" (the per-expert loop).
+    ep: expert_model_parallel_size e (``initialize_model_parallel(expert_model_parallel_size=e)``):
+    each rank holds E/e whole experts (expert tensor parallel size 1) and dispatches its tokens to
+    them with the all-to-all (:mod:`neuron_ckpt.parallel.experts`); 1: no expert parallelism.
+    ep_rows: the rows this rank's experts receive at e > 1, which routing decides:
+    ``"balanced"`` (every expert the same share: T' k, T' this rank's dispatched tokens),
+    ``"worst"`` (dropless worst case: every token of the e ranks sends all its routes that can
+    land here, e T' min(k, E/e)), or an int (the count a real routing made).
     """
 
     seq_len: int
@@ -242,9 +250,11 @@ class MoESetup:
     attention: str = "sdpa"
     experts: str = "grouped_mm"
     sequence_parallel: bool = False
+    ep: int = 1
+    ep_rows: str | int = "balanced"
 
     def __post_init__(self) -> None:
-        for name in ("seq_len", "micro_batch", "tp"):
+        for name in ("seq_len", "micro_batch", "tp", "ep"):
             require_positive_int(name, getattr(self, name))
         if not isinstance(self.sequence_parallel, bool):
             raise ValueError(f"sequence_parallel must be a bool, got {self.sequence_parallel!r}")
@@ -259,6 +269,14 @@ class MoESetup:
             raise ValueError(f"attention must be one of {ATTENTION}, got {self.attention!r}")
         if self.experts not in EXPERTS:
             raise ValueError(f"experts must be one of {EXPERTS}, got {self.experts!r}")
+        rows = self.ep_rows
+        if rows not in EP_ROWS and not (is_int(rows) and rows >= 0):
+            raise ValueError(f"ep_rows must be one of {EP_ROWS} or an int >= 0 (rows received), got {rows!r}")
+        if self.ep > 1 and self.seq_len % self.tp:
+            raise ValueError(
+                f"seq_len ({self.seq_len}) must be a multiple of tp ({self.tp}) when ep > 1 (each tensor-parallel "
+                "rank dispatches its own s/t tokens)"
+            )
 
     @property
     def width(self) -> int:
@@ -275,6 +293,12 @@ class MoESetup:
         sequence parallel, else T."""
         return self.tokens // self.tp if self.sequence_parallel else self.tokens
 
+    @property
+    def dispatched_tokens(self) -> int:
+        """The tokens this rank sends to the experts at ep > 1: each tensor-parallel rank its own
+        s/t of the sequence (with or without sequence parallel), T/t."""
+        return self.tokens // self.tp
 
-__all__ = ["ATTENTION", "EXPERTS", "FAMILIES", "MLA", "SPLIT_BY_PLAN", "TOPK_METHODS", "VARIANTS", "MoESetup",
-           "MoEShape"]  # fmt: skip
+
+__all__ = ["ATTENTION", "EP_ROWS", "EXPERTS", "FAMILIES", "MLA", "SPLIT_BY_PLAN", "TOPK_METHODS", "VARIANTS",
+           "MoESetup", "MoEShape"]  # fmt: skip

@@ -162,7 +162,8 @@ def _apply_dispatch(target: Target, split: Split) -> None:
 class ExpertParallelHooks:
     """The dispatch (a forward pre-hook of the experts) and the combine (its forward hook) of one
     experts module; ``dropped`` is the routes this rank's experts dropped in the last call (the
-    all-gather form with a capacity; 0 otherwise)."""
+    all-gather form with a capacity; 0 otherwise), ``received`` the rows they got (the all-to-all:
+    the routes sent here, before the zero row of an empty receive; the all-gather: the slots)."""
 
     def __init__(self, num_experts: int, state: ParallelState, dispatch: ExpertDispatch, names: list[str]):
         assert state.ep is not None  # applied at expert_model_parallel_size > 1
@@ -170,6 +171,7 @@ class ExpertParallelHooks:
         self.dispatch, self.form = dispatch, dispatch.resolved_form()
         self.batch = 1
         self.dropped: torch.Tensor = torch.zeros((), dtype=torch.int64)
+        self.received = 0  # rows this rank's experts got in the last call (all-to-all: routes; all-gather: slots)
         self._trips: list[tuple[Any, torch.Tensor, int]] = []  # (trip, this rank's weights, sequence length)
 
     def record_batch(self, block, args, kwargs) -> None:
@@ -198,10 +200,11 @@ class ExpertParallelHooks:
         trip: all_to_all.Trip | all_gather.Trip
         if self.form == "all_to_all":
             routed, trip = all_to_all.dispatch(hidden, index, self.num_experts, self.ep)
+            self.received = sum(trip.receive)
         else:
             capacity = self.dispatch.capacity(hidden.shape[0] * self.ep.size, index.shape[1], self.num_experts)
             routed, gathered = all_gather.dispatch(hidden, index, weights, self.num_experts, self.ep, capacity)
-            trip, self.dropped = gathered, gathered.dropped
+            trip, self.dropped, self.received = gathered, gathered.dropped, routed.rows.shape[0]
         self._trips.append((trip, weights, length))
         weights_in = routed.weights.to(weights.dtype).unsqueeze(-1)
         return (routed.rows, routed.experts.unsqueeze(-1), weights_in, *args[3:]), kwargs
