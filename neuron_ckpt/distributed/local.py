@@ -8,7 +8,8 @@ suite of many multi-rank checks fast on a small machine::
 
 ``fn`` must be picklable (a module-level function). An exception on any rank is raised here
 with that rank's traceback; the other ranks get ``grace_s`` to report (one may wait in a
-collective the failed rank never joined), then the world is closed, so a failure never hangs. Torchrun is the launcher for real jobs; this is for one host.
+collective the failed rank never joined), then the world is closed, so a failure never hangs.
+Torchrun is the launcher for real jobs; this is for one host.
 """
 
 from __future__ import annotations
