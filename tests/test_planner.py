@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 from dataclasses import replace
 
 import pytest
@@ -162,18 +163,17 @@ def _grouped(model):
     return [RecomputeConfig(granularity="full", method="uniform", num_layers=k) for k in range(2, model.layers + 1)]
 
 
-def _brute_force(model, setup, limit):
-    """Every per-layer assignment, and grouped full recompute with every group size."""
+def _every_assignment(model, setup):
+    """(total bytes, recompute FLOPs) of every per-layer assignment and of grouped full
+    recompute with every group size, each laid out by ``memory_budget``."""
     options = layer_options(model, setup)
-    best = None
+    priced = []
     for names in [*itertools.product(options, repeat=model.layers), *_grouped(model)]:
         budget = memory_budget(model, setup, names, options)
         grouped = isinstance(names, RecomputeConfig)
-        priced = stack_options(model, setup, names) if grouped else [options[n] for n in names]
-        cost = sum(o.recompute_flops for o in priced)
-        if budget.total_bytes <= limit and (best is None or cost < best):
-            best = cost
-    return best, options
+        layers = stack_options(model, setup, names) if grouped else [options[n] for n in names]
+        priced.append((budget.total_bytes, sum(o.recompute_flops for o in layers)))
+    return priced
 
 
 @pytest.mark.parametrize("layers", [1, 2, 3, 4])
@@ -184,16 +184,10 @@ def test_planner_is_optimal_against_brute_force(layers, kind):
     else:
         model = ModelShape.gpt(64, 4, layers, vocab=128)
     setup = TrainingSetup(seq_len=128, micro_batch=2, tp=1, zero1=False)
-    options = layer_options(model, setup)
-    totals = sorted(
-        {
-            memory_budget(model, setup, n, options).total_bytes
-            for n in [*itertools.product(options, repeat=layers), *_grouped(model)]
-        }
-    )
-    limits = sorted({x + d for x in totals for d in (-1, 0)})
+    every = _every_assignment(model, setup)
+    limits = sorted({total + d for total, _ in every for d in (-1, 0)})
     for limit in limits:
-        best, _ = _brute_force(model, setup, limit)
+        best = min((cost for total, cost in every if total <= limit), default=None)
         if best is None:
             with pytest.raises(NothingFits, match="nothing fits"):
                 plan_recompute(model, setup, limit / GIB, reserve_gib=0)
@@ -202,6 +196,27 @@ def test_planner_is_optimal_against_brute_force(layers, kind):
         assert plan.limit_bytes == limit and plan.fits
         assert plan.budget.total_bytes <= limit
         assert plan.recompute_flops == pytest.approx(best, rel=1e-12), (limit, plan.layers)
+
+
+@pytest.mark.parametrize("limit_on", ["total", "activations"])
+def test_every_split_priced_at_once_is_the_budget_of_that_split(limit_on):
+    """The planner prices all splits in one numpy pass (``_Parts.used_by_counts``); each row is
+    ``memory_budget`` of that split laid out layer by layer, with micro-batches in flight (PP)."""
+    from neuron_ckpt.memory.budget import _Parts
+    from neuron_ckpt.memory.planner import _splits
+
+    model = ModelShape("llama", 64, 4, 2, 176, 5, 128)
+    one = TrainingSetup(seq_len=128, micro_batch=2, tp=2, zero1=False)
+    for setup in (one, replace(one, microbatches_in_flight=3)):
+        options = layer_options(model, setup)
+        names, m = list(options), setup.microbatches_in_flight
+        splits = _splits(model.layers, len(names))
+        assert len(splits) == math.comb(model.layers + len(names) - 1, len(names) - 1)
+        assert (splits.sum(axis=1) == model.layers).all() and len({tuple(r) for r in splits.tolist()}) == len(splits)
+        used = _Parts.of(model, setup).used_by_counts([options[n] for n in names], splits, m, limit_on)
+        for row, bytes_ in zip(splits.tolist(), used.tolist()):
+            budget = memory_budget(model, setup, tuple(n for n, k in zip(names, row) for _ in range(k)), options)
+            assert bytes_ == (budget.total_bytes if limit_on == "total" else budget.activation_bytes), row
 
 
 @pytest.mark.parametrize("layers", [1, 3])

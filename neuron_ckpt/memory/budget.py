@@ -39,6 +39,8 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any
 
+import numpy as np
+
 from ..recompute import PRESETS
 from .analytic import rotary_terms, stack_peak
 from .options import LayerOption, Layers, layer_options, per_layer_options
@@ -350,6 +352,25 @@ class _Parts:
         if limit_on == "activations":
             return saved
         return self.sums[0] + saved + self.workspace(saved, peak)[0]
+
+    def used_by_counts(self, order: Sequence[LayerOption], counts: np.ndarray, m: int, limit_on: str) -> np.ndarray:
+        """:meth:`used` of many assignments at once: ``counts[i, j]`` layers run ``order[j]``, in
+        that order (the planner's splits; int64 arithmetic, equal to :meth:`used` row by row)."""
+        kept = np.array([o.saved_bytes for o in order], dtype=np.int64)
+        backward = np.array([o.backward_peak_bytes for o in order], dtype=np.int64)
+        static, before, after = self.sums
+        one = counts @ kept + before + after
+        # stack_peak, run by run: a run of n > 0 layers peaks at its last layer's backward.
+        prefix = before + np.cumsum(counts * kept, axis=1) - counts * kept  # kept before each run
+        runs = np.where(counts > 0, prefix + (counts - 1) * kept + backward, 0)
+        peak_one = np.maximum(runs.max(axis=1, initial=0), one)  # one = prefix at the end + after
+        saved, peak = one * m, one * (m - 1) + peak_one
+        if limit_on == "activations":
+            return saved
+        extra = np.maximum.reduce([np.full_like(saved, self.loss_transient), peak - saved, self.step - saved])
+        if self.scores:
+            extra = np.maximum(extra, self.scores)
+        return static + saved + np.maximum(extra, 0)
 
 
 def memory_budget(

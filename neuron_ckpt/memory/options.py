@@ -20,7 +20,7 @@ from ..recompute import PRESETS, RecomputeConfig
 from .analytic import Recompute, layer_activation_bytes, layer_backward_peak, resolve, supported_presets
 from .rerun import rerun_flops
 from .shape import ModelShape, TrainingSetup
-from .terms import layer_terms
+from .terms import LayerSpec, layer_terms
 
 
 @dataclass(frozen=True)
@@ -71,8 +71,17 @@ def layer_option(model: ModelShape, setup: TrainingSetup, recompute: Recompute, 
 
 
 def stack_options(model: ModelShape, setup: TrainingSetup, recompute: Recompute) -> list[LayerOption]:
-    """Every layer of ``model`` under one recompute choice, in layer order."""
-    return [layer_option(model, setup, recompute, i) for i in range(model.layers)]
+    """Every layer of ``model`` under one recompute choice, in layer order (each kind of layer
+    priced once: a layer's option depends on its :class:`~.analytic.LayerSpec` and label only)."""
+    priced, n = resolve(model, setup, recompute), model.layers
+    kinds: dict[tuple[LayerSpec, str], LayerOption] = {}
+    out = []
+    for i in range(n):
+        key = (priced.layer(i, n), priced.layer_label(i, n))
+        if key not in kinds:
+            kinds[key] = layer_option(model, setup, recompute, i)
+        out.append(kinds[key])
+    return out
 
 
 Layers = str | RecomputeConfig | Sequence[str | RecomputeConfig | None]
