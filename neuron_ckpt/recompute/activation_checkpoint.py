@@ -68,7 +68,7 @@ from ..distributed.random import RNGState, TrackerSnapshot, get_rng_state, get_r
 # Dynamo is imported with this module, which users import before they create process groups.
 # torch's checkpoint imports it lazily, at the first recompute; with torch 2.13, when that first
 # import comes after the process groups exist, the WORLD group outlives destroy_process_group()
-# and gloo can abort the interpreter at exit (tests/test_teardown.py runs that script 20 times).
+# and gloo can abort the interpreter at exit (tests/test_teardown.py launches that script 8 times).
 
 
 # True while a checkpointed function runs (its forward or its rerun): output-discarding recompute
