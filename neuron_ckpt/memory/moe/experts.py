@@ -31,7 +31,9 @@ Under TP the experts' intermediate size F is split (GPT-OSS's plan leaves its ex
 the router, the dispatch, the gathered rows and the experts' outputs are whole on every rank.
 Under expert parallelism (``setup.ep`` > 1: :func:`_dispatched_experts`) the rank's ``E/e``
 experts run whole on the rows the all-to-all brought (:func:`received_rows`), and the sender
-keeps what the combine needs.
+keeps what the combine needs. With the all-gather dispatch (``setup.ep_dispatch``) they run as a
+top-1 call on ``E/e x capacity`` slots (:func:`routed_experts` at those rows, whole) between what
+the form's dispatch and combine keep (:mod:`.all_gather`).
 
 **Ops and FLOPs** (:meth:`~.rules.LayerTensors.op`), summed over the experts: the eager loop runs
 them one after another, but its last ``index_add_`` comes after every expert's down projection,
