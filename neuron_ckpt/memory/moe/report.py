@@ -4,13 +4,14 @@
 :mod:`neuron_ckpt.memory.report` owns the command and hands it here when ``--config`` is given
 (:func:`run`): the file (or preset) is read (:func:`~.config.load_moe_config`), the job is
 ``--seq``, ``--micro-batch``, ``--tp``, ``--sequence-parallel``, ``--dtype``, ``--attention`` (sdpa |
-eager | sdpa-fused; default sdpa, or eager for the families transformers runs eager only) and
-``--experts`` (grouped_mm | eager); :func:`build_report` returns the plain dict ``--json`` prints,
-:func:`format_report` the table. ``--measure`` builds one real layer of each kind (the
-vocabulary shrunk) on ``--tp`` local gloo processes and counts what autograd keeps under each
-module (:func:`~.compare.compare`). The options that describe a model by hand (``--hidden``,
-``--recompute``...) are refused in one line: the file gives the sizes, and every recompute module
-is printed.
+eager | sdpa-fused; default sdpa, or eager for the families transformers runs eager only),
+``--experts`` (grouped_mm | eager) and, under expert parallelism, ``--ep``, ``--ep-rows`` (the
+all-to-all's), ``--ep-dispatch`` and ``--capacity-factor`` (the all-gather form's);
+:func:`build_report` returns the plain dict ``--json`` prints, :func:`format_report` the table.
+``--measure`` builds one real layer of each kind (the vocabulary shrunk) on ``--tp`` local gloo
+processes and counts what autograd keeps under each module (:func:`~.compare.compare`). The
+options that describe a model by hand (``--hidden``, ``--recompute``...) are refused in one line:
+the file gives the sizes, and every recompute module is printed.
 """
 
 from __future__ import annotations
@@ -102,7 +103,8 @@ def build_report(
         "spec": {"config": source, "name": shape.name, "family": shape.family, "seq_len": setup.seq_len,
                  "micro_batch": setup.micro_batch, "tp": setup.tp, "sequence_parallel": setup.sequence_parallel,
                  "dtype": setup.dtype, "attention": setup.attention,
-                 "experts": setup.experts, "ep": setup.ep, "ep_rows": setup.ep_rows,
+                 "experts": setup.experts, "ep": setup.ep,
+                 "ep_rows": setup.ep_rows if setup.ep_dispatch == "all_to_all" else None,
                  "received_rows": received_rows(shape, setup) if setup.ep > 1 and shape.experts else None,
                  **_gathered(shape, setup),
                  "expert_weight_bytes": expert_weight_bytes(shape, setup) if shape.experts else None,
