@@ -14,7 +14,8 @@ GPT-OSS's sinks, fused q/k/v and MLP (Phi-3), Llama 4's NoPE layers, MLA split b
 experts loop (with ``moe_act`` on it), GPT-OSS's clamped experts, Llama 4's every-expert ``bmm``,
 plain and gated shared experts; at TP 1, and on each rank at TP 2 with sequence parallel for the
 plans that split differently (gathered projections; heads, MLA and experts split). One model per
-case, each choice applied to it in turn. The counts are exact integers, and so is the comparison.
+case, each choice applied to it in turn. Under expert parallelism (EP 2, both dispatch forms) on
+each rank, at the rows its experts received. The counts are exact integers, and so is the comparison.
 """
 
 from __future__ import annotations
