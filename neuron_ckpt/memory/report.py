@@ -30,6 +30,7 @@ from .analytic import (
 )  # fmt: skip
 from .layers import MEASURED_LAYERS, Case, measure_on_ranks
 from .moe.shape import ATTENTION as MOE_ATTENTION
+from .moe.shape import EP_DISPATCH as MOE_EP_DISPATCH
 from .moe.shape import EXPERTS as MOE_EXPERTS
 from .shape import DEFAULT_VOCAB, DTYPE_BYTES, KINDS, ModelShape, TrainingSetup, default_ffn
 
@@ -104,6 +105,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add("--ep", type=positive_int, default=1, help="with --config: expert_model_parallel_size (E/e experts per rank)")
     add("--ep-rows", choices=("balanced", "worst"), default="balanced", help="with --ep: rows each rank's experts get")
+    add(
+        "--ep-dispatch",
+        choices=MOE_EP_DISPATCH,
+        default="all_to_all",
+        help="with --ep: the dispatch form, all_to_all (dropless; eager backends) or all_gather (XLA's static form)",
+    )
+    add(
+        "--capacity-factor",
+        type=float,
+        help="with --ep-dispatch all_gather: each expert's slots, ceil(N k / E x cf) (default: dropless, N)",
+    )
     add("--measure", action="store_true", help=f"run {MEASURED_LAYERS} real layers on --tp local gloo processes")
     add("--json", action="store_true", help="print one JSON object instead of a table")
     add("--plot", metavar="PATH", help="write a PNG: bytes per layer against sequence length")
@@ -117,8 +129,11 @@ def case_from_args(args: argparse.Namespace) -> Case:
         raise ValueError(f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} required (or --config)")
     if args.experts is not None:
         raise ValueError("--experts applies to --config (transformers MoE models) only")
-    if args.ep != 1 or args.ep_rows != "balanced":
-        raise ValueError("--ep and --ep-rows apply to --config (transformers MoE models) only")
+    expert_parallel = (args.ep, args.ep_rows, args.ep_dispatch, args.capacity_factor)
+    if expert_parallel != (1, "balanced", "all_to_all", None):
+        raise ValueError(
+            "--ep, --ep-rows, --ep-dispatch and --capacity-factor apply to --config (transformers MoE models) only"
+        )
     attention = "explicit" if args.attention is None else args.attention
     if attention not in ATTENTION:
         raise ValueError(

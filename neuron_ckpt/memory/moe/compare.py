@@ -6,8 +6,9 @@ which no layer reads), applies each recompute choice in
 turn to the same model (``apply_recompute`` replaces the previous one), runs the layers once
 per choice (:func:`~.measure.measure_layers`, no backward) and returns, per layer kind and
 choice, what ``SavedTensorRecorder`` counted and what :func:`~.layer.layer_memory` says.
-Under expert parallelism (``setup.ep`` > 1) each MoE layer is priced at the rows its experts
-actually received (:func:`~.measure.received_rows`), which routing decides.
+Under expert parallelism (``setup.ep`` > 1) with the all-to-all each MoE layer is priced at the
+rows its experts actually received (:func:`~.measure.received_rows`), which routing decides (the
+all-gather form's slots do not depend on it).
 ``experts=`` prices and builds fewer routed experts, to fit a real-size layer in memory: what a
 layer keeps depends on E only through the router's ``[T, E]`` scores and grouped_mm's ``[E]``
 offsets (the analytic side is computed for the same E, so the comparison stays exact).
@@ -72,7 +73,9 @@ def compare(shape: MoEShape, setup: MoESetup, choices=CHOICES, vocab: int = 128)
         measured = measure_layers(model, setup, backward=False).per_layer_bytes
         seconds = time.perf_counter() - start
         for kind, nbytes, received in zip(kinds, measured, received_rows(model)):
-            priced = setup if received is None else replace(setup, ep_rows=received)
+            priced = setup  # the all-gather form's slots do not depend on the routing
+            if received is not None and setup.ep_dispatch == "all_to_all":
+                priced = replace(setup, ep_rows=received)
             rows.append(Row(kind, choice, nbytes, layer_memory(shape, priced, choice, kind).autograd_bytes, seconds))
     return rows
 

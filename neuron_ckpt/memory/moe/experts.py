@@ -31,7 +31,9 @@ Under TP the experts' intermediate size F is split (GPT-OSS's plan leaves its ex
 the router, the dispatch, the gathered rows and the experts' outputs are whole on every rank.
 Under expert parallelism (``setup.ep`` > 1: :func:`_dispatched_experts`) the rank's ``E/e``
 experts run whole on the rows the all-to-all brought (:func:`received_rows`), and the sender
-keeps what the combine needs.
+keeps what the combine needs. With the all-gather dispatch (``setup.ep_dispatch``) they run as a
+top-1 call on ``E/e x capacity`` slots (:func:`routed_experts` at those rows, whole) between what
+the form's dispatch and combine keep (:mod:`.all_gather`).
 
 **Ops and FLOPs** (:meth:`~.rules.LayerTensors.op`), summed over the experts: the eager loop runs
 them one after another, but its last ``index_add_`` comes after every expert's down projection,
@@ -43,6 +45,7 @@ same over ``E T`` rows, and the sum over the experts.
 
 from __future__ import annotations
 
+from . import all_gather
 from .families import FAMILY
 from .mlp import SILU, dense_mlp, mlp_ops, shared_experts, shared_gate, swiglu
 from .routers import INT64, replay_indices, router, routing_weight_bytes
@@ -58,10 +61,21 @@ def experts(layer: LayerTensors, shape: MoEShape, setup: MoESetup) -> None:
     kind = FAMILY[shape.family].experts
     if kind == "all":
         return _all_experts(layer, shape, setup)
+    if setup.ep > 1 and setup.ep_dispatch == "all_gather":  # a top-1 call on E/e x capacity slots
+        all_gather.dispatch(layer, shape, setup)
+        routed_experts(layer, shape, setup, all_gather.slots(shape, setup), 1, shape.experts // setup.ep)
+        return all_gather.combine(layer, shape, setup)
     if setup.ep > 1:
         return _dispatched_experts(layer, shape, setup)
-    S, h, w, t = setup.tokens * shape.top_k, shape.hidden, setup.width, shape.split("experts", setup.tp)
-    F, r, split = shape.moe_ffn // t, routing_weight_bytes(shape, setup), t > 1
+    S, t = setup.tokens * shape.top_k, shape.split("experts", setup.tp)
+    routed_experts(layer, shape, setup, S, t, shape.experts)
+
+
+def routed_experts(layer: LayerTensors, shape: MoEShape, setup: MoESetup, S: int, t: int, local: int) -> None:
+    """``S`` routes through ``local`` experts split ``1/t`` (module docstring), each output scaled
+    by its routing weight, which needs a gradient; and their ``moe_act`` unit."""
+    kind = FAMILY[shape.family].experts
+    h, w, F, r, split = shape.hidden, setup.width, shape.moe_ffn // t, routing_weight_bytes(shape, setup), t > 1
     grouped = setup.experts == "grouped_mm"
     layer.op("mlp.experts.dispatch")
     mlp_ops(layer, "mlp.experts", S, h, F, CLAMPED_GLU if kind == "clamped" else SILU)
@@ -71,7 +85,7 @@ def experts(layer: LayerTensors, shape: MoEShape, setup: MoESetup) -> None:
         layer.save("dispatch.perm", INT64 * S, False, "mlp.experts.dispatch")
         if kind == "clamped":
             layer.save("experts.bias_index", INT64 * S, False, "mlp.experts.up", "mlp.experts.down")
-        layer.save("grouped_mm.offsets", _INT32 * shape.experts, False, "mlp.experts.up", "mlp.experts.down")
+        layer.save("grouped_mm.offsets", _INT32 * local, False, "mlp.experts.up", "mlp.experts.down")
     else:
         layer.save("dispatch.indices", 2 * INT64 * S, False, "mlp.experts.dispatch", "mlp.experts.combine")
     layer.save("experts.input", w * S * h, False, "mlp.experts.up")
@@ -97,8 +111,11 @@ def received_rows(shape: MoEShape, setup: MoESetup) -> int:
     """The rows this rank's experts receive at ``setup.ep`` = e > 1 (:attr:`MoESetup.ep_rows`):
     balanced ``T' k`` (the e ranks' ``e T' k`` routes spread evenly), the dropless worst case
     ``e T' min(k, E/e)`` (a token picks distinct experts, at most ``E/e`` of them here, and every
-    rank of the group sends all such routes here), or the count given."""
+    rank of the group sends all such routes here), or the count given; with the all-gather
+    dispatch, its ``E/e x capacity`` slots (:func:`.all_gather.slots`), whatever the routing."""
     T, k, e = setup.dispatched_tokens, shape.top_k, setup.ep
+    if setup.ep_dispatch == "all_gather":
+        return all_gather.slots(shape, setup)
     if setup.ep_rows == "balanced":
         return T * k
     if setup.ep_rows == "worst":

@@ -60,9 +60,11 @@ def build_model(
         model.set_experts_implementation(setup.experts)
     model.train()
     if setup.tp > 1 or setup.sequence_parallel or setup.ep > 1:
+        from ...parallel.experts import ExpertDispatch
         from ...parallel.hf import apply_tensor_parallel
 
-        model = apply_tensor_parallel(model, sequence_parallel=setup.sequence_parallel)
+        dispatch = ExpertDispatch(setup.ep_dispatch, setup.capacity_factor) if setup.ep > 1 else None
+        model = apply_tensor_parallel(model, sequence_parallel=setup.sequence_parallel, expert_dispatch=dispatch)
     config = recompute_config(recompute)
     if config is not None:
         apply_recompute(model, config)
@@ -82,14 +84,20 @@ class Measured:
 FINAL_NORM_SCOPE = "final_norm"
 
 
+def _hooks(layer) -> list:
+    return [m.__dict__["_expert_parallel"] for m in layer.modules() if "_expert_parallel" in m.__dict__]
+
+
 def received_rows(model) -> list[int | None]:
     """Per decoder layer, the rows this rank's experts received in the model's last forward under
-    expert parallelism (None: a layer with no dispatched experts)."""
-    out: list[int | None] = []
-    for layer in model.model.layers:
-        hooks = [m.__dict__["_expert_parallel"] for m in layer.modules() if "_expert_parallel" in m.__dict__]
-        out.append(hooks[0].received if hooks else None)
-    return out
+    expert parallelism (the all-gather form: its slots; None: a layer with no dispatched experts)."""
+    return [hooks[0].received if hooks else None for hooks in map(_hooks, model.model.layers)]
+
+
+def dropped_routes(model) -> list[int | None]:
+    """Per decoder layer, the routes this rank's experts dropped in the model's last forward (the
+    all-gather form at a capacity; None: a layer with no dispatched experts)."""
+    return [int(hooks[0].dropped) if hooks else None for hooks in map(_hooks, model.model.layers)]
 
 
 def layer_inputs(model, setup: MoESetup, seed: int = 0):
@@ -146,5 +154,6 @@ def measure_layers(model, setup: MoESetup, seed: int = 0, backward: bool = True)
 
 
 __all__ = [
-    "Measured", "build_model", "hf_config", "layer_inputs", "measure_layers", "received_rows", "recompute_config",
+    "Measured", "build_model", "dropped_routes", "hf_config", "layer_inputs", "measure_layers", "received_rows",
+    "recompute_config",
 ]  # fmt: skip

@@ -4,13 +4,14 @@
 :mod:`neuron_ckpt.memory.report` owns the command and hands it here when ``--config`` is given
 (:func:`run`): the file (or preset) is read (:func:`~.config.load_moe_config`), the job is
 ``--seq``, ``--micro-batch``, ``--tp``, ``--sequence-parallel``, ``--dtype``, ``--attention`` (sdpa |
-eager | sdpa-fused; default sdpa, or eager for the families transformers runs eager only) and
-``--experts`` (grouped_mm | eager); :func:`build_report` returns the plain dict ``--json`` prints,
-:func:`format_report` the table. ``--measure`` builds one real layer of each kind (the
-vocabulary shrunk) on ``--tp`` local gloo processes and counts what autograd keeps under each
-module (:func:`~.compare.compare`). The options that describe a model by hand (``--hidden``,
-``--recompute``...) are refused in one line: the file gives the sizes, and every recompute module
-is printed.
+eager | sdpa-fused; default sdpa, or eager for the families transformers runs eager only),
+``--experts`` (grouped_mm | eager) and, under expert parallelism, ``--ep``, ``--ep-rows`` (the
+all-to-all's), ``--ep-dispatch`` and ``--capacity-factor`` (the all-gather form's);
+:func:`build_report` returns the plain dict ``--json`` prints, :func:`format_report` the table.
+``--measure`` builds one real layer of each kind (the vocabulary shrunk) on ``--tp`` local gloo
+processes and counts what autograd keeps under each module (:func:`~.compare.compare`). The
+options that describe a model by hand (``--hidden``, ``--recompute``...) are refused in one line:
+the file gives the sizes, and every recompute module is printed.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import json
 import math
 from dataclasses import asdict
 
+from . import all_gather
 from .config import load_moe_config
 from .experts import expert_weight_bytes, received_rows
 from .families import FAMILY
@@ -54,7 +56,8 @@ def setup_from_args(args: argparse.Namespace, shape: MoEShape | None = None) -> 
     attention = args.attention or ("eager" if family is not None and family.eager_only else "sdpa")
     experts, sp = args.experts or "grouped_mm", args.sequence_parallel
     ep, rows = getattr(args, "ep", 1), getattr(args, "ep_rows", "balanced")
-    return MoESetup(args.seq, args.micro_batch, args.tp, args.dtype, attention, experts, sp, ep, rows)
+    form, cf = getattr(args, "ep_dispatch", "all_to_all"), getattr(args, "capacity_factor", None)
+    return MoESetup(args.seq, args.micro_batch, args.tp, args.dtype, attention, experts, sp, ep, rows, form, cf)
 
 
 def _describe(shape: MoEShape) -> str:
@@ -100,8 +103,10 @@ def build_report(
         "spec": {"config": source, "name": shape.name, "family": shape.family, "seq_len": setup.seq_len,
                  "micro_batch": setup.micro_batch, "tp": setup.tp, "sequence_parallel": setup.sequence_parallel,
                  "dtype": setup.dtype, "attention": setup.attention,
-                 "experts": setup.experts, "ep": setup.ep, "ep_rows": setup.ep_rows,
+                 "experts": setup.experts, "ep": setup.ep,
+                 "ep_rows": setup.ep_rows if setup.ep_dispatch == "all_to_all" else None,
                  "received_rows": received_rows(shape, setup) if setup.ep > 1 and shape.experts else None,
+                 **_gathered(shape, setup),
                  "expert_weight_bytes": expert_weight_bytes(shape, setup) if shape.experts else None,
                  "layers": shape.layers, "dense_layers": dense,
                  "moe_layers": shape.layers - dense, "kinds": {k: shape.count(k) for k in shape.kinds},
@@ -124,6 +129,18 @@ def build_report(
     return report
 
 
+def _gathered(shape: MoEShape, setup: MoESetup) -> dict:
+    """The all-gather form's figures (None without it): its capacity (slots per expert) and the
+    most routes it can drop per MoE layer, on one rank and over the EP group."""
+    if setup.ep == 1 or not shape.experts or setup.ep_dispatch != "all_gather":
+        return {"ep_dispatch": setup.ep_dispatch, "capacity_factor": None, "capacity": None,
+                "dropped_routes_worst": None}  # fmt: skip
+    rank, group = all_gather.dropped_worst(shape, setup)
+    return {"ep_dispatch": setup.ep_dispatch, "capacity_factor": setup.capacity_factor,
+            "capacity": all_gather.capacity(shape, setup),
+            "dropped_routes_worst": {"rank": rank, "group": group}}  # fmt: skip
+
+
 _EP_ROWS = {
     "balanced": "T' k, T' the tokens each rank dispatches",
     "worst": "dropless worst case: e T' min(k, E/e), every route that can land on one rank",
@@ -133,7 +150,15 @@ _EP_ROWS = {
 def _expert_lines(s: dict) -> list[str]:
     """The expert-parallel line (EP > 1) and the routed experts' weights per rank."""
     lines = []
-    if s["ep"] > 1 and s["received_rows"] is not None:
+    if s["ep"] > 1 and s["capacity"] is not None:
+        cf, worst = s["capacity_factor"], s["dropped_routes_worst"]
+        lines.append(
+            f"ep={s['ep']} (E/{s['ep']} whole experts per rank, all-gather dispatch, "
+            + (f"capacity factor {cf}" if cf is not None else "dropless")
+            + f"): {s['capacity']:,} slots per expert, {s['received_rows']:,} rows per MoE layer per rank; "
+            f"routes dropped per MoE layer at worst: {worst['rank']:,} on a rank, {worst['group']:,} in the EP group"
+        )
+    elif s["ep"] > 1 and s["received_rows"] is not None:
         lines.append(
             f"ep={s['ep']} (E/{s['ep']} whole experts per rank, all-to-all dispatch): {s['received_rows']:,} rows "
             f"received per MoE layer per rank ({s['ep_rows']}: {_EP_ROWS[s['ep_rows']]})"

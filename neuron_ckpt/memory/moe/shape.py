@@ -21,6 +21,7 @@ EXPERTS = ("grouped_mm", "eager")
 VARIANTS = ("full", "sliding", "chunked", "norope")
 TOPK_METHODS = ("greedy", "group_limited_greedy")
 EP_ROWS = ("balanced", "worst")
+EP_DISPATCH = ("all_to_all", "all_gather")
 SPLIT_BY_PLAN = {name: family.split for name, family in FAMILY.items()}
 
 
@@ -236,11 +237,17 @@ class MoESetup:
     implementation, "grouped_mm" (transformers' default) or "eager" (the per-expert loop).
     ep: expert_model_parallel_size e (``initialize_model_parallel(expert_model_parallel_size=e)``):
     each rank holds E/e whole experts (expert tensor parallel size 1) and dispatches its tokens to
-    them with the all-to-all (:mod:`neuron_ckpt.parallel.experts`); 1: no expert parallelism.
-    ep_rows: the rows this rank's experts receive at e > 1, which routing decides:
+    them (``ep_dispatch``: :mod:`neuron_ckpt.parallel.experts`); 1: no expert parallelism.
+    ep_rows: the rows the all-to-all brings this rank's experts at e > 1, which routing decides:
     ``"balanced"`` (every expert the same share: T' k, T' this rank's dispatched tokens),
     ``"worst"`` (dropless worst case: every token of the e ranks sends all its routes that can
-    land here, e T' min(k, E/e)), or an int (the count a real routing made).
+    land here, e T' min(k, E/e)), or an int (the count a real routing made); the all-to-all's only.
+    ep_dispatch: how tokens reach the experts at e > 1 (``ExpertDispatch.form``): ``"all_to_all"``
+    (dropless, uneven splits: eager backends) or ``"all_gather"`` (XLA's static form: every rank
+    gathers the group's ``e T'`` tokens and runs its experts on ``E/e x capacity`` slots, whatever
+    the routing: :mod:`.all_gather`). capacity_factor: the all-gather form's
+    ``ExpertDispatch.capacity_factor`` (slots per expert ``ceil(e T' k / E x cf)``, at most
+    ``e T'``); None: dropless (``e T'`` slots per expert).
     """
 
     seq_len: int
@@ -252,6 +259,8 @@ class MoESetup:
     sequence_parallel: bool = False
     ep: int = 1
     ep_rows: str | int = "balanced"
+    ep_dispatch: str = "all_to_all"
+    capacity_factor: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "micro_batch", "tp", "ep"):
@@ -272,10 +281,25 @@ class MoESetup:
         rows = self.ep_rows
         if rows not in EP_ROWS and not (is_int(rows) and rows >= 0):
             raise ValueError(f"ep_rows must be one of {EP_ROWS} or an int >= 0 (rows received), got {rows!r}")
+        self._check_dispatch()
         if self.ep > 1 and self.seq_len % self.tp:
             raise ValueError(
                 f"seq_len ({self.seq_len}) must be a multiple of tp ({self.tp}) when ep > 1 (each tensor-parallel "
                 "rank dispatches its own s/t tokens)"
+            )
+
+    def _check_dispatch(self) -> None:
+        if self.ep_dispatch not in EP_DISPATCH:
+            raise ValueError(f"ep_dispatch must be one of {EP_DISPATCH}, got {self.ep_dispatch!r}")
+        cf = self.capacity_factor
+        if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float)) or not cf > 0):
+            raise ValueError(f"capacity_factor must be None (dropless) or a number > 0, got {cf!r}")
+        if cf is not None and self.ep_dispatch != "all_gather":
+            raise ValueError(f"capacity_factor ({cf}) applies to ep_dispatch='all_gather'; 'all_to_all' is dropless")
+        if self.ep_dispatch == "all_gather" and self.ep_rows != "balanced":
+            raise ValueError(
+                f"ep_rows ({self.ep_rows!r}) applies to ep_dispatch='all_to_all'; the all-gather form's experts "
+                "run E/e x capacity slots whatever the routing"
             )
 
     @property
@@ -300,5 +324,5 @@ class MoESetup:
         return self.tokens // self.tp
 
 
-__all__ = ["ATTENTION", "EP_ROWS", "EXPERTS", "FAMILIES", "MLA", "SPLIT_BY_PLAN", "TOPK_METHODS", "VARIANTS",
-           "MoESetup", "MoEShape"]  # fmt: skip
+__all__ = ["ATTENTION", "EP_DISPATCH", "EP_ROWS", "EXPERTS", "FAMILIES", "MLA", "SPLIT_BY_PLAN", "TOPK_METHODS",
+           "VARIANTS", "MoESetup", "MoEShape"]  # fmt: skip
