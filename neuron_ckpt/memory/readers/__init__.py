@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 # The per-NeuronCore categories neuron-monitor reports (sysfs has these and more).
 NEURON_CATEGORIES = ("constants", "model_code", "model_shared_scratchpad", "runtime_memory", "tensors")
@@ -31,6 +32,17 @@ CONTIGUOUS_PAGE_BYTES = 64 << 20
 
 class ReadError(ValueError):
     """A report that cannot be read as the format it claims; the message is one line."""
+
+
+def read_lines(path: Path, lenient: bool = False) -> list[str]:
+    """The lines of the UTF-8 text file ``path`` (``lenient``: undecodable bytes replaced, for
+    logs a tool may have cut mid-character), or a one-line :class:`ReadError`."""
+    try:
+        return path.read_text(encoding="utf-8", errors="replace" if lenient else "strict").splitlines()
+    except FileNotFoundError:
+        raise ReadError(f"{path}: no such file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ReadError(f"{path}: cannot read it as text ({exc})") from None
 
 
 def byte_count(record: object, key: str, where: str) -> int:

@@ -37,7 +37,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from . import MemoryReading, ReadError
+from . import MemoryReading, ReadError, read_lines
 from .oom_table import snake
 from .printed import printed_bytes
 
@@ -51,10 +51,7 @@ REQUIRED = ("neff_total", "neff_scratchpad")
 def read(path: str | Path, cores_per_device: int = 2) -> MemoryReading:
     """Read the per-NEFF load blocks in the log ``path``. ``cores_per_device``: 2 on trn1."""
     path = Path(path)
-    try:
-        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
-    except OSError as exc:
-        raise ReadError(f"{path}: cannot read it ({exc})") from None
+    lines = read_lines(path, lenient=True)
     cores: dict[int, dict[str, int]] = {}
     resolution: dict[int, int] = {}  # per core: the print rounding of its largest neff_scratchpad
     block: dict | None = None  # the load being read: its core and what it has so far

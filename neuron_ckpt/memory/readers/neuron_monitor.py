@@ -21,7 +21,7 @@ import json
 import re
 from pathlib import Path
 
-from . import NEURON_CATEGORIES, SCRATCHPAD_PAGE_BYTES, MemoryReading, ReadError
+from . import NEURON_CATEGORIES, SCRATCHPAD_PAGE_BYTES, MemoryReading, ReadError, read_lines
 
 
 def _at(obj, keys: tuple[str, ...], where: str):
@@ -69,10 +69,7 @@ def read(path: str | Path, tag: str | None = None) -> MemoryReading:
     """Read a neuron-monitor output file. ``tag``: a regular expression the runtimes'
     ``neuron_runtime_tag`` must match in full (None: every runtime)."""
     path = Path(path)
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ReadError(f"{path}: cannot read it as text ({exc})") from None
+    lines = read_lines(path)
     cores: dict[int, dict[str, int]] = {}
     samples = most = 0
     for number, line in enumerate(lines, 1):

@@ -37,7 +37,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from . import MemoryReading, ReadError, scratchpad_page
+from . import MemoryReading, ReadError, read_lines, scratchpad_page
 from .printed import printed_bytes
 
 REQUIRED = ("total", "tensors", "shared_scratchpad", "scratchpad")
@@ -68,10 +68,7 @@ def _header(lines: list[str], at: int) -> list[str] | None:
 def read(path: str | Path, cores_per_device: int = 2) -> MemoryReading:
     """Read every OOM table in ``path``. ``cores_per_device``: NeuronCores per device (2: trn1)."""
     path = Path(path)
-    try:
-        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
-    except OSError as exc:
-        raise ReadError(f"{path}: cannot read it ({exc})") from None
+    lines = read_lines(path, lenient=True)
     cores: dict[int, dict[str, int]] = {}
     shared: list[tuple[int, int]] = []  # (figure, its print rounding)
     tables = 0

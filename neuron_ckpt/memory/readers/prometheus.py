@@ -22,7 +22,7 @@ import math
 import re
 from pathlib import Path
 
-from . import NEURON_CATEGORIES, SCRATCHPAD_PAGE_BYTES, MemoryReading, ReadError
+from . import NEURON_CATEGORIES, SCRATCHPAD_PAGE_BYTES, MemoryReading, ReadError, read_lines
 
 PREFIX = "neuroncore_memory_usage_"
 _SAMPLE = re.compile(r"(?P<name>[A-Za-z_:][A-Za-z0-9_:]*)(?:\{(?P<labels>.*)\})?\s+(?P<value>\S+)(?:\s+-?\d+)?")
@@ -74,10 +74,7 @@ class _Scrapes:
 def read(path: str | Path, tag: str | None = None) -> MemoryReading:
     """Read an exposition file; ``tag``: a regular expression ``runtime_tag`` must match in full."""
     path = Path(path)
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ReadError(f"{path}: cannot read it as text ({exc})") from None
+    lines = read_lines(path)
     scrapes = _Scrapes(path)
     for number, line in enumerate(lines, 1):
         if not line.strip() or line.lstrip().startswith("#"):

@@ -31,7 +31,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from . import MemoryReading, ReadError
+from . import MemoryReading, ReadError, read_lines
 
 SOURCE = "xla-buffer-assignment"
 CATEGORIES = ("temp", "parameters", "outputs", "constants", "thread_local")
@@ -79,12 +79,7 @@ def _peak(lines: list[str], path: Path, notes: list[str]) -> int | None:
 def read(path: str | Path) -> MemoryReading:
     """Read one ``*buffer-assignment.txt`` (see the module docstring for the categories)."""
     path = Path(path)
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except FileNotFoundError:
-        raise ReadError(f"{path}: no such file") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ReadError(f"{path}: cannot read it as text ({exc})") from None
+    lines = read_lines(path)
     if not lines or lines[0] != "BufferAssignment:":
         raise ReadError(f"{path}: not an XLA buffer assignment (its first line is not 'BufferAssignment:')")
     values = dict.fromkeys(CATEGORIES, 0)
