@@ -1,0 +1,96 @@
+"""Offload priced (issue 48, point 3): per layer, the bytes ``layer_offloads`` says stay on the
+device are what a ``SavedTensorRecorder`` around real Llama layers sees, and the bytes it says go
+to host are what ``offload_stats`` counted, to the byte.
+
+Three layers (one config offloads the first two; the last is left alone, and its bytes are the
+layer's without offload), bf16, each module name alone, and with selective or full recompute;
+explicit and flash attention at TP 1 in this process, then TP 2 + sequence parallel on the
+shared 2-rank world.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from neuron_ckpt.memory import ModelShape, TrainingSetup, layer_activation_bytes
+from neuron_ckpt.memory.layers import measure_layers, measure_on_ranks
+from neuron_ckpt.memory.offload import layer_offloads, offload_price, pinned_block
+from neuron_ckpt.recompute import RecomputeConfig
+
+MODEL = ModelShape("llama", 64, 4, 2, 96, 3, vocab=128)
+SELECTIVE = dict(granularity="selective", modules=["core_attn", "mlp_act", "norm"])
+CORE, MLP = dict(granularity="selective", modules=["core_attn"]), dict(granularity="selective", modules=["mlp"])
+FULL = dict(granularity="full", method="uniform", num_layers=1)
+CASES = {  # name: (attention, recompute, offload_modules)
+    "norm": ("explicit", {}, ["norm"]),
+    "core_attn": ("explicit", {}, ["core_attn"]),
+    "mlp": ("explicit", {}, ["mlp"]),
+    "mlp_act": ("explicit", {}, ["mlp_act"]),
+    "layer (and the rotary tables once)": ("explicit", {}, ["layer"]),
+    "selective discarding, offload core_attn + mlp": ("explicit", SELECTIVE, ["core_attn", "mlp"]),
+    "selective core_attn, offload core_attn + norm": ("explicit", CORE, ["core_attn", "norm"]),
+    "selective mlp, offload mlp (its checkpoint's input)": ("explicit", MLP, ["mlp"]),
+    "full, offload layer (its input)": ("explicit", FULL, ["layer"]),
+    "flash, core_attn (its output copied, kept on the device too)": ("flash", {}, ["core_attn"]),
+}  # fmt: skip
+
+
+def _case(name: str, tp: int = 1) -> tuple:
+    attention, recompute, offloaded = CASES[name]
+    setup = TrainingSetup(32, 2, tp=tp, dtype="bf16", sequence_parallel=tp > 1, attention=attention)
+    return MODEL, setup, RecomputeConfig(**recompute, offload_modules=offloaded)
+
+
+def _check(name: str, measured, tp: int = 1) -> None:
+    model, setup, config = _case(name, tp)
+    analytic = layer_offloads(model, setup, config)
+    assert measured.unscoped_bytes == 0
+    assert measured.per_layer_bytes == [x.device for x in analytic], f"{name}: device"
+    assert measured.offloaded_per_layer == [x.host for x in analytic], f"{name}: host"
+    assert analytic[0].host > 0 and analytic[-1].host == 0  # the last layer is left alone
+    without = RecomputeConfig(**CASES[name][1]) if CASES[name][1] else "none"
+    assert analytic[-1].device == analytic[-1].kept == layer_activation_bytes(model, setup, without, 2)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_measured_device_and_host_bytes_equal_the_model_at_tp1(name):
+    _check(name, measure_layers(*_case(name), num_layers=MODEL.layers, backward=False))
+
+
+def test_measured_equal_the_model_at_tp2_sequence_parallel(world):
+    names = [n for n in CASES if CASES[n][0] == "explicit"]
+    per_rank = world(2).run(measure_on_ranks, [_case(n, 2) for n in names], MODEL.layers)
+    for rank in per_rank:
+        for name, measured in zip(names, rank):
+            _check(name, measured, tp=2)
+
+
+def test_the_job_counts_micro_batches_in_flight_and_pinned_blocks():
+    model, setup, config = _case("mlp")
+    one, four = offload_price(model, setup, config), offload_price(model, setup, config, micro_batches=4)
+    layers = one.layers
+    assert four.host_bytes == 4 * one.host_bytes == 4 * sum(x.host for x in layers)
+    # MLP terms at this shape: 8192 (its input) and 12288 (gate, up, SwiGLU's output) bytes each.
+    assert one.host_pinned_bytes == 2 * (8192 + 3 * 16384)
+    assert one.copies_in_flight == 2 * one.offloaded_bytes_per_layer == 2 * 45056
+    assert one.device_bytes == sum(x.device for x in layers) < sum(x.kept for x in layers)
+    # Offload lowers the forward's end by what it moves, less the worst case copies in flight.
+    assert one.peak <= one.peak_without
+
+
+def test_pinned_blocks_round_up_to_a_power_of_two():
+    gib = 1 << 30
+    assert pinned_block(int(20.4 * gib)) == 32 * gib  # sglang#37285: a 20.4 GiB request took 32 GiB
+    assert [pinned_block(n) for n in (0, 1, 4096, 4097)] == [0, 1, 4096, 8192]
+
+
+@pytest.mark.parametrize(
+    "model, offloaded, needle",
+    [
+        (MODEL, ["moe"], "['moe'] not priced yet"),
+        (ModelShape("gpt", 64, 4, 4, 256, 3, vocab=128), ["mlp"], "priced for llama only"),
+    ],
+)
+def test_unpriced_offload_is_refused_in_one_line(model, offloaded, needle):
+    with pytest.raises(ValueError, match=needle.replace("[", r"\[").replace("]", r"\]")):
+        layer_offloads(model, TrainingSetup(32, 2), RecomputeConfig(offload_modules=offloaded))
