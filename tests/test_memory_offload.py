@@ -10,6 +10,8 @@ shared 2-rank world.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from neuron_ckpt.memory import ModelShape, TrainingSetup, layer_activation_bytes
@@ -94,3 +96,54 @@ def test_pinned_blocks_round_up_to_a_power_of_two():
 def test_unpriced_offload_is_refused_in_one_line(model, offloaded, needle):
     with pytest.raises(ValueError, match=needle.replace("[", r"\[").replace("]", r"\]")):
         layer_offloads(model, TrainingSetup(32, 2), RecomputeConfig(offload_modules=offloaded))
+
+
+# ---------------------------------------------------------------------------------------------
+# neuron-ckpt memory --offload-modules / --recompute-modules.
+
+TINY = ["--model", "llama", "--hidden", "64", "--heads", "4", "--kv-heads", "2", "--ffn", "96", "--seq", "32",
+        "--micro-batch", "2", "--layers", "3"]  # fmt: skip
+
+
+def _memory_json(capsys, *args: str) -> dict:
+    from neuron_ckpt.cli import main
+
+    assert main(["memory", *TINY, *args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_memory_command_prices_any_module_set_and_measures_it(capsys):
+    report = _memory_json(
+        capsys, "--recompute-modules", "mlp_act,norm", "--offload-modules", "core_attn,mlp", "--measure"
+    )
+    model, setup = MODEL, TrainingSetup(32, 2, dtype="bf16")
+    config = RecomputeConfig("selective", modules=["mlp_act", "norm"], offload_modules=["core_attn", "mlp"])
+    first = layer_offloads(model, setup, config)[0]
+    assert report["spec"]["recompute"] == "selective[mlp_act,norm]"
+    assert report["spec"]["offload_modules"] == ["core_attn", "mlp"]
+    assert report["offloaded_bytes_per_layer"] == first.offloaded == first.kept - first.device > 0
+    assert report["measured_offloaded_bytes_per_layer"] == report["offloaded_bytes_per_layer"]
+    assert report["measured_host_bytes_per_layer"] == report["host_bytes_per_layer"] == first.host
+    assert report["measured_device_bytes_per_layer"] == report["device_bytes_per_layer"] == first.device
+    assert report["measured_bytes_per_layer"] == report["analytic_bytes_per_layer"] == first.kept
+    assert report["offload"]["layers_offloading"] == 2
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--offload-modules", "mlp,atn"], ("--offload-modules mlp,atn: offload_modules: unknown module 'atn'; "
+                                            "offloadable modules: ['layer', 'core_attn'")),
+        (["--recompute-modules", "core_attn,mpl"], "--recompute-modules core_attn,mpl: modules: unknown module 'mpl'"),
+        (["--recompute", "full", "--recompute-modules", "mlp"], "does not combine with --recompute full"),
+        (["--offload-modules", "mlp", "--layers", "1"], "give --layers 2 or more"),
+        (["--offload-modules", "moe"], "not priced yet"),
+    ],
+)  # fmt: skip
+def test_memory_command_refuses_bad_names_in_one_line(capsys, args, needle):
+    from neuron_ckpt.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["memory", *TINY, *args])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and len(err.strip().splitlines()) == 1 and needle in err, err
