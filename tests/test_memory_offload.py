@@ -147,3 +147,22 @@ def test_memory_command_refuses_bad_names_in_one_line(capsys, args, needle):
         main(["memory", *TINY, *args])
     err = capsys.readouterr().err
     assert exc.value.code == 2 and len(err.strip().splitlines()) == 1 and needle in err, err
+
+
+def test_the_host_budget_holds_the_pinned_blocks_from_the_first_step_on():
+    from neuron_ckpt.memory.host import host_budget
+
+    llama2 = ModelShape("llama", 4096, 32, 32, 11008, 32, vocab=32000)
+    setup = TrainingSetup(4096, 1, tp=8, sequence_parallel=True, attention="flash")
+    price = offload_price(llama2, setup, RecomputeConfig(offload_modules=["mlp"]))
+    plain = host_budget(llama2, setup, "p5.48xlarge")
+    budget = host_budget(llama2, setup, "p5.48xlarge", offload_pinned_bytes=price.host_pinned_bytes)
+    moments, before = {m.name: m for m in budget.moments}, {m.name: m for m in plain.moments}
+    # 31 layers x (its input 4 MiB, gate, up and SwiGLU's output 10.75 MiB each: 16 MiB blocks)
+    assert price.host_pinned_bytes == 31 * (4 + 3 * 16) << 20
+    assert moments["activation offload"].per_rank == price.host_pinned_bytes
+    assert moments["activation offload"].per_host == 8 * price.host_pinned_bytes
+    saving = moments["checkpoint save"]
+    assert saving.per_rank == before["checkpoint save"].per_rank + price.host_pinned_bytes
+    assert moments["model construction"] == before["model construction"]  # before the first step
+    assert "activation offload" in budget.table() and budget.fits

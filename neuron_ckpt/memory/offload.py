@@ -27,8 +27,10 @@ the next offloading layer's reload runs beside the layer computing (:attr:`Offlo
 
 Host: every offloaded storage of every layer and micro-batch in flight. On an accelerator each
 is one pinned buffer from torch's caching host allocator, which rounds every allocation up to a
-power of two and keeps freed blocks for the next step (:func:`pinned_block`); the pricing takes
-one storage per term.
+power of two (``c10::llvm::PowerOf2Ceil`` in torch 2.13's ``ATen/core/CachingHostAllocator.h``,
+below ``pinned_max_round_threshold``, unlimited by default) and keeps freed blocks for the next
+step (:func:`pinned_block`); the pricing takes one storage per term. :func:`~.host.host_budget`
+holds them from the first step on (``offload_pinned_bytes``).
 
 Measured (tests/test_memory_offload.py): ``offload_stats`` per layer is :attr:`LayerOffload.host`
 to the byte, and a ``SavedTensorRecorder`` around the layers sees :attr:`LayerOffload.device`
