@@ -5,7 +5,9 @@ The command's logic lives here; :mod:`neuron_ckpt.cli` only dispatches. The argu
 (:func:`case_from_args`); :func:`build_report` returns a plain dict (what ``--json`` prints);
 :func:`format_report` renders it as a table. ``--measure`` spawns ``--tp`` local gloo processes
 (``run_local``) and runs up to two real layers (:mod:`.layers`); per-layer figures do not
-depend on the layer count. ``--plot`` draws :mod:`.plot`. ``--config`` (a transformers
+depend on the layer count. ``--recompute-modules`` prices any selective module set,
+``--offload-modules`` offload (:mod:`.offload`: device and host bytes per layer, and with
+``--measure`` the measured ones). ``--plot`` draws :mod:`.plot`. ``--config`` (a transformers
 config.json of any family ``apply_tensor_parallel`` splits, or a preset) is :mod:`.moe.report`'s.
 """
 
