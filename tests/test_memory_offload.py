@@ -10,6 +10,7 @@ shared 2-rank world.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -166,3 +167,43 @@ def test_the_host_budget_holds_the_pinned_blocks_from_the_first_step_on():
     assert saving.per_rank == before["checkpoint save"].per_rank + price.host_pinned_bytes
     assert moments["model construction"] == before["model construction"]  # before the first step
     assert "activation offload" in budget.table() and budget.fits
+
+
+def test_storages_held_for_their_copies_are_the_models_worst_case():
+    """Copies never done until waited for (the test backend): at the end of each layer's forward,
+    the device storages still held for their copies are ``in_flight`` to the byte: that layer's
+    and the nearest earlier offloading layer's (the engine lets go of older ones at a layer's start)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from neuron_ckpt.distributed import model_parallel_manual_seed
+    from neuron_ckpt.memory.layers import build_layers, layer_input
+    from neuron_ckpt.recompute import run_layers
+    from neuron_ckpt.recompute.offload import copies_override
+
+    from .deferred_copies import DeferredCopies
+
+    class Watching(DeferredCopies):
+        def __init__(self):
+            super().__init__()
+            self.sources: list[tuple[StorageWeakRef, int]] = []
+
+        def offload(self, source):
+            self.sources.append((StorageWeakRef(source.untyped_storage()), source.numel()))
+            return super().offload(source)
+
+    four = dataclasses.replace(MODEL, layers=4)
+    setup, config = TrainingSetup(32, 2, dtype="bf16"), RecomputeConfig(offload_modules=["core_attn", "mlp"])
+    layers, extra = build_layers(four, setup, config, num_layers=4)
+    watching, held = Watching(), []
+    for layer in layers:
+        layer.register_forward_hook(lambda *_: held.append(sum(n for ref, n in watching.sources if not ref.expired())))
+    model_parallel_manual_seed(0)
+    x = layer_input(four, setup, 0).clone()
+    with copies_override(watching):
+        out = run_layers(layers, x, *extra)
+    price = offload_price(four, setup, config)
+    moved = price.layers[0].offloaded
+    assert held == list(price.in_flight) == [moved, 2 * moved, 2 * moved, moved]
+    assert price.copies_in_flight == 2 * moved
+    out.float().sum().backward()
+    assert watching.freed_reads == 0

@@ -101,6 +101,7 @@ class OffloadPrice:
 
     layers: tuple[LayerOffload, ...]
     micro_batches: int
+    in_flight: tuple[int, ...]  # per layer: bytes held for copies at the end of its forward, worst case
     peak_without: int  # device activation peak of one micro-batch without offload
     peak: int  # the same with offload, copies in flight and reload buffer included (worst case)
 
@@ -125,8 +126,9 @@ class OffloadPrice:
 
     @property
     def copies_in_flight(self) -> int:
-        """The forward's worst case: the two most recent offloading layers' bytes held for their copies."""
-        return sum(sorted((x.offloaded for x in self.layers), reverse=True)[:2])
+        """The forward's worst case: a layer's and the nearest earlier offloading layer's bytes
+        held for their copies (:attr:`in_flight`'s largest)."""
+        return max(self.in_flight)
 
     @property
     def reload_buffer(self) -> int:
@@ -182,7 +184,7 @@ def offload_price(
         raise ValueError(f"micro_batches must be a positive int, got {micro_batches!r}")
     priced = resolve(model, setup, recompute)
     layers = layer_offloads(model, setup, recompute)
-    rows, plain = [], []
+    rows, plain, in_flight = [], [], []
     previous = 0  # the nearest earlier offloading layer's moved bytes
     for x in layers:
         kept, events = layer_terms(model, setup, priced.layer(x.index, model.layers))
@@ -191,11 +193,17 @@ def offload_price(
         # Reloaded, its terms are back (``back`` counts them), and what it copied but also kept
         # on the device (the flash output, the rotary tables) is there twice.
         rows.append((x.device, back + previous + x.host - x.offloaded))
-        previous = x.offloaded or previous
+        # A layer's start lets go of all but the nearest earlier offloading layer's storages
+        # (the engine's window); copies never done before that, the worst case.
+        in_flight.append(x.offloaded + previous)
+        previous = x.offloaded if x.host else previous
     rotary = sum(t.nbytes for t in rotary_terms(model, setup))
-    forward_end = sum(x.device for x in layers) + sum(sorted((x.offloaded for x in layers), reverse=True)[:2])
-    peak = max(stack_peak(rows, rotary), rotary + forward_end)
-    return OffloadPrice(tuple(layers), micro_batches, stack_peak(plain, rotary), peak)
+    prefix, forward = rotary, 0
+    for x, held in zip(layers, in_flight):
+        prefix += x.device
+        forward = max(forward, prefix + held)
+    peak = max(stack_peak(rows, rotary), forward)
+    return OffloadPrice(tuple(layers), micro_batches, tuple(in_flight), stack_peak(plain, rotary), peak)
 
 
 __all__ = ["OFFLOADED_ROLES", "LayerOffload", "OffloadPrice", "layer_offloads", "offload_price", "pinned_block"]
