@@ -207,3 +207,44 @@ def test_storages_held_for_their_copies_are_the_models_worst_case():
     assert price.copies_in_flight == 2 * moved
     out.float().sum().backward()
     assert watching.freed_reads == 0
+
+
+def test_reloads_held_in_backward_are_the_layers_own_and_the_reload_buffer():
+    """When each layer's backward starts, the reloaded storages alive on the device are its own
+    offloaded bytes and the prefetched ones of the nearest earlier offloading layer (the reload
+    buffer), to the byte; the later layers' reloads are gone."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from neuron_ckpt.distributed import model_parallel_manual_seed
+    from neuron_ckpt.memory.layers import build_layers, layer_input
+    from neuron_ckpt.recompute import run_layers
+    from neuron_ckpt.recompute.offload import SyncCopies, copies_override
+
+    class Watching(SyncCopies):
+        def __init__(self):
+            self.reloaded: list[tuple[StorageWeakRef, int]] = []
+
+        def reload(self, host, device, after):
+            dest, event = super().reload(host, device, after)
+            self.reloaded.append((StorageWeakRef(dest.untyped_storage()), dest.numel()))
+            return dest, event
+
+    four = dataclasses.replace(MODEL, layers=4)
+    setup, config = TrainingSetup(32, 2, dtype="bf16"), RecomputeConfig(offload_modules=["core_attn", "mlp"])
+    layers, extra = build_layers(four, setup, config, num_layers=4)
+    watching, held = Watching(), []
+
+    def alive(_grad):
+        held.append(sum(n for ref, n in watching.reloaded if not ref.expired()))
+
+    for layer in layers:  # after offload's own hook on the output: its reload and prefetch have started
+        layer.register_forward_hook(lambda _m, _a, out: out.register_hook(alive) and None)
+    model_parallel_manual_seed(0)
+    x = layer_input(four, setup, 0).clone()
+    with copies_override(watching):
+        out = run_layers(layers, x, *extra)
+    out.float().sum().backward()
+    price = offload_price(four, setup, config)
+    moved = [x.offloaded for x in price.layers]
+    assert held == [moved[2], moved[2] + moved[1], moved[1] + moved[0], moved[0]]  # layers 3, 2, 1, 0
+    assert price.reload_buffer == moved[0] > 0

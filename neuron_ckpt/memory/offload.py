@@ -34,8 +34,10 @@ holds them from the first step on (``offload_pinned_bytes``).
 
 Measured (tests/test_memory_offload.py): ``offload_stats`` per layer is :attr:`LayerOffload.host`
 to the byte, and a ``SavedTensorRecorder`` around the layers sees :attr:`LayerOffload.device`
-(offloaded saves do not reach outer saved-tensor hooks). The copies in flight and the reload
-buffer are bounds from the engine's rules, not measured.
+(offloaded saves do not reach outer saved-tensor hooks); the storages held for their copies at
+each layer's end (copies never done) are :attr:`OffloadPrice.in_flight`, and the reloads alive at
+each layer's backward start its own bytes plus :attr:`OffloadPrice.reload_buffer`. The peak that
+adds them up is priced, not measured.
 """
 
 from __future__ import annotations
