@@ -248,3 +248,10 @@ def test_reloads_held_in_backward_are_the_layers_own_and_the_reload_buffer():
     moved = [x.offloaded for x in price.layers]
     assert held == [moved[2], moved[2] + moved[1], moved[1] + moved[0], moved[0]]  # layers 3, 2, 1, 0
     assert price.reload_buffer == moved[0] > 0
+
+
+def test_without_offload_modules_nothing_moves_and_the_peak_is_unchanged():
+    for model in (MODEL, ModelShape("gpt", 64, 4, 4, 256, 3, vocab=128)):
+        price = offload_price(model, TrainingSetup(32, 2), "selective")
+        assert price.host_bytes == price.copies_in_flight == 0 and price.peak == price.peak_without
+        assert price.device_bytes == sum(x.kept for x in price.layers)

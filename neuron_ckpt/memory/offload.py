@@ -139,7 +139,7 @@ class OffloadPrice:
 
 
 def _check(model: ModelShape, names: set[str]) -> None:
-    if model.kind != "llama":
+    if names and model.kind != "llama":
         raise ValueError(f"offload_modules: offload is priced for llama only, got model kind {model.kind!r}")
     unpriced = sorted(names - set(PRICED))
     if unpriced:
@@ -189,7 +189,7 @@ def offload_price(
     rows, plain, in_flight = [], [], []
     previous = 0  # the nearest earlier offloading layer's moved bytes
     for x in layers:
-        kept, events = layer_terms(model, setup, priced.layer(x.index, model.layers))
+        _, events = layer_terms(model, setup, priced.layer(x.index, model.layers))
         back = layer_backward_peak(x.kept, events)
         plain.append((x.kept, back))
         # Reloaded, its terms are back (``back`` counts them), and what it copied but also kept
