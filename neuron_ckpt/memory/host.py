@@ -13,6 +13,9 @@ moment (they happen at different times, so they do not add up):
   (Loading the whole state dict on every rank, as before, costs the whole checkpoint per rank.)
 * **checkpoint save**: tensors go to the host one group of at most ``chunk_mb`` at a time
   (:mod:`neuron_ckpt.train.tensor_files`), and at most ``writers`` ranks per host write at once.
+* **activation offload** (``offload_modules``, :mod:`.offload`): the pinned blocks of every
+  offloaded storage of the micro-batches in flight. torch's caching host allocator keeps them
+  from the first step on, so they are also held at every checkpoint save after it.
 
 Checkpoint size on disk per step: the model once per TP rank (DP rank 0 writes it) in the model
 dtype, plus every rank's ZeRO-1 slice of the fp32 master weights and AdamW's two moments.
@@ -45,6 +48,8 @@ class Instance:
 INSTANCES = {
     "trn1.32xlarge": Instance("trn1.32xlarge", 512 * GIB, 32),
     "trn1.2xlarge": Instance("trn1.2xlarge", 32 * GIB, 2),
+    # A GPU host, where offload runs (streams, pinned memory): 8 H100, one rank each.
+    "p5.48xlarge": Instance("p5.48xlarge", 2048 * GIB, 8),
 }
 
 
@@ -132,10 +137,12 @@ def host_budget(
     chunk_mb: float = 256.0,
     writers: int = 8,
     keep_last: int = 3,
+    offload_pinned_bytes: int = 0,
 ) -> HostBudget:
     """The host moments of ``model`` trained as ``setup`` on ``instance`` (a name in
     :data:`INSTANCES`); ``chunk_mb``, ``writers``, ``keep_last``: the checkpoint settings
-    (``CheckpointManager`` defaults; ``writers=0``: every rank at once)."""
+    (``CheckpointManager`` defaults; ``writers=0``: every rank at once); ``offload_pinned_bytes``:
+    each rank's pinned blocks for activation offload (:attr:`.offload.OffloadPrice.host_pinned_bytes`)."""
     if instance not in INSTANCES:
         raise ValueError(f"instance must be one of {sorted(INSTANCES)}, got {instance!r}")
     host = INSTANCES[instance]
@@ -147,6 +154,15 @@ def host_budget(
     load = full * w + -(-full // setup.tp) * w
     group = int(chunk_mb * _MB)
     writing = ranks if writers == 0 else min(writers, ranks)
+    held = offload_pinned_bytes
+    offload = (
+        HostMoment(
+            "activation offload",
+            held,
+            held * ranks,
+            "pinned blocks (a power of two each) of the offloaded activations in flight, kept all run",
+        ),
+    )
     moments = (
         HostMoment(
             "model construction",
@@ -159,10 +175,12 @@ def host_budget(
         ),
         HostMoment(
             "checkpoint save",
-            group,
-            group * writing,
-            f"one group of <= {chunk_mb:g} MiB per writing rank, {writing} writers per host",
+            group + held,
+            group * writing + held * ranks,
+            f"one group of <= {chunk_mb:g} MiB per writing rank, {writing} writers per host"
+            + (", beside the offload's pinned blocks" if held else ""),
         ),
+        *(offload if held else ()),
     )
     world = setup.tp * setup.dp
     per_shard = -(-n // setup.optimizer_shards)

@@ -11,7 +11,7 @@ rotary tables, which all layers share (:func:`~.analytic.rotary_terms` accounts 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
@@ -21,6 +21,7 @@ from ..parallel import context_parallel as cp_split
 from ..parallel.context_parallel import chunk_mask
 from ..recompute import apply_recompute, run_layers
 from ..recompute.module import unwrapped
+from ..recompute.offload import offload_stats
 from .analytic import Recompute, resolve
 from .measure import SavedTensorRecorder
 from .shape import ModelShape, TrainingSetup
@@ -38,12 +39,15 @@ class LayerMeasurement:
     per_layer_bytes: kept bytes attributed to each layer (distinct storages, first saver wins).
     unscoped_bytes: kept bytes saved outside any layer (0 for these stacks).
     storages: ``(scope, dtype, shape, nbytes)`` of every kept storage, largest first.
+    offloaded_per_layer: bytes each layer copied to host (``offload_stats``), with ``offload_modules``;
+    the recorder sees only what stays on the device (``per_layer_bytes``).
     """
 
     rank: int
     per_layer_bytes: list[int]
     unscoped_bytes: int
     storages: list[tuple[str, str, tuple[int, ...], int]]
+    offloaded_per_layer: list[int] = field(default_factory=list)
 
     @property
     def bytes_per_layer(self) -> float:
@@ -85,7 +89,7 @@ def build_layers(
         if state.cp is not None:  # this CP rank's global positions (parallel.context_parallel)
             positions = cp_split.positions(setup.seq_len, state.cp_size, state.cp_rank)
         extra = RotaryEmbedding(args)(setup.seq_len, dtype, torch.device("cpu"), positions)
-    if chosen.enabled:
+    if chosen.enabled or chosen.offload_modules:
         apply_recompute(layers, chosen, sequence_parallel=setup.sequence_parallel)
     return layers.train(), extra
 
@@ -119,6 +123,9 @@ def measure_layers(
     model_parallel_manual_seed(seed)
     state = initialize_model_parallel(setup.tp, context_parallel_size=setup.cp)
     x = layer_input(model, setup, state.tp_rank, seed, state.cp_rank)
+    offloading = bool(resolve(replace(model, layers=num_layers), setup, recompute).config.offload_modules)
+    if offloading:  # a model's first layer takes the embedding's output, which offload copies; it leaves leaves alone
+        x = x.clone()
     shared = [
         m.causal_mask(setup.seq_len, x.device)
         for m in map(unwrapped, layers.modules())
@@ -141,9 +148,13 @@ def measure_layers(
         ((s.scope, str(s.dtype).removeprefix("torch."), s.shape, s.nbytes) for s in rec.storages),
         key=lambda row: -row[3],
     )
+    offloaded = [0] * len(layers)
+    if offloading:
+        for unit, nbytes in offload_stats(layers).bytes.items():  # "3.mlp", "3": by layer index
+            offloaded[int(unit.split(".")[0])] += nbytes
     if backward:
         out.float().square().mean().backward()
-    return LayerMeasurement(state.tp_rank, per_layer, sum(by_scope.values()), storages)
+    return LayerMeasurement(state.tp_rank, per_layer, sum(by_scope.values()), storages, offloaded)
 
 
 def measure_on_ranks(

@@ -5,7 +5,9 @@ The command's logic lives here; :mod:`neuron_ckpt.cli` only dispatches. The argu
 (:func:`case_from_args`); :func:`build_report` returns a plain dict (what ``--json`` prints);
 :func:`format_report` renders it as a table. ``--measure`` spawns ``--tp`` local gloo processes
 (``run_local``) and runs up to two real layers (:mod:`.layers`); per-layer figures do not
-depend on the layer count. ``--plot`` draws :mod:`.plot`. ``--config`` (a transformers
+depend on the layer count. ``--recompute-modules`` prices any selective module set,
+``--offload-modules`` offload (:mod:`.offload`: device and host bytes per layer, and with
+``--measure`` the measured ones). ``--plot`` draws :mod:`.plot`. ``--config`` (a transformers
 config.json of any family ``apply_tensor_parallel`` splits, or a preset) is :mod:`.moe.report`'s.
 """
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from collections.abc import Callable
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -32,6 +35,7 @@ from .layers import MEASURED_LAYERS, Case, measure_on_ranks
 from .moe.shape import ATTENTION as MOE_ATTENTION
 from .moe.shape import EP_DISPATCH as MOE_EP_DISPATCH
 from .moe.shape import EXPERTS as MOE_EXPERTS
+from .offload import layer_offloads, offload_price
 from .shape import DEFAULT_VOCAB, DTYPE_BYTES, KINDS, ModelShape, TrainingSetup, default_ffn
 
 MIB = 1 << 20
@@ -87,6 +91,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="shard norms/dropouts along the sequence (with --config: apply_tensor_parallel(sequence_parallel=True))",
     )
     add("--recompute", choices=PRESETS, default="none", help="a recompute preset")
+    add(
+        "--recompute-modules",
+        metavar="NAMES",
+        help="selective recompute of these modules, any set (comma list of core_attn, mlp, mlp_act, norm); "
+        "with --recompute none or selective",
+    )
+    add(
+        "--offload-modules",
+        metavar="NAMES",
+        help="offload what these modules keep to host (comma list of layer, core_attn, mlp, mlp_act, norm; "
+        "llama; every layer but the last, so --layers >= 2): device and host bytes (docs/offload.md)",
+    )
     add("--distribute-saved-activations", action="store_true", help="full recompute: keep 1/t of the layer input")
     add("--layers", type=positive_int, default=1, help="layers in the model (totals are layers x per layer)")
     add("--dtype", choices=tuple(DTYPE_BYTES), default="bf16", help="activation dtype")
@@ -155,10 +171,37 @@ def case_from_args(args: argparse.Namespace) -> Case:
         cp=args.cp,
     )
     recompute = RecomputeConfig.preset(args.recompute)
+    if args.recompute_modules is not None:
+        if args.recompute not in ("none", "selective"):
+            raise ValueError(
+                f"--recompute-modules is selective recompute's; it does not combine with --recompute {args.recompute}"
+            )
+        recompute = _with_names(
+            "--recompute-modules", args.recompute_modules, lambda names: RecomputeConfig("selective", modules=names)
+        )
     if args.distribute_saved_activations:
         recompute = replace(recompute, distribute_saved_activations=True)
+    if args.offload_modules is not None:
+        if args.layers < 2:
+            raise ValueError(
+                f"--offload-modules with --layers {args.layers}: one config leaves the last layer alone (backward "
+                "needs it first), so nothing would be offloaded; give --layers 2 or more"
+            )
+        recompute = _with_names(
+            "--offload-modules", args.offload_modules, lambda names: replace(recompute, offload_modules=names)
+        )
+        layer_offloads(model, setup, recompute)  # priced: llama, the dense names
     resolve(model, setup, recompute)
     return model, setup, recompute
+
+
+def _with_names(flag: str, text: str, make: Callable[[tuple[str, ...]], RecomputeConfig]) -> RecomputeConfig:
+    """``make`` of the comma list ``text``; an unknown name refused in one line naming ``flag``
+    and the names allowed (``RecomputeConfig`` checks them)."""
+    try:
+        return make(tuple(name for name in text.split(",") if name))
+    except ValueError as exc:
+        raise ValueError(f"{flag} {text}: {exc}") from None
 
 
 def comparisons(model: ModelShape, setup: TrainingSetup, recompute: Recompute) -> dict[str, RecomputeConfig]:
@@ -173,17 +216,26 @@ def measure(cases: list[Case]) -> list[dict]:
 
     layers = min(cases[0][0].layers, MEASURED_LAYERS)
     per_rank = run_local(measure_on_ranks, cases[0][1].tp * cases[0][1].cp, cases, layers)
-    return [
-        {
-            "measured_bytes_per_layer": max(rank[i].bytes_per_layer for rank in per_rank),
-            "measured_per_rank": [rank[i].bytes_per_layer for rank in per_rank],
+    out = []
+    for i, case in enumerate(cases):
+        got = [rank[i] for rank in per_rank]
+        result = {
+            "measured_bytes_per_layer": max(m.bytes_per_layer for m in got),
+            "measured_per_rank": [m.bytes_per_layer for m in got],
             "measured_layers": layers,
-            "measured_storages": [
-                dict(zip(("scope", "dtype", "shape", "bytes"), row)) for row in per_rank[0][i].storages
-            ],
+            "measured_storages": [dict(zip(("scope", "dtype", "shape", "bytes"), row)) for row in got[0].storages],
         }
-        for i in range(len(cases))
-    ]
+        if resolve(*case).config.offload_modules:
+            # Layer 0 offloads; the last is left alone, so it keeps what a layer keeps without offload.
+            result.update(
+                measured_bytes_per_layer=max(m.per_layer_bytes[-1] for m in got),
+                measured_per_rank=[m.per_layer_bytes[-1] for m in got],
+                measured_device_bytes_per_layer=max(m.per_layer_bytes[0] for m in got),
+                measured_host_bytes_per_layer=max(m.offloaded_per_layer[0] for m in got),
+                measured_offloaded_bytes_per_layer=max(m.per_layer_bytes[-1] - m.per_layer_bytes[0] for m in got),
+            )
+        out.append(result)
+    return out
 
 
 def _spec(model: ModelShape, setup: TrainingSetup, recompute: Recompute) -> dict:
@@ -195,7 +247,7 @@ def _spec(model: ModelShape, setup: TrainingSetup, recompute: Recompute) -> dict
         "heads": model.heads, "kv_heads": model.kv_heads if model.kind == "llama" else None, "ffn": model.ffn,
         "tp": setup.tp, "cp": setup.cp, "sequence_parallel": setup.sequence_parallel, "recompute": name,
         "distribute_saved_activations": distribute, "layers": model.layers, "dtype": setup.dtype,
-        "attention": setup.attention,
+        "attention": setup.attention, "offload_modules": list(priced.config.offload_modules),
     }  # fmt: skip
 
 
@@ -220,10 +272,34 @@ def build_report(model: ModelShape, setup: TrainingSetup, recompute: Recompute, 
     }
     if model.kind == "gpt" and name in PAPER_ROWS:
         report["paper_formula"] = PAPER_ROWS[name][setup.sequence_parallel or distribute]
+    if priced.config.offload_modules:
+        report.update(_offload_report(model, setup, recompute))
     if measured is not None:
         report.update(measured)
         report["measured_over_analytic"] = measured["measured_bytes_per_layer"] / per_layer
     return report
+
+
+def _offload_report(model: ModelShape, setup: TrainingSetup, recompute: Recompute) -> dict:
+    """Layer 0's device and host bytes (an offloading layer; the first also copies what the layers
+    share, the rotary tables, under ``layer``), and the stack's with one micro-batch (:mod:`.offload`)."""
+    price = offload_price(model, setup, recompute)
+    first = price.layers[0]
+    return {
+        "offloaded_bytes_per_layer": first.offloaded,
+        "device_bytes_per_layer": first.device,
+        "host_bytes_per_layer": first.host,
+        "offload": {
+            "layers_offloading": sum(1 for x in price.layers if x.names),
+            "device_bytes_total": price.device_bytes,
+            "host_bytes_total": price.host_bytes,
+            "host_pinned_bytes_total": price.host_pinned_bytes,
+            "copies_in_flight_bytes": price.copies_in_flight,
+            "reload_buffer_bytes": price.reload_buffer,
+            "peak_bytes": price.peak,
+            "peak_without_offload_bytes": price.peak_without,
+        },
+    }
 
 
 def format_report(report: dict) -> str:
@@ -258,6 +334,33 @@ def format_report(report: dict) -> str:
         )
     for term in report["outside_layer_terms"]:
         lines.append(f"{term['name'] + ' (shared)':<24}{term['nbytes'] / MIB:>10.4f}")
+    if "offload" in report:
+        o, mib = report["offload"], {k: v / MIB for k, v in report.items() if isinstance(v, int)}
+        o_mib = {k: v / MIB for k, v in o.items()}
+        modules = ",".join(s["offload_modules"])
+        lines += [
+            "",
+            f"offload {modules}: {o['layers_offloading']} of {s['layers']} layers (the last left alone)",
+            (
+                f"  per layer: device {mib['device_bytes_per_layer']:.3f} MiB, to host "
+                f"{mib['host_bytes_per_layer']:.3f} MiB ({mib['offloaded_bytes_per_layer']:.3f} MiB leave the device)"
+            ),
+            (
+                f"  the layers, one micro-batch: device {o_mib['device_bytes_total']:.3f} MiB, host "
+                f"{o_mib['host_bytes_total']:.3f} MiB (pinned blocks {o_mib['host_pinned_bytes_total']:.3f} MiB)"
+            ),
+            (
+                f"  device peak {o_mib['peak_bytes']:.3f} MiB (without offload "
+                f"{o_mib['peak_without_offload_bytes']:.3f}): copies in flight up to "
+                f"{o_mib['copies_in_flight_bytes']:.3f}, reload buffer {o_mib['reload_buffer_bytes']:.3f}"
+            ),
+        ]
+    if "measured_device_bytes_per_layer" in report:
+        lines.append(
+            f"  measured: device {report['measured_device_bytes_per_layer'] / MIB:.3f} MiB, to host "
+            f"{report['measured_host_bytes_per_layer'] / MIB:.3f} MiB per layer "
+            f"(layer 0 of {report['measured_layers']})"
+        )
     if "measured_bytes_per_layer" in report:
         lines += [
             "",
@@ -301,6 +404,8 @@ def check_plot_path(path: str) -> None:
 def run(args: argparse.Namespace) -> int:
     """The ``memory`` command. Raises ``ValueError`` on bad input (the CLI prints one line)."""
     if args.config is not None:  # a transformers model: its own report (.moe.report)
+        if args.offload_modules is not None or args.recompute_modules is not None:
+            raise ValueError("--offload-modules and --recompute-modules apply to --model llama / gpt, not --config yet")
         if args.cp > 1:
             raise ValueError(
                 f"--cp {args.cp} applies to --model llama (our Llama layer); a transformers --config takes no "

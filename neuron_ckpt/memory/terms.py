@@ -116,6 +116,14 @@ def saved_at(model: ModelShape, setup: TrainingSetup) -> list[tuple[str, str]]:
     return [(x.role, x.at) for x in none]
 
 
+def term_roles(model: ModelShape, setup: TrainingSetup) -> dict[str, str]:
+    """Each term's role by its name (``"norm1.in"``, ``"core.own"``, ``""`` for the projection
+    input and the masks after the row layers), and ``"layer"`` for full recompute's
+    ``layer_input``: what :mod:`.offload` reads to know which module keeps a term."""
+    none, _ = (_gpt if model.kind == "gpt" else _llama)(model, setup)
+    return {**{x.term.name: x.role for x in none}, "layer_input": "layer"}
+
+
 def _selective(none: Sequence[_Term], modules: set[str], core_again: int, slice_: int, gathered: int):
     mlp, norm = "mlp" in modules, "norm" in modules
     act_out = mlp or "mlp_act" in modules
@@ -283,4 +291,4 @@ def _context_parallel_core(
     return own, c * 2 * kv
 
 
-__all__ = ["ActivationTerm", "LayerSpec", "RecomputeEvent", "layer_terms", "saved_at"]
+__all__ = ["ActivationTerm", "LayerSpec", "RecomputeEvent", "layer_terms", "saved_at", "term_roles"]
