@@ -73,7 +73,6 @@ def _measure(families, dtype, experts, tp, sp, tied=False, form="all_to_all", cf
             out.append(([(r.kind, r.choice, r.measured, r.analytic) for r in rows], per_expert, dropped))
     finally:
         torch.set_num_threads(threads)
-        nc.destroy_distributed()
     return out
 
 

@@ -60,8 +60,20 @@ def _worker(rank: int, world_size: int, port: int, backend: str, threads: int, t
         finally:
             parallel_state.destroy_model_parallel()
             random.get_rng_tracker().reset()
+        if not torch.distributed.is_initialized():
+            # The next task would rendezvous again on the same port while a slower rank may still
+            # hold the old store and gloo context: a hang that only load reveals. Refuse it, and
+            # stop this worker (the world is no longer whole; LocalWorld.alive says so).
+            results.put((rank, False, f"{getattr(fn, '__name__', fn)} tore down torch.distributed ({TORN_DOWN})"))
+            return
         results.put(out)
     teardown.destroy_distributed()
+
+
+TORN_DOWN = (
+    "a LocalWorld task must leave the worker's world up: it is reused by the next task; "
+    "call destroy_distributed() in scripts and single-process tests, not in a task"
+)
 
 
 class WorkerError(RuntimeError):
