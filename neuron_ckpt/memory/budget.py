@@ -348,14 +348,13 @@ class _Parts:
     def used(self, runs: Sequence[tuple[LayerOption, int]], m: int, limit_on: str) -> int:
         """``memory_budget(...).total_bytes`` (or ``.activation_bytes`` for ``limit_on="activations"``)
         of these layers (runs, as :meth:`activations` takes them), without laying out the items."""
-        saved, peak = self.activations(runs, m)
-        if limit_on == "activations":
-            return saved
-        return self.sums[0] + saved + self.workspace(saved, peak)[0]
+        counts = np.array([[n for _, n in runs]], dtype=np.int64)
+        return int(self.used_by_counts([o for o, _ in runs], counts, m, limit_on)[0])
 
     def used_by_counts(self, order: Sequence[LayerOption], counts: np.ndarray, m: int, limit_on: str) -> np.ndarray:
         """:meth:`used` of many assignments at once: ``counts[i, j]`` layers run ``order[j]``, in
-        that order (the planner's splits; int64 arithmetic, equal to :meth:`used` row by row)."""
+        that order (the planner's splits; int64 arithmetic; each row equals ``memory_budget``'s
+        total laid out item by item, tests/test_planner.py)."""
         kept = np.array([o.saved_bytes for o in order], dtype=np.int64)
         backward = np.array([o.backward_peak_bytes for o in order], dtype=np.int64)
         static, before, after = self.sums
