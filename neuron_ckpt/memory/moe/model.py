@@ -108,8 +108,9 @@ class TransformersModel:
             why = "sequence_parallel is True" if setup.sequence_parallel else f"ep is {self.ep} (each rank sends s/t)"
             out.append(f"seq_len ({setup.seq_len}) must be a multiple of tp ({t}) when {why}")
         if self.ep > 1:
+            ms = self.layer_setup(replace(setup, tp=1, sequence_parallel=False)) if out else self.layer_setup(setup)
             try:
-                check_ep(s, self.layer_setup(setup))
+                check_ep(s, ms)
             except ValueError as exc:
                 out.append(str(exc))
             if (t * setup.dp) % self.ep:

@@ -11,12 +11,13 @@ does). Per style, as :mod:`neuron_ckpt.parallel.hf` slices:
 =================================================  ==============================================
 style                                              what one rank holds
 =================================================  ==============================================
-``colwise``, ``colwise_gather_output``,            ``1/t`` of the weight (and of the bias)
-``embedding_rowwise``
-``rowwise``, ``rowwise_split_input``               ``1/t`` of the weight; the bias whole
-``packed_colwise``, ``rowwise`` (a 3-D expert      ``1/t`` (each expert's intermediate size)
-weight)
-``grouped_gemm`` (EP > 1)                          ``1/e``: ``E/e`` whole experts (expert tensor
+a module ``colwise``, ``colwise_gather_output``,   ``1/t`` of the weight (and of the bias)
+``colwise_rep``, ``embedding_rowwise``
+a module ``rowwise``, ``rowwise_split_input``,     ``1/t`` of the weight; the bias whole
+``rowwise_rep``
+a 3-D expert weight ``packed_colwise``,            ``1/t`` (each expert's intermediate size)
+``packed_rowwise``, ``colwise``, ``rowwise``
+a 3-D expert weight ``grouped_gemm`` (EP > 1)      ``1/e``: ``E/e`` whole experts (expert tensor
                                                    parallel size 1, ``distributed/layout.py``)
 anything else, or not planned                      whole (replicated)
 =================================================  ==============================================
@@ -33,9 +34,10 @@ from dataclasses import dataclass
 
 from .shape import MoESetup, MoEShape
 
-SPLIT_ALL = ("colwise", "colwise_gather_output", "embedding_rowwise", "packed_colwise")
-SPLIT_WEIGHT = ("rowwise", "rowwise_split_input")
+SPLIT_ALL = ("colwise", "colwise_gather_output", "colwise_rep", "embedding_rowwise")  # a module's weight and bias
+SPLIT_WEIGHT = ("rowwise", "rowwise_split_input", "rowwise_rep")  # a module's weight
 EXPERT_SLICE = "grouped_gemm"
+SPLIT_PARAMETER = ("packed_colwise", "packed_rowwise", "colwise", "rowwise", EXPERT_SLICE)  # a 3-D expert weight
 DISPATCH = "ep_dispatch_experts"
 
 
@@ -82,11 +84,11 @@ def _style(patterns: list[tuple[re.Pattern[str], str]], name: str) -> str | None
     return next((style for pattern, style in patterns if pattern.match(name)), None)
 
 
-def _held(plan: list[tuple[re.Pattern[str], str]], name: str, ndim: int) -> str:
+def _held(plan: list[tuple[re.Pattern[str], str]], name: str) -> str:
     """``"split"`` or ``"whole"``: how a rank holds the parameter ``name`` under ``plan``."""
     own = _style(plan, name)  # a plan entry naming the parameter (3-D expert weights)
     if own is not None:
-        return "split" if own in SPLIT_ALL or (own == "rowwise" and ndim == 3) or own == EXPERT_SLICE else "whole"
+        return "split" if own in SPLIT_PARAMETER else "whole"
     module, _, leaf = name.rpartition(".")
     style = _style(plan, module)
     if style in SPLIT_ALL or (style in SPLIT_WEIGHT and leaf == "weight"):
@@ -116,7 +118,7 @@ def parameter_split(shape: MoEShape) -> ParameterSplit:
     plain, expert = _patterns(tp_plan), _patterns({**kept, **ep_plan})
     counts = {"split": 0, "whole": 0, "experts_split": 0, "experts_whole": 0}
     for name, param in model.named_parameters():
-        held = _held(plain, name, param.ndim)
+        held = _held(plain, name)
         counts[held] += param.numel()
         if ep_plan and _style(expert, name) == EXPERT_SLICE:
             counts[f"experts_{held}"] += param.numel()
