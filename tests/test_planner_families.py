@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import itertools
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -36,9 +37,11 @@ from neuron_ckpt.memory.budget import GIB, _Parts  # noqa: E402
 from neuron_ckpt.memory.measure import SavedTensorRecorder  # noqa: E402
 from neuron_ckpt.memory.moe import FAMILY, MoESetup, load_moe_config, moe_shape_from_dict  # noqa: E402
 from neuron_ckpt.memory.moe.measure import build_model  # noqa: E402
-from neuron_ckpt.memory.moe.model import TransformersModel  # noqa: E402
+from neuron_ckpt.memory.moe.model import Stage, TransformersModel  # noqa: E402
 from neuron_ckpt.memory.moe.params import parameter_split  # noqa: E402
+from neuron_ckpt.memory.moe.stages import stage_jobs  # noqa: E402
 from neuron_ckpt.memory.options import layer_options  # noqa: E402
+from neuron_ckpt.memory.pipeline.cut import PipelineSetup  # noqa: E402
 from neuron_ckpt.parallel.params import is_expert_parallel  # noqa: E402
 
 S, B = 16, 2
@@ -170,22 +173,29 @@ def _brute_force(model: TransformersModel, setup: TrainingSetup, limit_on: str =
     """Every per-layer assignment: (bytes used, recompute FLOPs)."""
     options = layer_options(model, setup)
     per_layer = model.options_by_layer(options)
-    parts = _Parts.of(model, setup)
+    parts, m = _Parts.of(model, setup), setup.microbatches_in_flight
     return [
-        (parts.used([(options[n], 1) for n in names], 1, limit_on), sum(options[n].recompute_flops for n in names))
+        (parts.used([(options[n], 1) for n in names], m, limit_on), sum(options[n].recompute_flops for n in names))
         for names in itertools.product(*per_layer)
     ]
 
 
 @pytest.mark.parametrize(
-    "family, layers, kinds",
-    [("deepseek_v3", 3, ("dense", "moe")), ("gemma2", 3, ("dense/sliding", "dense")), ("qwen3_moe", 3, ("moe",))],
+    "family, layers, kinds, stage",
+    [
+        ("deepseek_v3", 3, ("dense", "moe"), None),
+        ("gemma2", 3, ("dense/sliding", "dense"), None),
+        ("qwen3_moe", 3, ("moe",), None),
+        ("deepseek_v3", 4, ("dense", "moe"), (Stage(0, 3, embedding=True, head=False), 3)),  # 3 micro-batches held
+    ],
 )
-def test_planner_is_optimal_against_brute_force(family, layers, kinds):
+def test_planner_is_optimal_against_brute_force(family, layers, kinds, stage):
     s = moe_shape_from_dict(config_dict(family, num_hidden_layers=layers), family, notices=[])
     dtype, attention, experts = TINY[family][1]
-    model = TransformersModel(s, attention, experts)
+    model = TransformersModel(s, attention, experts, stage=stage[0] if stage else None)
     setup = TrainingSetup(64, 2, tp=1, dp=1, dtype=dtype, sequence_parallel=False)
+    if stage:
+        setup = replace(setup, microbatches_in_flight=stage[1])
     assert s.kinds == kinds
     every = _brute_force(model, setup)
     totals = sorted({u for u, _ in every})
@@ -282,6 +292,26 @@ def test_cli_nothing_fits_names_the_smallest_expert_parallel_degree(tmp_path, ca
     assert _run([*argv, "--ep", "2", "--device-memory", str((at[0] + at[1]) / 2 / GIB)]) == 0
 
 
+def test_stages_hold_the_model_once_and_the_schedule_s_micro_batches(tmp_path, capsys):
+    model, setup = job("deepseek_v3", 2, True, 2)
+    stages = stage_jobs(model, setup, PipelineSetup(2, 4))
+    assert [m.indices for m, _ in stages] == [range(0, 1), range(1, 2)]  # LlamaPipeline's cut: 1 + 1
+    assert [s.microbatches_in_flight for _, s in stages] == [2, 1]  # 1F1B: min(m, p - i)
+    held = [sum(m.parameters(s)) for m, s in stages]
+    assert sum(held) == sum(model.parameters(setup))  # untied: every parameter on one stage
+    path = _write(tmp_path, "deepseek_v3")
+    argv = ["--config", path, "--tp", "2", "--dp", "2", "--ep", "2", "--seq", "64", "--pp", "2", "--micro-batches", "4"]
+    code, out = _json(capsys, [*argv, "--device-memory", "1"])
+    assert code == 0 and out["fits"] and [st["microbatches_in_flight"] for st in out["stages"]] == [2, 1]
+    code, out = _json(capsys, [*argv, "--reserve", "0", "--device-memory", str(1 / GIB)])
+    assert code == 1 and not out["fits"] and out["smallest_pp"] is None
+    capsys.readouterr()
+    limit = max(st["least_memory"]["budget"]["total_bytes"] for st in out["stages"]) - 1  # one stage falls short
+    assert _run([*argv, "--reserve", "0", "--device-memory", str(limit / GIB)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "nothing fits on stage(s)" in err
+
+
 @pytest.mark.parametrize(
     "family, extra, message",
     [
@@ -291,7 +321,12 @@ def test_cli_nothing_fits_names_the_smallest_expert_parallel_degree(tmp_path, ca
         ("mixtral", ["--tp", "2", "--seq", "63"], "seq_len (63) must be a multiple of tp (2)"),
         ("llama4_text", ["--ep", "2"], "no expert-parallel plan"),
         ("qwen3", ["--ep", "2"], "no expert-parallel plan"),
-        ("mixtral", ["--pp", "2", "--micro-batches", "4"], "pipeline parallelism runs this library's Llama only"),
+        ("mixtral", ["--pp", "2", "--micro-batches", "4", "--pipeline-buffers", "torch"], "without a runtime's"),
+        (
+            "mixtral",
+            ["--pp", "2", "--micro-batches", "4", "--schedule", "interleaved", "--virtual-stages", "2"],
+            "one stage per rank",
+        ),
         ("mixtral", ["--cp", "2"], "context parallelism runs this library's Llama only"),
         ("mixtral", ["--attention", "flash"], "a transformers model takes transformers' implementation"),
         ("gemma2", ["--attention", "sdpa"], "eager only"),

@@ -298,9 +298,6 @@ def _best_by_layer(
     per_layer = model.options_by_layer(options, allowed)
     parts, m = _Parts.of(model, setup), setup.microbatches_in_flight
 
-    if m != 1:
-        raise ValueError(f"microbatches_in_flight ({m}): layers of several kinds are planned without a pipeline (1)")
-
     def used(kept: int, held: int) -> int:  # one stand-in layer keeping P and holding Q: the budget's sums
         return parts.used([(LayerOption("", RecomputeConfig(), kept, held, 0.0, 0.0), 1)], m, limit_on)
 
@@ -314,7 +311,7 @@ def _best_by_layer(
                 start = i
         return evaluate(model, setup, tuple(ordered), limit, options, limit_on)
 
-    best, least = cheapest_per_layer(per_layer, used, limit)
+    best, least = cheapest_per_layer(per_layer, used, limit, separable=m == 1)
     return (plan(best) if best is not None else None), plan(least)
 
 
@@ -398,6 +395,11 @@ def plan_activations(
 
 def _fits(model: Model, setup: TrainingSetup, limit: int, allowed) -> bool:
     return _best(model, setup, limit, allowed)[1].fits
+
+
+def fits(model: Model, setup: TrainingSetup, limit: int, allowed: tuple[str, ...] | None = None) -> bool:
+    """Whether some recompute choice keeps ``model`` run as ``setup`` within ``limit`` bytes."""
+    return _fits(model, setup, limit, allowed)
 
 
 MAX_CONTEXT_PARALLEL = 64
@@ -500,6 +502,7 @@ __all__ = [
     "Plan",
     "device_memory_bytes",
     "evaluate",
+    "fits",
     "limit_bytes",
     "longest_sequence",
     "plan_activations",

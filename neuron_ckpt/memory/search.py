@@ -20,7 +20,7 @@ against a brute force over every per-layer assignment.
 
 from __future__ import annotations
 
-from bisect import bisect_left
+from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
@@ -54,6 +54,24 @@ def _front(states: list[_State], first: str, second: str) -> list[_State]:
     for s in states:
         if not out or getattr(s, second) < getattr(out[-1], second):
             out.append(s)
+    return out
+
+
+def _front3(states: list[_State]) -> list[_State]:
+    """The states no other beats on (kept, held, flops), one of each equal triple."""
+    states.sort(key=lambda s: (s.kept, s.held, s.flops))
+    held: list[int] = []  # a staircase over the states kept so far: held ascending, flops descending
+    flops: list[float] = []
+    out = []
+    for s in states:
+        i = bisect_right(held, s.held)
+        if i and flops[i - 1] <= s.flops:  # one with no more kept, held and flops came first
+            continue
+        out.append(s)
+        j = i
+        while j < len(held) and flops[j] >= s.flops:
+            j += 1
+        held[i:j], flops[i:j] = [s.held], [s.flops]
     return out
 
 
@@ -147,14 +165,17 @@ class _Bound:
 
 
 def cheapest_per_layer(
-    layers: Sequence[dict[str, LayerOption]], used: Callable[[int, int], int], limit: int
+    layers: Sequence[dict[str, LayerOption]], used: Callable[[int, int], int], limit: int, separable: bool = True
 ) -> tuple[tuple[str, ...] | None, tuple[str, ...]]:
     """``(cheapest, least)``: the option names, one per layer, with the fewest recompute FLOPs
     whose bytes ``used(P, Q)`` are at most ``limit`` (ties: fewer bytes; None when none fits),
     and the one with the fewest bytes (ties: fewer FLOPs). ``layers``: each layer's options, in
-    layer order. ``used``: the budget's bytes for the two sums (module docstring), of the form
-    ``max(f(P), g(Q), c)`` with ``f`` and ``g`` non-decreasing, as it is with one micro-batch in
-    flight (no pipeline)."""
+    layer order. ``used``: the budget's bytes for the two sums (module docstring), non-decreasing
+    in both; ``separable``: of the form ``max(f(P), g(Q), c)``, as with one micro-batch in flight.
+    With several (a pipeline stage: the others' kept bytes add to the peak) the front is kept on
+    ``(P, Q, FLOPs)`` and each state asked ``used`` (stages hold few layers)."""
+    if not layers:
+        return (), ()
     root = _State(0, 0, 0.0, "", None)
     front = [root]
     for options in layers:  # the least bytes: what no other beats on (P, Q) can lead there
@@ -163,8 +184,8 @@ def cheapest_per_layer(
     if used(least.kept, least.held) > limit:
         return None, _names(least)
     most = max(max(o.backward_peak_bytes for o in options.values()) for options in layers) * len(layers)
-    held_max = _largest(lambda q: used(0, q) <= limit, most)  # g(Q) <= limit
     kept_max = _largest(lambda p: used(p, p) <= limit, most)  # f(P) <= limit (and g(P), as P <= Q)
+    held_max = _largest(lambda q: used(0, q) <= limit, most) if separable else most  # g(Q) <= limit
     bound = _Bound(layers)
     known = float("inf")  # FLOPs of a plan known to fit: the relaxation's, rounded
     rounded = bound.rounded(kept_max)
@@ -182,8 +203,9 @@ def cheapest_per_layer(
             if s.kept <= kept_max
             and s.held <= held_max
             and s.flops + bound.least_flops(r, kept_max - s.kept) <= known * (1 + 1e-12)
+            and (separable or used(s.kept, s.held) <= limit)
         ]
-        front = _front(grown, "kept", "flops")
+        front = _front(grown, "kept", "flops") if separable else _front3(grown)
     fitting = [(s.flops, used(s.kept, s.held), s) for s in front]
     if not fitting:  # the bound is exact: the least fits, so something does
         raise AssertionError("cheapest_per_layer: no plan found, yet the least fits")

@@ -54,17 +54,31 @@ _FP32 = 4
 
 
 @dataclass(frozen=True)
+class Stage:
+    """What one pipeline rank holds of the model: layers ``first`` to ``stop`` (excluded), the
+    embedding (the first stage) and the final norm, LM head and loss (the last; with tied
+    embeddings it keeps a copy of the embedding for the head, as Megatron's last stage does)."""
+
+    first: int
+    stop: int
+    embedding: bool
+    head: bool
+
+
+@dataclass(frozen=True)
 class TransformersModel:
     """A transformers model (``shape``) and how its layers run: ``attention`` and ``experts``,
     transformers' implementations (as :class:`~.shape.MoESetup` takes them), ``ep`` the
     expert-parallel degree (``expert_model_parallel_size``) and ``ep_rows`` the rows each rank's
-    experts receive at ``ep`` > 1 (``"balanced"``, ``"worst"`` or a count)."""
+    experts receive at ``ep`` > 1 (``"balanced"``, ``"worst"`` or a count). ``stage``: the part a
+    pipeline rank holds (None: all of it)."""
 
     shape: MoEShape
     attention: str = "sdpa"
     experts: str = "grouped_mm"
     ep: int = 1
     ep_rows: str | int = "balanced"
+    stage: Stage | None = None
     kind: str = field(default=KIND, init=False)
 
     def __post_init__(self) -> None:
@@ -79,8 +93,18 @@ class TransformersModel:
         return self.shape.name or self.shape.family
 
     @property
+    def indices(self) -> range:
+        """The model's layers this rank runs."""
+        return range(self.shape.layers) if self.stage is None else range(self.stage.first, self.stage.stop)
+
+    @property
     def layers(self) -> int:
-        return self.shape.layers
+        return len(self.indices)
+
+    @property
+    def holds(self) -> tuple[bool, bool]:
+        """Whether this rank holds the embedding, and the LM head and loss."""
+        return (True, True) if self.stage is None else (self.stage.embedding, self.stage.head)
 
     # --- the job ---------------------------------------------------------------------------
     def layer_setup(self, setup: TrainingSetup) -> MoESetup:
@@ -133,7 +157,11 @@ class TransformersModel:
     # --- what the budget holds ---------------------------------------------------------------
     def parameters(self, setup: TrainingSetup) -> tuple[int, int]:
         """``(dense, experts)`` parameters one rank holds (:meth:`~.params.ParameterSplit.local`)."""
-        return parameter_split(self.shape).local(setup.tp, self.ep)
+        embedding, head = self.holds
+        parts = [f"layer{i}" for i in self.indices] + ["embedding"] * embedding + ["head"] * head
+        if head and not embedding and self.shape.tied_embeddings:
+            parts.append("embedding")  # the tied LM head's copy
+        return parameter_split(self.shape, tuple(parts)).local(setup.tp, self.ep)
 
     def static_items(self, setup: TrainingSetup) -> tuple[list[LineItem], int]:
         """Parameters, gradients, ZeRO-1 state and masks; and the optimizer step's bytes."""
@@ -167,22 +195,33 @@ class TransformersModel:
         self.check(setup)
         s, ms = self.shape, self.layer_setup(setup)
         static, step = self.static_items(setup)
-        before = LineItem("act: embedding + rotary", embedding_bytes(s, ms) + rotary_bytes(s, ms), "activations",
-                          "ids (and shard mask), rotary tables")  # fmt: skip
-        after = (
-            LineItem("act: final norm + LM head", final_norm_bytes(s, ms), "activations", "norm, LM head input"),
-            LineItem("act: loss", loss_bytes(s, ms), "activations",
-                     "fp32 log-softmax [b s, v] + targets" if setup.tp == 1 else "fp32 softmax [b s, v/t] + targets"),
-        )  # fmt: skip
+        embedding, head = self.holds
+        w, T, h = ms.width, ms.local_tokens, s.hidden
+        if embedding:
+            before = [LineItem("act: embedding + rotary", embedding_bytes(s, ms) + rotary_bytes(s, ms), "activations",
+                               "ids (and shard mask), rotary tables")]  # fmt: skip
+        else:
+            before = [LineItem("act: stage input + rotary", w * T * h + rotary_bytes(s, ms), "activations",
+                               "the received [b, s/t, h] held for its gradient, rotary tables")]  # fmt: skip
+        if head:
+            kept = "fp32 log-softmax [b s, v] + targets" if setup.tp == 1 else "fp32 softmax [b s, v/t] + targets"
+            after = [
+                LineItem("act: final norm + LM head", final_norm_bytes(s, ms), "activations", "norm, head input"),
+                LineItem("act: loss", loss_bytes(s, ms), "activations", kept),
+            ]
+        else:
+            after = [LineItem("act: stage output", w * T * h, "activations", "the sent [b, s/t, h] until its gradient")]
         scores = self._scores_transient(ms)
-        parts = _Parts(tuple(static), step, (before,), after, loss_transient_bytes(s, ms), scores)
+        loss = loss_transient_bytes(s, ms) if head else 0
+        parts = _Parts(tuple(static), step, tuple(before), tuple(after), loss, scores)
         return replace(parts, attention_note="unfused attention: two [b, a/t, s, s] score copies at once")
 
     def _scores_transient(self, ms: MoESetup) -> int:
         """An unfused core attention's scores beyond what it keeps: at worst two ``[b, a/t, s, s]``
         copies in the model's dtype while they are scaled, masked and soft-maxed; a fused kernel none."""
         s = self.shape
-        unfused = any(place == "attn.core.scores" for kind in s.kinds for place, _ in layer_tensors(s, ms, kind).ops)
+        kinds = {s.kind_of(i) for i in self.indices}
+        unfused = any(place == "attn.core.scores" for kind in kinds for place, _ in layer_tensors(s, ms, kind).ops)
         heads = s.heads // s.split("attention", ms.tp)
         return 2 * ms.width * ms.micro_batch * heads * ms.seq_len**2 if unfused else 0
 
@@ -191,8 +230,8 @@ class TransformersModel:
         forward matmuls (every layer's, and the LM head's ``2 T h v/t``)."""
         ms = self.layer_setup(setup)
         per_kind = {k: sum(f.matmul for _, f in layer_tensors(self.shape, ms, k).ops) for k in self.shape.kinds}
-        layers = sum(per_kind[self.shape.kind_of(i)] for i in range(self.layers))
-        head = 2 * ms.tokens * self.shape.hidden * self.shape.vocab / setup.tp
+        layers = sum(per_kind[self.shape.kind_of(i)] for i in self.indices)
+        head = 2 * ms.tokens * self.shape.hidden * self.shape.vocab / setup.tp if self.holds[1] else 0.0
         return 3 * (layers + head)
 
     # --- the layers ------------------------------------------------------------------------
@@ -219,7 +258,7 @@ class TransformersModel:
             if not mine:
                 raise ValueError(f"allowed: no option of {kind} layers among {allowed}; choose from {list(options)}")
             by_kind[kind] = mine
-        return [by_kind[self.shape.kind_of(i)] for i in range(self.layers)]
+        return [by_kind[self.shape.kind_of(i)] for i in self.indices]
 
     def per_layer_options(
         self, setup: TrainingSetup, layers: str | RecomputeConfig | Sequence, options: dict[str, LayerOption]
@@ -227,7 +266,7 @@ class TransformersModel:
         """Each layer's option for what a budget is given: an option name (a kind's, or one every
         kind has without its ``kind:``), a config priced on every layer, or one entry per layer
         (a name, a config, None for no recompute)."""
-        kinds = [self.shape.kind_of(i) for i in range(self.layers)]
+        kinds = [self.shape.kind_of(i) for i in self.indices]
         if isinstance(layers, (str, RecomputeConfig)):
             entries: list = [layers] * self.layers
         elif isinstance(layers, (list, tuple)):
@@ -264,7 +303,7 @@ class TransformersModel:
         more = [e for e in range(self.ep + 1, s.experts + 1)
                 if s.experts % e == 0 and (setup.tp * setup.dp) % e == 0]  # fmt: skip
         for e in more:
-            other = TransformersModel(s, self.attention, self.experts, e, self.ep_rows)
+            other = replace(self, ep=e)
             if not other.problems(setup) and fits(other, setup):
                 rows = received_rows(s, other.layer_setup(setup))
                 return [

@@ -28,6 +28,7 @@ counts against the ``numel`` of real models split on gloo ranks.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 from dataclasses import dataclass
@@ -48,10 +49,14 @@ class ParameterSplit:
     ``experts_whole``: what the ``ep_plan`` spreads over EP instead at e > 1). ``total``: the
     model's parameters."""
 
-    split: int
-    whole: int
-    experts_split: int
-    experts_whole: int
+    split: int = 0
+    whole: int = 0
+    experts_split: int = 0
+    experts_whole: int = 0
+
+    def __add__(self, other: ParameterSplit) -> ParameterSplit:
+        a, b = (self.split, self.whole, self.experts_split, self.experts_whole), dataclasses.astuple(other)
+        return ParameterSplit(*(x + y for x, y in zip(a, b)))
 
     @property
     def total(self) -> int:
@@ -96,10 +101,19 @@ def _held(plan: list[tuple[re.Pattern[str], str]], name: str) -> str:
     return "whole"
 
 
+def _part(name: str) -> str:
+    """Which part of the model a parameter belongs to: ``"layer{i}"``, ``"embedding"`` (the input
+    embedding, and the LM head tied to it) or ``"head"`` (the final norm, an untied LM head)."""
+    parts = name.split(".")
+    if "layers" in parts and parts.index("layers") + 1 < len(parts) and parts[parts.index("layers") + 1].isdigit():
+        return f"layer{parts[parts.index('layers') + 1]}"
+    return "embedding" if "embed_tokens" in parts else "head"
+
+
 @functools.cache
-def parameter_split(shape: MoEShape) -> ParameterSplit:
-    """:class:`ParameterSplit` of ``shape`` (its config as :func:`~.hf_config.hf_config` writes it,
-    built on the meta device)."""
+def parameter_parts(shape: MoEShape) -> dict[str, ParameterSplit]:
+    """Each part's :class:`ParameterSplit` (:func:`_part`'s names) of ``shape`` (its config as
+    :func:`~.hf_config.hf_config` writes it, built on the meta device)."""
     import torch
     import transformers
 
@@ -116,13 +130,20 @@ def parameter_split(shape: MoEShape) -> ParameterSplit:
     dispatched = [k for k, s in ep_plan.items() if s == DISPATCH]
     kept = {k: s for k, s in tp_plan.items() if not any(k == d or k.startswith(d + ".") for d in dispatched)}
     plain, expert = _patterns(tp_plan), _patterns({**kept, **ep_plan})
-    counts = {"split": 0, "whole": 0, "experts_split": 0, "experts_whole": 0}
-    for name, param in model.named_parameters():
+    parts: dict[str, dict[str, int]] = {}
+    for name, param in model.named_parameters():  # a tied LM head is the embedding's weight: once
+        counts = parts.setdefault(_part(name), {"split": 0, "whole": 0, "experts_split": 0, "experts_whole": 0})
         held = _held(plain, name)
         counts[held] += param.numel()
         if ep_plan and _style(expert, name) == EXPERT_SLICE:
             counts[f"experts_{held}"] += param.numel()
-    return ParameterSplit(**counts)
+    return {part: ParameterSplit(**counts) for part, counts in parts.items()}
 
 
-__all__ = ["ParameterSplit", "parameter_split"]
+def parameter_split(shape: MoEShape, parts: tuple[str, ...] | None = None) -> ParameterSplit:
+    """:class:`ParameterSplit` of ``shape``, or of some of its parts (:func:`parameter_parts`)."""
+    table = parameter_parts(shape)
+    return sum((table.get(p, ParameterSplit()) for p in (table if parts is None else parts)), ParameterSplit())
+
+
+__all__ = ["ParameterSplit", "parameter_parts", "parameter_split"]

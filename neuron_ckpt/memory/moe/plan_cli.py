@@ -17,8 +17,13 @@ option per kind, the per-layer list ``apply_recompute`` takes) and the uniform c
 it fits, 1 when nothing does (what would, on stderr), 2 with one line for bad input (every
 problem of the job named at once: ``E % ep``, ``tp x dp % ep``, ``s % t``, the split).
 
-Not here: ``--cp`` and ``--pp`` above 1 (context parallelism and the pipeline run this library's
-Llama only), the host-memory and checkpoint lines (priced for ``train.py``'s Llama).
+``--pp P --micro-batches M [--schedule gpipe|1f1b] [--stage-layers ...]``: every rank's stage
+planned on its own (:mod:`.stages`: as a Megatron-style pipeline would run it; the package
+pipelines its own Llama only), one row per stage and the budget of the one that needs the most;
+nothing fits on a stage: exit 1 and the smallest ``--pp`` at which every stage fits.
+
+Not here: ``--cp`` above 1 (context parallelism runs this library's Llama only), the host-memory
+and checkpoint lines (priced for ``train.py``'s Llama).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from .families import FAMILY
 from .model import TransformersModel
 from .report import describe
 from .shape import EP_ROWS, EXPERTS
+from .stages import StagePlan, plan_stages, smallest_pp
 
 FAMILY_ONLY = ("ep", "ep_rows", "experts")
 
@@ -104,10 +110,10 @@ def build(args: argparse.Namespace, notices: list[str]) -> tuple[TransformersMod
         raise ValueError(f"{', '.join(given)}: for --model gpt; a transformers model's shape comes from --config")
     if args.config is None:
         raise ValueError("--model transformers needs --config (a config.json, a directory holding one, or a preset)")
-    if args.pp > 1:
+    if args.pipeline_buffers is not None:
         raise ValueError(
-            f"--pp {args.pp}: pipeline parallelism runs this library's Llama only (neuron_ckpt.pipeline); a "
-            "transformers model is planned at --pp 1"
+            "--pipeline-buffers: a transformers model's stages are priced without a runtime's buffers (the package "
+            "pipelines its own Llama only); the received input and sent output per micro-batch are counted"
         )
     if args.bucket_cap_mb is not None and not args.zero1:
         raise ValueError("--bucket-cap-mb sizes ZeRO-1's buckets; with --no-zero1 there are none: drop it")
@@ -208,11 +214,15 @@ def _print(model: TransformersModel, setup: TrainingSetup, plan: Plan, notes: li
 
 def run(args: argparse.Namespace) -> int:
     """``neuron-ckpt plan`` for a transformers model: 0 when it fits, 1 when nothing does."""
+    from ..pipeline.plan_cli import pipeline_from_args
     from ..plan_cli import device_gib, longest_text
 
     notices: list[str] = []
     model, setup = build(args, notices)
+    pipeline = pipeline_from_args(args)
     memory = device_gib(args)
+    if pipeline is not None:
+        return _run_pipeline(args, model, setup, pipeline, memory, notices)
     longest = longest_sequence(model, setup, memory, reserve_gib=args.reserve) if args.longest_seq else None
     notes = _notes(model, setup)
     head = {"family": model.shape.family, "name": model.name, "attention": model.attention,
@@ -257,6 +267,56 @@ def run(args: argparse.Namespace) -> int:
     if args.longest_seq:
         print(longest_text(setup, longest))
     return 0
+
+
+def _run_pipeline(args, model: TransformersModel, setup: TrainingSetup, pipeline, memory: float, notices) -> int:
+    """``--pp`` above 1: every rank's stage planned on its own (:mod:`.stages`)."""
+    from ..plan_cli import recompute_text
+
+    if args.longest_seq:
+        raise ValueError("--longest-seq: not with --pp above 1 for a transformers model")
+    stages = plan_stages(model, setup, pipeline, memory, args.reserve)
+    ok = all(st.plan is not None for st in stages)
+    smallest = None if ok else smallest_pp(model, setup, pipeline, memory, args.reserve)
+    worst = max(stages, key=lambda st: (st.plan is None, st.budget.total_bytes))
+    limit = stages[0].plan.limit_bytes if stages[0].plan is not None else stages[0].nothing.least.limit_bytes  # type: ignore[union-attr]  # one is set
+    if args.json:
+        out = {"fits": ok, "family": model.shape.family, "name": model.name, "pp": pipeline.pp,
+               "microbatches": pipeline.microbatches, "schedule": pipeline.schedule, "ep": model.ep,
+               "edp": model.expert_data_parallel(setup), "limit_bytes": limit, "smallest_pp": smallest,
+               "notices": notices, "stages": [_stage_dict(st) for st in stages]}  # fmt: skip
+        print(json.dumps(out, indent=2))
+    else:
+        for notice in notices:
+            print(notice)
+        print(_header(model, setup) + f" pp={pipeline.pp} micro-batches={pipeline.microbatches} {pipeline.schedule}")
+        print(f"memory to plan for: {limit / GIB:.2f} GiB (device memory less the reserve)\n")
+        print(f"{'stage':<7}{'layers':<12}{'in flight':>10}{'GiB':>9}  {'recompute':>9}  plan")
+        for st in stages:
+            first, stop = st.model.indices.start, st.model.indices.stop
+            what = st.plan.describe() if st.plan is not None else f"nothing fits (least: {st.budget.total_gib:.2f})"
+            share = f"{st.plan.overhead:.2%}" if st.plan is not None else "-"
+            print(f"{st.rank:<7}{f'{first}-{stop - 1} ({stop - first})':<12}{st.setup.microbatches_in_flight:>10}"
+                  f"{st.budget.total_gib:>9.2f}  {share:>9}  {what}")  # fmt: skip
+        print(f"\nstage {worst.rank}, the one that needs the most:\n{worst.budget.table()}")
+        for note in (*worst.budget.notes, *_notes(model, setup)):
+            print(f"note: {note}")
+        if worst.plan is not None:
+            print(f"recompute (stage {worst.rank}): {recompute_text(worst.plan)}")
+    if not ok:
+        failing = [st.rank for st in stages if st.plan is None]
+        where = f"smallest pipeline degree that fits: --pp {smallest}" if smallest else "no pipeline degree fits"
+        print(f"neuron-ckpt plan: nothing fits on stage(s) {failing} at --pp {pipeline.pp}; {where}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _stage_dict(st: StagePlan) -> dict:
+    where = {"stage": st.rank, "layers": [st.model.indices.start, st.model.indices.stop],
+             "microbatches_in_flight": st.setup.microbatches_in_flight, "fits": st.plan is not None}  # fmt: skip
+    if st.plan is not None:
+        return {**where, **st.plan.to_dict()}
+    return {**where, "message": str(st.nothing), "least_memory": st.nothing.least.to_dict()}  # type: ignore[union-attr]  # set when plan is None
 
 
 __all__ = [
