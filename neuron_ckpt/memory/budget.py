@@ -346,7 +346,7 @@ class _Parts:
         if self.scores:
             candidates.append((self.scores, self.attention_note))
         extra, why = max(candidates, key=lambda c: c[0])
-        return max(extra, 0), why
+        return (extra, why) if extra > 0 else (0, "none: nothing transient outweighs what is kept")
 
     def used(self, runs: Sequence[tuple[LayerOption, int]], m: int, limit_on: str) -> int:
         """``memory_budget(...).total_bytes`` (or ``.activation_bytes`` for ``limit_on="activations"``)

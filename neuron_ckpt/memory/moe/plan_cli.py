@@ -179,8 +179,8 @@ def _notes(model: TransformersModel, setup: TrainingSetup) -> list[str]:
     s = model.shape
     notes = [
         (
-            "transformers' layers as apply_tensor_parallel splits them (docs/memory.md); host memory and checkpoint "
-            "size are priced for train.py's Llama only"
+            "transformers' layers as apply_tensor_parallel splits them, as eager torch runs them (docs/memory.md; on "
+            "XLA the compiler decides what is kept); host memory and checkpoint size: priced for train.py's Llama only"
         )
     ]
     if s.experts and FAMILY[s.family].experts not in (None, "all"):
@@ -302,7 +302,7 @@ def _run_pipeline(args, model: TransformersModel, setup: TrainingSetup, pipeline
         for note in (*worst.budget.notes, *_notes(model, setup)):
             print(f"note: {note}")
         if worst.plan is not None:
-            print(f"recompute (stage {worst.rank}): {recompute_text(worst.plan)}")
+            print(f"recompute (stage {worst.rank}, its layers counted from 0): {recompute_text(worst.plan)}")
     if not ok:
         failing = [st.rank for st in stages if st.plan is None]
         where = f"smallest pipeline degree that fits: --pp {smallest}" if smallest else "no pipeline degree fits"
