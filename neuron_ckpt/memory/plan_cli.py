@@ -393,7 +393,7 @@ def run(args: argparse.Namespace) -> int:
                 out["longest_seq"] = longest
             print(json.dumps(out, indent=2))
         elif args.longest_seq:
-            print(longest_text(setup, longest))
+            print(_longest_text(setup, longest))
         print(f"neuron-ckpt plan: {exc}", file=sys.stderr)
         return 1
     if args.json:
@@ -416,13 +416,12 @@ def run(args: argparse.Namespace) -> int:
     else:
         _print_plan(model, setup, plan, notes)
         if args.longest_seq:
-            print(longest_text(setup, longest))
+            print(_longest_text(setup, longest))
         _print_step_and_host(model, setup, args)
     return 0
 
 
-def longest_text(setup: TrainingSetup, longest: int | None) -> str:
-    """The ``--longest-seq`` line."""
+def _longest_text(setup: TrainingSetup, longest: int | None) -> str:
     where = f"tp={setup.tp} cp={setup.cp} dp={setup.dp} micro-batch {setup.micro_batch}, {setup.attention} attention"
     if longest is None:
         return f"longest sequence that fits: none at {where}"

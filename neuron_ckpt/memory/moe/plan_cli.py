@@ -215,7 +215,7 @@ def _print(model: TransformersModel, setup: TrainingSetup, plan: Plan, notes: li
 def run(args: argparse.Namespace) -> int:
     """``neuron-ckpt plan`` for a transformers model: 0 when it fits, 1 when nothing does."""
     from ..pipeline.plan_cli import pipeline_from_args
-    from ..plan_cli import device_gib, longest_text
+    from ..plan_cli import device_gib
 
     notices: list[str] = []
     model, setup = build(args, notices)
@@ -241,7 +241,7 @@ def run(args: argparse.Namespace) -> int:
             for notice in notices:
                 print(notice)
             if args.longest_seq:
-                print(longest_text(setup, longest))
+                print(_longest_text(model, setup, longest))
         print(f"neuron-ckpt plan: {exc}", file=sys.stderr)
         return 1
     if args.json:
@@ -265,8 +265,14 @@ def run(args: argparse.Namespace) -> int:
         print(notice)
     _print(model, setup, plan, notes)
     if args.longest_seq:
-        print(longest_text(setup, longest))
+        print(_longest_text(model, setup, longest))
     return 0
+
+
+def _longest_text(model: TransformersModel, setup: TrainingSetup, longest: int | None) -> str:
+    where = (f"tp={setup.tp} ep={model.ep} dp={setup.dp} micro-batch {setup.micro_batch}, {model.attention} "
+             "attention")  # fmt: skip
+    return f"longest sequence that fits: {'none' if longest is None else f'{longest} tokens'} at {where}"
 
 
 def _run_pipeline(args, model: TransformersModel, setup: TrainingSetup, pipeline, memory: float, notices) -> int:
