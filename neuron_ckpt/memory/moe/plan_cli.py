@@ -223,6 +223,8 @@ def run(args: argparse.Namespace) -> int:
     memory = device_gib(args)
     if pipeline is not None:
         return _run_pipeline(args, model, setup, pipeline, memory, notices)
+    if args.longest_seq and model.ep > 1 and setup.tp > 1 and not setup.sequence_parallel:
+        raise ValueError("--longest-seq with --ep above 1 and tp above 1 needs --sequence-parallel (s steps by tp)")
     longest = longest_sequence(model, setup, memory, reserve_gib=args.reserve) if args.longest_seq else None
     notes = _notes(model, setup)
     head = {"family": model.shape.family, "name": model.name, "attention": model.attention,
