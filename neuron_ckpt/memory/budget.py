@@ -37,7 +37,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -45,6 +45,9 @@ from ..recompute import PRESETS
 from .analytic import rotary_terms, stack_peak
 from .options import LayerOption, Layers, layer_options, per_layer_options
 from .shape import ModelShape, TrainingSetup
+
+if TYPE_CHECKING:
+    from .moe.model import Model
 
 GIB = 1 << 30
 _FP32, _INT64, _BOOL = 4, 8, 1
@@ -74,7 +77,7 @@ class MemoryBudget:
     micro-batches in flight keep theirs meanwhile); at least :attr:`activation_bytes` / m of it.
     """
 
-    model: ModelShape
+    model: Model
     setup: TrainingSetup
     layers: tuple[str, ...]
     items: tuple[LineItem, ...]
@@ -300,7 +303,9 @@ class _Parts:
     scores: int  # the attention's transient (:func:`attention_transient_bytes`)
 
     @staticmethod
-    def of(model: ModelShape, setup: TrainingSetup) -> _Parts:
+    def of(model: Model, setup: TrainingSetup) -> _Parts:
+        if not isinstance(model, ModelShape):  # a transformers model: its own parts
+            return model.parts(setup)
         static, step = _static_items(model, setup)
         before, after, loss_transient = _outside_items(model, setup)
         scores = attention_transient_bytes(model, setup)
@@ -343,7 +348,7 @@ class _Parts:
         if self.scores:
             candidates.append((self.scores, self.attention_note))
         extra, why = max(candidates, key=lambda c: c[0])
-        return max(extra, 0), why
+        return (extra, why) if extra > 0 else (0, "none: nothing transient outweighs what is kept")
 
     def used(self, runs: Sequence[tuple[LayerOption, int]], m: int, limit_on: str) -> int:
         """``memory_budget(...).total_bytes`` (or ``.activation_bytes`` for ``limit_on="activations"``)
@@ -373,7 +378,7 @@ class _Parts:
 
 
 def memory_budget(
-    model: ModelShape,
+    model: Model,
     setup: TrainingSetup,
     layers: Layers = "none",
     options: dict[str, LayerOption] | None = None,

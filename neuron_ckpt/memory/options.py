@@ -15,12 +15,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from ..recompute import PRESETS, RecomputeConfig
 from .analytic import Recompute, layer_activation_bytes, layer_backward_peak, resolve, supported_presets
 from .rerun import rerun_flops
 from .shape import ModelShape, TrainingSetup
 from .terms import LayerSpec, layer_terms
+
+if TYPE_CHECKING:
+    from .moe.model import Model
 
 
 @dataclass(frozen=True)
@@ -88,12 +92,15 @@ Layers = str | RecomputeConfig | Sequence[str | RecomputeConfig | None]
 
 
 def per_layer_options(
-    model: ModelShape, setup: TrainingSetup, layers: Layers, options: dict[str, LayerOption]
+    model: Model, setup: TrainingSetup, layers: Layers, options: dict[str, LayerOption]
 ) -> list[LayerOption]:
     """Each layer's option, in layer order, for what :func:`~.budget.memory_budget` takes as
     ``layers``: a preset name from ``options`` (the offered ones) for every layer, a config for the
     whole stack priced layer by layer, or one entry per layer (a name, a config covering its own
-    layer, or None for no recompute)."""
+    layer, or None for no recompute). A transformers model: its own
+    (:meth:`~.moe.model.TransformersModel.per_layer_options`)."""
+    if not isinstance(model, ModelShape):
+        return model.per_layer_options(setup, layers, options)
 
     def named(name: str) -> LayerOption:
         if name not in options:
@@ -165,9 +172,12 @@ def offered_configs(model: ModelShape, setup: TrainingSetup) -> list[RecomputeCo
     return configs
 
 
-def layer_options(model: ModelShape, setup: TrainingSetup) -> dict[str, LayerOption]:
+def layer_options(model: Model, setup: TrainingSetup) -> dict[str, LayerOption]:
     """The recompute options for one layer of ``model`` run as ``setup`` says (those
-    :func:`offered_configs` lists), by name: the preset's, or the label of another choice."""
+    :func:`offered_configs` lists), by name: the preset's, or the label of another choice. A
+    transformers model: every kind's (:meth:`~.moe.model.TransformersModel.layer_options`)."""
+    if not isinstance(model, ModelShape):
+        return model.layer_options(setup)
     if (why := model.valid_tp(setup.tp, setup.local_seq_len if setup.sequence_parallel else None)) is not None:
         raise ValueError(why)
     options = (layer_option(model, setup, config) for config in offered_configs(model, setup))
@@ -182,9 +192,12 @@ def canonical_order(counts: dict[str, int], options: dict[str, LayerOption]) -> 
     return tuple(name for name in ranked for _ in range(counts[name]))
 
 
-def step_flops(model: ModelShape, setup: TrainingSetup) -> float:
+def step_flops(model: Model, setup: TrainingSetup) -> float:
     """Model FLOPs of one micro-batch's forward + backward on one device: ``flops_per_token``
-    (``6N + 12LHQT``, ``T`` the whole sequence) over the ``s*b/(t c)`` tokens per rank."""
+    (``6N + 12LHQT``, ``T`` the whole sequence) over the ``s*b/(t c)`` tokens per rank (a
+    transformers model: :meth:`~.moe.model.TransformersModel.step_flops`)."""
+    if not isinstance(model, ModelShape):
+        return model.step_flops(setup)
     s = setup.seq_len
     return model.flops_per_token(s) * setup.local_seq_len * setup.micro_batch / setup.tp
 

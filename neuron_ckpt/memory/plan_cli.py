@@ -46,6 +46,8 @@ from ..parallel.attention import ATTENTION
 from ..recompute import PRESETS
 from .budget import GIB, largest_collective_bytes, optimizer_step_bytes
 from .host import INSTANCES, host_budget
+from .moe import plan_cli as transformers_cli
+from .moe.shape import ATTENTION as TRANSFORMERS_ATTENTION
 from .options import offered_presets, selective_saving_with_flash
 from .pipeline import plan_cli as pipeline_cli
 from .planner import DEVICE_PRESETS, NothingFits, Plan, device_memory_bytes, evaluate, longest_sequence, plan_recompute
@@ -77,11 +79,17 @@ def _finite(low: float, low_ok: bool):
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``plan`` options, on an existing parser."""
-    parser.add_argument("--model", choices=KINDS, default="llama")
+    parser.add_argument(
+        "--model",
+        choices=(*KINDS, "transformers"),
+        default=None,
+        help="llama (this library's, default), gpt, or transformers (the config's family as transformers builds it; "
+        "the default for a --config of another family than llama)",
+    )
     parser.add_argument(
         "--config",
         default=None,
-        help=f"llama: a config.json path, a directory holding one, or a preset name (default {DEFAULT_CONFIG})",
+        help=f"a config.json path, a directory holding one, or a preset name (default {DEFAULT_CONFIG})",
     )
     parser.add_argument("--hidden", type=int, help="gpt: hidden size")
     parser.add_argument("--heads", type=int, help="gpt: attention heads")
@@ -118,10 +126,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument(
         "--attention",
-        choices=ATTENTION,
-        default="flash",
+        choices=ATTENTION + TRANSFORMERS_ATTENTION,
+        default=None,
         help="core attention: flash (a fused kernel, no s x s tensor: torch SDPA's flash on CPU/CUDA, "
-        "NxD's NKI kernel on trn1; default, as the reference trains) or explicit",
+        "NxD's NKI kernel on trn1; default, as the reference trains) or explicit; a transformers model: "
+        "transformers' implementation, sdpa (default), eager or sdpa-fused",
     )
     parser.add_argument(
         "--bucket-cap-mb",
@@ -148,11 +157,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--json", action="store_true", help="one JSON object instead of tables")
     pipeline_cli.add_arguments(parser)
+    transformers_cli.add_arguments(parser)
 
 
 def model_from_args(args: argparse.Namespace) -> ModelShape:
     """The model ``--model``/``--config`` (Llama) or ``--hidden/--heads/--layers/--vocab`` (GPT) describe."""
-    if args.model == "llama":
+    if args.model in ("llama", None):
         given = [f"--{n}" for n in GPT_ONLY if getattr(args, n, None) is not None]
         if given:
             raise ValueError(
@@ -240,7 +250,8 @@ def _config_text(config) -> str:
     return repr(config) if name is None else f'RecomputeConfig.preset("{name}")'
 
 
-def _recompute_text(plan: Plan) -> str:
+def recompute_text(plan: Plan) -> str:
+    """The plan's recompute as ``apply_recompute`` takes it, runs of equal entries together."""
     rc = plan.recompute
     if not isinstance(rc, list):
         return _config_text(rc)
@@ -328,7 +339,7 @@ def _print_plan(model: ModelShape, setup: TrainingSetup, plan: Plan, notes: list
         f"\nplan: {plan.describe()} ({plan.budget.total_gib:.2f} GiB, recompute {plan.overhead:.2%} of a step's FLOPs, "
         f"{plan.matmul_overhead:.2%} in matmuls)"
     )
-    print(f"recompute: {_recompute_text(plan)}")
+    print(f"recompute: {recompute_text(plan)}")
     print("\nalternatives (the same option on every layer):")
     for alt in _alternatives(model, setup, plan):
         verdict = "fits" if alt.fits else "does not fit"
@@ -350,6 +361,12 @@ def _host(model: ModelShape, setup: TrainingSetup, args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     """Run ``neuron-ckpt plan``: exit status 0 when it fits, 1 when nothing fits. Bad input raises
     (``ValueError`` naming the field; the dispatcher prints one line and exits 2)."""
+    if transformers_cli.wanted(args):  # another family's config, or --model transformers
+        return transformers_cli.run(args)
+    transformers_cli.refuse_for_llama(args)
+    args.attention = args.attention or "flash"
+    if args.attention not in ATTENTION:
+        raise ValueError(f"--attention {args.attention} is transformers'; --model llama and gpt take {ATTENTION}")
     model, setup = build(args)
     pipeline = pipeline_cli.pipeline_from_args(args)
     notes = attention_notes(model, setup, args.device_memory) + context_parallel_notes(model, setup, args)

@@ -29,14 +29,18 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..recompute import RecomputeConfig
 from .budget import GIB, MemoryBudget, _Parts, memory_budget
 from .options import LayerOption, canonical_order, layer_options, stack_options, step_flops
+from .search import cheapest_per_layer
 from .shape import ModelShape, TrainingSetup
+
+if TYPE_CHECKING:
+    from .moe.model import Model
 
 # HBM per NeuronCore-v2: a Trainium1 chip has 32 GiB for its two cores (trn1.32xlarge: 16 chips,
 # 32 cores, 512 GiB).
@@ -199,7 +203,7 @@ def _used(budget: MemoryBudget, limit_on: str) -> int:
 
 
 def evaluate(
-    model: ModelShape,
+    model: Model,
     setup: TrainingSetup,
     layers: str | tuple[str, ...] | RecomputeConfig,
     limit_bytes: int,
@@ -211,7 +215,11 @@ def evaluate(
     if limit_on not in LIMITS_ON:
         raise ValueError(f"limit_on must be one of {LIMITS_ON}, got {limit_on!r}")
     options = dict(options if options is not None else layer_options(model, setup))
-    if isinstance(layers, RecomputeConfig):
+    if not isinstance(model, ModelShape):  # a transformers model: its options for these layers, by name
+        named = model.per_layer_options(setup, layers, options)
+        options |= {o.name: o for o in named}
+        layers = tuple(o.name for o in named)
+    elif isinstance(layers, RecomputeConfig):
         priced = stack_options(model, setup, layers)  # a group's first layer carries the group's FLOPs
         options = {priced[0].name: priced[0]}  # the plan's one option: its recompute is the config
     budget = memory_budget(model, setup, layers, options)
@@ -232,13 +240,15 @@ def _splits(total: int, parts: int) -> np.ndarray:
 
 
 def _best(
-    model: ModelShape,
+    model: Model,
     setup: TrainingSetup,
     limit_bytes: int,
     allowed: tuple[str, ...] | None,
     limit_on: str = "total",
 ) -> tuple[Plan | None, Plan]:
     """(cheapest fitting plan or None, least-memory plan); memory is what ``limit_on`` names."""
+    if not isinstance(model, ModelShape):
+        return _best_by_layer(model, setup, limit_bytes, allowed, limit_on)
     options = layer_options(model, setup)
     names = [n for n in options if allowed is None or n in allowed]
     if not names:
@@ -285,9 +295,39 @@ def _best(
     return plan, evaluate(model, setup, layers(least[2]), limit_bytes, options, limit_on)
 
 
-def valid_tp_degrees(model: ModelShape, setup: TrainingSetup) -> list[int]:
+def _best_by_layer(
+    model: Model, setup: TrainingSetup, limit: int, allowed: tuple[str, ...] | None, limit_on: str
+) -> tuple[Plan | None, Plan]:
+    """:func:`_best` for layers of several kinds (a transformers model): the cheapest option per
+    layer (:func:`~.search.cheapest_per_layer`), each run of alike layers then put in the order that
+    keeps the backward peak lowest (:func:`~.options.canonical_order`: no more memory, the same FLOPs)."""
+    assert not isinstance(model, ModelShape)
+    options = layer_options(model, setup)
+    per_layer = model.options_by_layer(options, allowed)
+    parts, m = _Parts.of(model, setup), setup.microbatches_in_flight
+
+    def used(kept: int, held: int) -> int:  # one stand-in layer keeping P and holding Q: the budget's sums
+        return parts.used([(LayerOption("", RecomputeConfig(), kept, held, 0.0, 0.0), 1)], m, limit_on)
+
+    def plan(names: tuple[str, ...]) -> Plan:
+        ordered: list[str] = []
+        start = 0
+        for i in range(1, len(names) + 1):
+            if i == len(names) or per_layer[i] is not per_layer[start]:
+                run = names[start:i]
+                ordered += canonical_order({n: run.count(n) for n in dict.fromkeys(run)}, options)
+                start = i
+        return evaluate(model, setup, tuple(ordered), limit, options, limit_on)
+
+    best, least = cheapest_per_layer(per_layer, used, limit, separable=m == 1)
+    return (plan(best) if best is not None else None), plan(least)
+
+
+def valid_tp_degrees(model: Model, setup: TrainingSetup) -> list[int]:
     """Tensor-parallel degrees that can shard ``model`` at ``setup``'s sequence length (under
     context parallelism sequence parallel splits each of the ``2c`` chunks over TP)."""
+    if not isinstance(model, ModelShape):
+        return model.valid_tp_degrees(setup)
     chunk = setup.seq_len // (2 * setup.cp) if setup.cp > 1 else setup.seq_len
     seq = chunk if setup.sequence_parallel else None
     return [t for t in range(1, model.heads + 1) if model.valid_tp(t, seq) is None]
@@ -305,7 +345,7 @@ def limit_bytes(device_memory: float | int | str | None, reserve_gib: float | No
 
 
 def plan_recompute(
-    model: ModelShape,
+    model: Model,
     setup: TrainingSetup,
     device_memory: float | int | str | None,
     reserve_gib: float | None = None,
@@ -330,7 +370,7 @@ def plan_recompute(
 
 
 def plan_activations(
-    model: ModelShape,
+    model: Model,
     setup: TrainingSetup,
     activation_bytes: int,
     allowed: tuple[str, ...] | None = None,
@@ -361,7 +401,8 @@ def plan_activations(
     )
 
 
-def _fits(model: ModelShape, setup: TrainingSetup, limit: int, allowed) -> bool:
+def fits(model: Model, setup: TrainingSetup, limit: int, allowed: tuple[str, ...] | None = None) -> bool:
+    """Whether some recompute choice keeps ``model`` run as ``setup`` within ``limit`` bytes."""
     return _best(model, setup, limit, allowed)[1].fits
 
 
@@ -369,7 +410,7 @@ MAX_CONTEXT_PARALLEL = 64
 """The largest context-parallel degree :class:`NothingFits` tries."""
 
 
-def valid_cp_degrees(model: ModelShape, setup: TrainingSetup, largest: int = MAX_CONTEXT_PARALLEL) -> list[int]:
+def valid_cp_degrees(model: Model, setup: TrainingSetup, largest: int = MAX_CONTEXT_PARALLEL) -> list[int]:
     """Context-parallel degrees up to ``largest`` that split ``setup``'s sequence (``s % 2c == 0``,
     ``s % 2ct == 0`` with sequence parallel); 1 always. The Llama layer only (GPT takes no CP)."""
     if model.kind != "llama":
@@ -378,17 +419,17 @@ def valid_cp_degrees(model: ModelShape, setup: TrainingSetup, largest: int = MAX
     return [1] + [c for c in range(2, largest + 1) if setup.seq_len % (step * c) == 0]
 
 
-def _nothing_fits(model: ModelShape, setup: TrainingSetup, limit: int, least: Plan, allowed) -> NothingFits:
+def _nothing_fits(model: Model, setup: TrainingSetup, limit: int, least: Plan, allowed) -> NothingFits:
     bigger = [t for t in valid_tp_degrees(model, setup) if t > setup.tp]
-    smallest_tp = next((t for t in bigger if _fits(model, replace(setup, tp=t), limit, allowed)), None)
+    smallest_tp = next((t for t in bigger if fits(model, replace(setup, tp=t), limit, allowed)), None)
     more_cp = [c for c in valid_cp_degrees(model, setup) if c > setup.cp]
-    smallest_cp = next((c for c in more_cp if _fits(model, setup.at_context_parallel(c), limit, allowed)), None)
+    smallest_cp = next((c for c in more_cp if fits(model, setup.at_context_parallel(c), limit, allowed)), None)
     largest_b = None
     if setup.micro_batch > 1:
         lo, hi = 0, setup.micro_batch - 1  # memory grows with b: bisect the largest that fits
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if _fits(model, replace(setup, micro_batch=mid), limit, allowed):
+            if fits(model, replace(setup, micro_batch=mid), limit, allowed):
                 lo = mid
             else:
                 hi = mid - 1
@@ -422,13 +463,15 @@ def _nothing_fits(model: ModelShape, setup: TrainingSetup, limit: int, least: Pl
         parts.append(f"would fit: micro-batch {largest_b} at tp={setup.tp} (the largest that fits)")
     elif setup.micro_batch > 1:
         parts.append(f"no smaller micro-batch fits at tp={setup.tp}")
+    if not isinstance(model, ModelShape):  # a transformers model's own: the smallest EP that fits
+        parts += model.nothing_fits_hints(setup, lambda other, s: fits(other, s, limit, allowed))
     if not setup.zero1 and setup.dp > 1:
         parts.append("ZeRO-1 (--zero1) would shard the optimizer state over dp")
     return NothingFits("; ".join(parts), least, smallest_tp, largest_b, smallest_cp)
 
 
 def longest_sequence(
-    model: ModelShape,
+    model: Model,
     setup: TrainingSetup,
     device_memory: float | int | str | None,
     reserve_gib: float | None = None,
@@ -443,13 +486,13 @@ def longest_sequence(
     c, t = setup.cp, setup.tp
     step = (2 * c if c > 1 else 1) * (t if setup.sequence_parallel else 1)
 
-    def fits(n: int) -> bool:
-        return _fits(model, replace(setup, seq_len=n * step), limit, allowed)
+    def fits_at(n: int) -> bool:
+        return fits(model, replace(setup, seq_len=n * step), limit, allowed)
 
     lo, hi = 0, longest // step
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if fits(mid):
+        if fits_at(mid):
             lo = mid
         else:
             hi = mid - 1
@@ -463,6 +506,7 @@ __all__ = [
     "Plan",
     "device_memory_bytes",
     "evaluate",
+    "fits",
     "limit_bytes",
     "longest_sequence",
     "plan_activations",

@@ -21,14 +21,22 @@ them into what a recompute choice keeps, :mod:`.layer` a whole layer and the rec
 (through :mod:`.from_config`; :mod:`.hf_config` writes one back), :mod:`.measure` the real
 transformers layers counted by ``SavedTensorRecorder`` (:mod:`.compare` every choice, on any
 number of ranks), :mod:`.report` the ``neuron-ckpt memory --config`` output.
+
+The whole job (``neuron-ckpt plan --config``, :mod:`.plan_cli`): :class:`~.model.TransformersModel`
+is what :func:`~neuron_ckpt.memory.plan_recompute` and :func:`~neuron_ckpt.memory.memory_budget`
+take for a transformers model, from :mod:`.params` (the parameters a rank holds), :mod:`.outside`
+(the embedding, rotary tables, final norm, head and loss) and :mod:`.choices` (each layer kind's
+recompute options); :mod:`.stages` plans pipeline stages.
 """
 
 from .config import PRESET_NAMES, load_moe_config, moe_shape_from_dict
 from .families import FAMILIES, FAMILY, Family
 from .layer import CHOICES, MODULES, LayerMemory, layer_memory, model_bytes, module_table
+from .model import Stage, TransformersModel
 from .shape import MLA, MoESetup, MoEShape
 
 __all__ = [
     "CHOICES", "FAMILIES", "FAMILY", "MLA", "MODULES", "PRESET_NAMES", "Family", "LayerMemory", "MoESetup", "MoEShape",
-    "layer_memory", "load_moe_config", "model_bytes", "module_table", "moe_shape_from_dict",
+    "Stage", "TransformersModel", "layer_memory", "load_moe_config", "model_bytes", "module_table",
+    "moe_shape_from_dict",
 ]  # fmt: skip

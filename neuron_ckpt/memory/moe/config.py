@@ -23,8 +23,8 @@ A ``quantization_config`` (DeepSeek-V3 ships fp8 weights) is dropped with a noti
 ``Model(config)`` builds the model in its dtype and so does this. A multimodal wrapper
 (``llama4``, ``aria``) is read through its ``text_config``, with a notice.
 
-Presets (:data:`PRESET_NAMES`): the JSON files in ``presets/``: ``mixtral-8x7b`` and
-``deepseek-v3``, their public config.json as transformers reads it (fp8 quantization stripped);
+Presets (:data:`PRESET_NAMES`): the JSON files in ``presets/``: ``mixtral-8x7b``, ``deepseek-v3``
+and ``qwen3-8b``, their public config.json as transformers reads it (fp8 quantization stripped);
 the Llama presets of :mod:`neuron_ckpt.models.config_file` are found too.
 """
 

@@ -60,7 +60,8 @@ def setup_from_args(args: argparse.Namespace, shape: MoEShape | None = None) -> 
     return MoESetup(args.seq, args.micro_batch, args.tp, args.dtype, attention, experts, sp, ep, rows, form, cf)
 
 
-def _describe(shape: MoEShape) -> str:
+def describe(shape: MoEShape) -> str:
+    """The sizes of ``shape`` in one line (``h=4096 L=32 (32 moe) a=32 g=8 d=128 E=8 k=2 F=14336``)."""
     attention = (
         f"MLA q_lora={shape.mla.q_lora_rank} kv_lora={shape.mla.kv_lora_rank} "
         f"qk={shape.mla.qk_nope_head_dim}+{shape.mla.qk_rope_head_dim} v={shape.mla.v_head_dim}"
@@ -110,7 +111,7 @@ def build_report(
                  "expert_weight_bytes": expert_weight_bytes(shape, setup) if shape.experts else None,
                  "layers": shape.layers, "dense_layers": dense,
                  "moe_layers": shape.layers - dense, "kinds": {k: shape.count(k) for k in shape.kinds},
-                 "description": _describe(shape)},
+                 "description": describe(shape)},
         "model": {k: v for k, v in asdict(shape).items() if k != "name"},
         "per_layer_bytes": {kind: {c: None if m is None else m.nbytes for c, m in row.items()}
                             for kind, row in table.items()},
@@ -264,4 +265,4 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["EXPERTS", "build_report", "check_options", "format_report", "measure", "run", "setup_from_args"]
+__all__ = ["EXPERTS", "build_report", "check_options", "describe", "format_report", "measure", "run", "setup_from_args"]
