@@ -200,9 +200,9 @@ def test_planner_is_optimal_against_brute_force(layers, kind):
 
 @pytest.mark.parametrize("limit_on", ["total", "activations"])
 def test_every_split_priced_at_once_is_the_budget_of_that_split(limit_on):
-    """The planner prices all splits in one numpy pass (``_Parts.used_by_counts``); each row is
+    """The planner prices all splits in one numpy pass (``BudgetParts.used_by_counts``); each row is
     ``memory_budget`` of that split laid out layer by layer, with micro-batches in flight (PP)."""
-    from neuron_ckpt.memory.budget import _Parts
+    from neuron_ckpt.memory.budget import BudgetParts
     from neuron_ckpt.memory.planner import _splits
 
     model = ModelShape("llama", 64, 4, 2, 176, 5, 128)
@@ -213,7 +213,7 @@ def test_every_split_priced_at_once_is_the_budget_of_that_split(limit_on):
         splits = _splits(model.layers, len(names))
         assert len(splits) == math.comb(model.layers + len(names) - 1, len(names) - 1)
         assert (splits.sum(axis=1) == model.layers).all() and len({tuple(r) for r in splits.tolist()}) == len(splits)
-        used = _Parts.of(model, setup).used_by_counts([options[n] for n in names], splits, m, limit_on)
+        used = BudgetParts.of(model, setup).used_by_counts([options[n] for n in names], splits, m, limit_on)
         for row, bytes_ in zip(splits.tolist(), used.tolist()):
             budget = memory_budget(model, setup, tuple(n for n, k in zip(names, row) for _ in range(k)), options)
             assert bytes_ == (budget.total_bytes if limit_on == "total" else budget.activation_bytes), row

@@ -33,9 +33,9 @@ transformers = pytest.importorskip("transformers")
 import neuron_ckpt as nc  # noqa: E402
 from neuron_ckpt.cli import main as cli_main  # noqa: E402
 from neuron_ckpt.memory import NothingFits, TrainingSetup, memory_budget, plan_activations, plan_recompute  # noqa: E402
-from neuron_ckpt.memory.budget import GIB, _Parts  # noqa: E402
+from neuron_ckpt.memory.budget import GIB, BudgetParts  # noqa: E402
 from neuron_ckpt.memory.measure import SavedTensorRecorder  # noqa: E402
-from neuron_ckpt.memory.moe import FAMILY, MoESetup, load_moe_config, moe_shape_from_dict  # noqa: E402
+from neuron_ckpt.memory.moe import FAMILY, MoESetup, layer_memory, load_moe_config, moe_shape_from_dict  # noqa: E402
 from neuron_ckpt.memory.moe.measure import build_model  # noqa: E402
 from neuron_ckpt.memory.moe.model import Stage, TransformersModel  # noqa: E402
 from neuron_ckpt.memory.moe.params import parameter_split  # noqa: E402
@@ -173,7 +173,7 @@ def _brute_force(model: TransformersModel, setup: TrainingSetup, limit_on: str =
     """Every per-layer assignment: (bytes used, recompute FLOPs)."""
     options = layer_options(model, setup)
     per_layer = model.options_by_layer(options)
-    parts, m = _Parts.of(model, setup), setup.microbatches_in_flight
+    parts, m = BudgetParts.of(model, setup), setup.microbatches_in_flight
     return [
         (parts.used([(options[n], 1) for n in names], m, limit_on), sum(options[n].recompute_flops for n in names))
         for names in itertools.product(*per_layer)
@@ -274,6 +274,27 @@ def test_cli_plans_an_moe_job_with_expert_parallelism(tmp_path, capsys):
     assert "ep=2 edp=2" in text and "experts /edp=2" in text and "plan: " in text
 
 
+@pytest.mark.parametrize("cf", [None, 1.0])
+def test_the_all_gather_form_is_planned_at_its_slots(tmp_path, capsys, cf):
+    """``--ep-dispatch all_gather``: every MoE layer keeps what the layer model prices for the
+    form (measured = analytic in tests/test_memory_expert_parallel.py), the dropped routes named."""
+    path = _write(tmp_path, "mixtral")
+    argv = ["--config", path, "--tp", "2", "--dp", "2", "--ep", "2", "--seq", "64", "--device-memory", "1"]
+    form = ["--ep-dispatch", "all_gather"] + (["--capacity-factor", str(cf)] if cf else [])
+    code, out = _json(capsys, [*argv, *form])
+    assert code == 0 and out["ep_dispatch"] == "all_gather" and out["capacity_factor"] == cf
+    ms = MoESetup(64, 1, 2, "bf16", "sdpa", "grouped_mm", True, 2, "balanced", "all_gather", cf)
+    per_layer = layer_memory(shape("mixtral"), ms).nbytes
+    act = [i for i in out["budget"]["items"] if i["name"].startswith("act: ") and "layers x" in i["name"]]
+    assert [i["bytes"] for i in act] == [2 * per_layer]
+    _, a2a = _json(capsys, [*argv])
+    a2a_act = [i["bytes"] for i in a2a["budget"]["items"] if "layers x" in i["name"]]
+    assert a2a_act != [2 * per_layer]  # the forms keep different bytes, so the test can tell them apart
+    assert _run([*argv, *form]) == 0
+    text = capsys.readouterr().out
+    assert "all-gather dispatch" in text and "routes dropped per MoE layer at worst" in text
+
+
 def _least(model: TransformersModel, setup: TrainingSetup) -> int:
     with pytest.raises(NothingFits) as info:
         plan_recompute(model, setup, 1 / GIB, reserve_gib=0)
@@ -332,6 +353,10 @@ def test_stages_hold_the_model_once_and_the_schedule_s_micro_batches(tmp_path, c
         ("gemma2", ["--attention", "sdpa"], "eager only"),
         ("qwen3", ["--experts", "eager"], "qwen3 has no experts"),
         ("mixtral", ["--ep-rows", "worst"], "give --ep above 1"),
+        ("mixtral", ["--ep-dispatch", "all_gather"], "--ep-dispatch: how tokens reach"),
+        ("mixtral", ["--ep", "2", "--capacity-factor", "2"], "give --ep-dispatch all_gather"),
+        ("mixtral", ["--ep", "2", "--ep-dispatch", "all_gather", "--ep-rows", "worst"], "applies to ep_dispatch"),
+        ("llama", ["--ep-dispatch", "all_gather"], "--ep-dispatch: for transformers MoE models"),
         ("llama", ["--ep", "2"], "--ep: for transformers MoE models"),
         ("llama", ["--attention", "sdpa"], "--attention sdpa is transformers'"),
     ],

@@ -289,7 +289,7 @@ def _layer_items(order: Sequence[LayerOption], m: int | Sequence[int]) -> list[L
 
 
 @dataclass(frozen=True)
-class _Parts:
+class BudgetParts:
     """What a budget holds whatever its layers run: the static items, the optimizer step's bytes,
     what is kept before and after the layers, and the transients that do not depend on them.
     :func:`memory_budget` lays them out as line items; the planner prices thousands of layer
@@ -303,13 +303,13 @@ class _Parts:
     scores: int  # the attention's transient (:func:`attention_transient_bytes`)
 
     @staticmethod
-    def of(model: Model, setup: TrainingSetup) -> _Parts:
+    def of(model: Model, setup: TrainingSetup) -> BudgetParts:
         if not isinstance(model, ModelShape):  # a transformers model: its own parts
             return model.parts(setup)
         static, step = _static_items(model, setup)
         before, after, loss_transient = _outside_items(model, setup)
         scores = attention_transient_bytes(model, setup)
-        parts = _Parts(tuple(static), step, tuple(before), tuple(after), loss_transient, scores)
+        parts = BudgetParts(tuple(static), step, tuple(before), tuple(after), loss_transient, scores)
         if setup.cp > 1:
             note = (
                 "context parallel: the gathered K and V (forward: twice while reordered; backward: regathered, "
@@ -391,7 +391,7 @@ def memory_budget(
     (:func:`~.options.layer_options`); configs are priced as given."""
     options = options if options is not None else layer_options(model, setup)
     order = per_layer_options(model, setup, layers, options)
-    parts = _Parts.of(model, setup)
+    parts = BudgetParts.of(model, setup)
     m = setup.microbatches_in_flight
     items = list(parts.static) + _layer_items(order, m)
     items += [LineItem(i.name, i.nbytes * m, i.category, i.note) for i in (*parts.before, *parts.after)]

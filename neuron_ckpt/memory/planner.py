@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..recompute import RecomputeConfig
-from .budget import GIB, MemoryBudget, _Parts, memory_budget
+from .budget import GIB, BudgetParts, MemoryBudget, memory_budget
 from .options import LayerOption, canonical_order, layer_options, stack_options, step_flops
 from .search import cheapest_per_layer
 from .shape import ModelShape, TrainingSetup
@@ -253,10 +253,10 @@ def _best(
     names = [n for n in options if allowed is None or n in allowed]
     if not names:
         raise ValueError(f"allowed: no known option among {allowed}; choose from {list(options)}")
-    parts, m = _Parts.of(model, setup), setup.microbatches_in_flight
+    parts, m = BudgetParts.of(model, setup), setup.microbatches_in_flight
     names = list(dict.fromkeys(canonical_order(dict.fromkeys(names, 1), options)))  # the layer order's
     # Every split at once (numpy: 59k splits of Llama-2 7B's 32 layers over 5 options, 1.9M of
-    # an 80-layer model's): bytes as _Parts.used prices them, FLOPs summed as Python would.
+    # an 80-layer model's): bytes as BudgetParts.used prices them, FLOPs summed as Python would.
     order = [options[n] for n in names]
     splits = _splits(model.layers, len(names))
     totals = parts.used_by_counts(order, splits, m, limit_on)
@@ -304,7 +304,7 @@ def _best_by_layer(
     assert not isinstance(model, ModelShape)
     options = layer_options(model, setup)
     per_layer = model.options_by_layer(options, allowed)
-    parts, m = _Parts.of(model, setup), setup.microbatches_in_flight
+    parts, m = BudgetParts.of(model, setup), setup.microbatches_in_flight
 
     def used(kept: int, held: int) -> int:  # one stand-in layer keeping P and holding Q: the budget's sums
         return parts.used([(LayerOption("", RecomputeConfig(), kept, held, 0.0, 0.0), 1)], m, limit_on)

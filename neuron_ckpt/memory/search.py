@@ -4,7 +4,7 @@ exact, by dynamic programming over the layers in order (:func:`cheapest_per_laye
 :func:`~.planner.plan_recompute` weighs counts of identical layers (this library's Llama and the
 paper's GPT); a transformers model may have layers of several kinds at fixed places (DeepSeek's
 dense first layers, Gemma2's alternating windows), each kind with its own options. What a budget
-needs of the layers (:meth:`~.budget._Parts.used`) is, with one micro-batch in flight, the largest
+needs of the layers (:meth:`~.budget.BudgetParts.used`) is, with one micro-batch in flight, the largest
 of ``f(P)``, ``g(Q)`` and a constant, both non-decreasing: ``P`` the bytes the layers keep, ``Q``
 the most held at a layer's backward (what the layers before it keep plus its own backward peak).
 So a plan fits a limit when ``P <= P_max`` and ``Q <= Q_max`` (both found by bisection on the

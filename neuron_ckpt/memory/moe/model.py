@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from ...recompute import RecomputeConfig
-from ..budget import LineItem, _Parts
+from ..budget import BudgetParts, LineItem
 from ..options import LayerOption
 from ..shape import ModelShape, TrainingSetup
 from .choices import kind_options, label, price
@@ -70,19 +70,22 @@ class TransformersModel:
     """A transformers model (``shape``) and how its layers run: ``attention`` and ``experts``,
     transformers' implementations (as :class:`~.shape.MoESetup` takes them), ``ep`` the
     expert-parallel degree (``expert_model_parallel_size``) and ``ep_rows`` the rows each rank's
-    experts receive at ``ep`` > 1 (``"balanced"``, ``"worst"`` or a count). ``stage``: the part a
-    pipeline rank holds (None: all of it)."""
+    experts receive at ``ep`` > 1 (``"balanced"``, ``"worst"`` or a count), under the dispatch form
+    ``ep_dispatch`` (``"all_to_all"``, or ``"all_gather"`` with its ``capacity_factor``, None for
+    dropless: XLA's static form). ``stage``: the part a pipeline rank holds (None: all of it)."""
 
     shape: MoEShape
     attention: str = "sdpa"
     experts: str = "grouped_mm"
     ep: int = 1
     ep_rows: str | int = "balanced"
+    ep_dispatch: str = "all_to_all"
+    capacity_factor: float | None = None
     stage: Stage | None = None
     kind: str = field(default=KIND, init=False)
 
     def __post_init__(self) -> None:
-        MoESetup(1, attention=self.attention, experts=self.experts, ep=self.ep, ep_rows=self.ep_rows)  # the checks
+        self.layer_setup(TrainingSetup(seq_len=1))  # MoESetup's checks
         if FAMILY[self.shape.family].eager_only and self.attention != "eager":
             raise ValueError(
                 f"attention: transformers runs {self.shape.family}'s attention eager only, got {self.attention!r}"
@@ -110,7 +113,8 @@ class TransformersModel:
     def layer_setup(self, setup: TrainingSetup) -> MoESetup:
         """How one rank runs a layer of this model in ``setup``."""
         return MoESetup(setup.seq_len, setup.micro_batch, setup.tp, setup.dtype, self.attention, self.experts,
-                        setup.sequence_parallel, self.ep, self.ep_rows)  # fmt: skip
+                        setup.sequence_parallel, self.ep, self.ep_rows, self.ep_dispatch,
+                        self.capacity_factor)  # fmt: skip
 
     def expert_data_parallel(self, setup: TrainingSetup) -> int:
         """The ranks ZeRO-1 shards the experts' state over: ``world / (EP x expert TP x PP)``,
@@ -190,8 +194,8 @@ class TransformersModel:
             step = shards * _FP32 + min(whole, int(setup.bucket_cap_mb * 2**20))
         return items, step
 
-    def parts(self, setup: TrainingSetup) -> _Parts:
-        """What the budget holds whatever the layers run (:class:`~neuron_ckpt.memory.budget._Parts`)."""
+    def parts(self, setup: TrainingSetup) -> BudgetParts:
+        """What the budget holds whatever the layers run (:class:`~neuron_ckpt.memory.budget.BudgetParts`)."""
         self.check(setup)
         s, ms = self.shape, self.layer_setup(setup)
         static, step = self.static_items(setup)
@@ -213,7 +217,7 @@ class TransformersModel:
             after = [LineItem("act: stage output", w * T * h, "activations", "the sent [b, s/t, h] until its gradient")]
         scores = self._scores_transient(ms)
         loss = loss_transient_bytes(s, ms) if head else 0
-        parts = _Parts(tuple(static), step, tuple(before), tuple(after), loss, scores)
+        parts = BudgetParts(tuple(static), step, tuple(before), tuple(after), loss, scores)
         return replace(parts, attention_note="unfused attention: two [b, a/t, s, s] score copies at once")
 
     def _scores_transient(self, ms: MoESetup) -> int:

@@ -36,15 +36,16 @@ from pathlib import Path
 from ..budget import GIB
 from ..planner import NothingFits, Plan, evaluate, longest_sequence, plan_recompute
 from ..shape import TrainingSetup
+from . import all_gather
 from .config import config_path, load_moe_config
 from .experts import expert_weight_bytes, received_rows
 from .families import FAMILY
 from .model import TransformersModel
 from .report import describe
-from .shape import EP_ROWS, EXPERTS
+from .shape import EP_DISPATCH, EP_ROWS, EXPERTS
 from .stages import StagePlan, plan_stages, smallest_pp
 
-FAMILY_ONLY = ("ep", "ep_rows", "experts")
+FAMILY_ONLY = ("ep", "ep_rows", "ep_dispatch", "capacity_factor", "experts")
 
 
 def _ep_rows(text: str) -> str | int:
@@ -67,6 +68,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=_ep_rows,
         default=None,
         help="with --ep: the rows each rank's experts receive: balanced (default), worst (dropless worst case) or N",
+    )
+    parser.add_argument(
+        "--ep-dispatch",
+        choices=EP_DISPATCH,
+        default=None,
+        help="with --ep: all_to_all (dropless, default; eager backends) or all_gather (XLA's static form)",
+    )
+    parser.add_argument(
+        "--capacity-factor",
+        type=float,
+        default=None,
+        help="with --ep-dispatch all_gather: each expert's slots, ceil(N k / E x cf) (default: dropless, N)",
     )
     parser.add_argument("--experts", choices=EXPERTS, default=None, help="transformers MoE: experts implementation")
 
@@ -130,7 +143,12 @@ def build(args: argparse.Namespace, notices: list[str]) -> tuple[TransformersMod
     ep, rows = args.ep or 1, args.ep_rows if args.ep_rows is not None else "balanced"
     if ep == 1 and args.ep_rows is not None:
         raise ValueError("--ep-rows: the rows an expert-parallel rank receives; give --ep above 1")
-    model = TransformersModel(shape, attention, args.experts or "grouped_mm", ep, rows)
+    if ep == 1 and args.ep_dispatch is not None:
+        raise ValueError("--ep-dispatch: how tokens reach an expert-parallel rank's experts; give --ep above 1")
+    dispatch = args.ep_dispatch or "all_to_all"
+    if args.capacity_factor is not None and dispatch != "all_gather":
+        raise ValueError("--capacity-factor: the all-gather form's slots per expert; give --ep-dispatch all_gather")
+    model = TransformersModel(shape, attention, args.experts or "grouped_mm", ep, rows, dispatch, args.capacity_factor)
     bucket = DEFAULT_BUCKET_CAP_MB if args.bucket_cap_mb is None else args.bucket_cap_mb
     setup = TrainingSetup(
         seq_len=args.seq, micro_batch=args.micro_batch, tp=args.tp, dp=args.dp, dtype=args.dtype,
@@ -159,12 +177,18 @@ def alternatives(model: TransformersModel, setup: TrainingSetup, plan: Plan) -> 
     return [evaluate(model, setup, n, plan.limit_bytes, plan.options) for n in common]
 
 
+def _capacity(model: TransformersModel) -> str:
+    cf = model.capacity_factor
+    return "dropless" if cf is None else f"capacity factor {cf}"
+
+
 def _header(model: TransformersModel, setup: TrainingSetup) -> str:
     s, ms = model.shape, model.layer_setup(setup)
     ep = ""
     if model.ep > 1:
+        how = model.ep_rows if model.ep_dispatch == "all_to_all" else f"all_gather, {_capacity(model)}"
         ep = (
-            f" ep={model.ep} edp={model.expert_data_parallel(setup)} ({model.ep_rows}: "
+            f" ep={model.ep} edp={model.expert_data_parallel(setup)} ({how}: "
             f"{received_rows(s, ms):,} rows per MoE layer)"
         )
     return (
@@ -187,6 +211,14 @@ def _notes(model: TransformersModel, setup: TrainingSetup) -> list[str]:
         weights = expert_weight_bytes(s, model.layer_setup(setup)) / 2**20
         where = f"E/{model.ep} whole experts" if model.ep > 1 else "every expert at 1/t of its width"
         notes.append(f"routed experts' weights per MoE layer per rank: {weights:,.1f} MiB ({where})")
+    if model.ep > 1 and model.ep_dispatch == "all_gather" and s.experts:
+        ms = model.layer_setup(setup)
+        rank, group = all_gather.dropped_worst(s, ms)
+        notes.append(
+            f"all-gather dispatch, {_capacity(model)}: {all_gather.capacity(s, ms):,} slots per expert; routes "
+            f"dropped per MoE layer at worst: {rank:,} on a rank, {group:,} in the EP group (none when balanced "
+            "at a factor of 1 or more)"
+        )
     return notes
 
 
@@ -229,6 +261,7 @@ def run(args: argparse.Namespace) -> int:
     notes = _notes(model, setup)
     head = {"family": model.shape.family, "name": model.name, "attention": model.attention,
             "experts": model.experts, "ep": model.ep, "ep_rows": model.ep_rows,
+            "ep_dispatch": model.ep_dispatch, "capacity_factor": model.capacity_factor,
             "edp": model.expert_data_parallel(setup), "notices": notices}  # fmt: skip
     try:
         plan = plan_recompute(model, setup, memory, reserve_gib=args.reserve)

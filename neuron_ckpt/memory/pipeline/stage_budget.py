@@ -39,7 +39,7 @@ from typing import Any
 
 from ...recompute import RecomputeConfig
 from ..analytic import rotary_terms, stack_peak
-from ..budget import LineItem, MemoryBudget, _layer_items, _outside_items, _Parts, _static_items, embedding_bytes
+from ..budget import BudgetParts, LineItem, MemoryBudget, _layer_items, _outside_items, _static_items, embedding_bytes
 from ..options import LayerOption, Layers, layer_options, per_layer_options, stack_options
 from ..shape import ModelShape, TrainingSetup
 from .cut import PipelineSetup
@@ -199,8 +199,8 @@ class RankModel:
         self.logits = setup.width * s * b * (model.vocab // t)
         if torch_buffers:
             loss_transient -= self.logits
-        scores = _Parts.of(model, setup).scores if has_layers else 0
-        self.parts = _Parts(tuple(self.static), step, (), (), loss_transient if holds_last else 0, scores)
+        scores = BudgetParts.of(model, setup).scores if has_layers else 0
+        self.parts = BudgetParts(tuple(self.static), step, (), (), loss_transient if holds_last else 0, scores)
 
     @property
     def layers(self) -> int:
