@@ -16,7 +16,9 @@ Forward + backward steps of the two take turns (the order alternates, so drift h
   forward: the offloaded storages are not among them); on an accelerator also each variant's
   peak allocated memory over a step;
 * **copies alone**: the time to copy that many bytes to host and back on their own (one buffer,
-  pinned on CUDA, synchronized): what offload would cost if nothing overlapped;
+  pinned on CUDA, synchronized, each direction timed apart): what offload would cost if nothing
+  overlapped, and the **host link** in GB/s each way, with the device's **matmul** TFLOP/s at the
+  layer's MLP shape: the figures ``neuron-ckpt plan --host-link D2H,H2D --device-tflops F`` takes;
 * **steps**: best and median step of each variant, and the **exposed** copy time: the offload
   step's time minus the plain step's (best of each, medians beside), as a share of the copies
   alone (``hidden``: 1 - exposed / copies alone, clipped to [0, 1]); ``settled``: copies to host the compute stream
@@ -76,19 +78,36 @@ def _sync(device: torch.device) -> None:
         torch.accelerator.synchronize(device)
 
 
-def copies_alone(nbytes: int, device: torch.device, repeats: int = 5) -> float:
-    """Best seconds to copy ``nbytes`` to host and back, alone (one buffer; pinned on CUDA)."""
+def host_link(nbytes: int, device: torch.device, repeats: int = 5) -> dict[str, float]:
+    """Best seconds to copy ``nbytes`` to host (``d2h``) and back (``h2d``), each direction on its
+    own (one buffer, pinned on CUDA), and what they come to in GB/s: ``neuron-ckpt plan
+    --host-link D2H,H2D``."""
     source = torch.empty(nbytes, dtype=torch.uint8, device=device)
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    best = {"d2h": float("inf"), "h2d": float("inf")}
+    for _ in range(repeats):
+        for direction, (dst, src) in {"d2h": (host, source), "h2d": (source, host)}.items():
+            _sync(device)
+            t0 = time.perf_counter()
+            dst.copy_(src, non_blocking=True)
+            _sync(device)
+            best[direction] = min(best[direction], time.perf_counter() - t0)
+    return {**{f"{k}_s": v for k, v in best.items()}, **{f"{k}_gbps": nbytes / v / 1e9 for k, v in best.items()}}
+
+
+def matmul_tflops(device: torch.device, dtype: torch.dtype, m: int, k: int, n: int, repeats: int = 5) -> float:
+    """Achieved TFLOP/s of one ``[m, k] @ [k, n]`` matmul, best of ``repeats``: ``neuron-ckpt plan
+    --device-tflops`` (the rate that prices a copy's exposed time against recompute)."""
+    a, b = torch.randn(m, k, device=device, dtype=dtype), torch.randn(k, n, device=device, dtype=dtype)
+    a @ b  # warm-up (kernel selection)
     best = float("inf")
     for _ in range(repeats):
         _sync(device)
         t0 = time.perf_counter()
-        host.copy_(source, non_blocking=True)
-        source.copy_(host, non_blocking=True)
+        a @ b
         _sync(device)
         best = min(best, time.perf_counter() - t0)
-    return best
+    return 2 * m * k * n / best / 1e12
 
 
 def measure(config, device: torch.device, dtype: torch.dtype, ids: torch.Tensor, module: str, recompute: str,
@@ -148,7 +167,9 @@ def measure(config, device: torch.device, dtype: torch.dtype, ids: torch.Tensor,
                     settled.append(stats.settled)
     best = {k: min(v) for k, v in times.items()}
     median = {k: statistics.median(v) for k, v in times.items()}
-    alone = copies_alone(per_step["bytes"], device) if per_step["bytes"] else 0.0
+    link = host_link(per_step["bytes"], device) if per_step["bytes"] else None
+    alone = link["d2h_s"] + link["h2d_s"] if link else 0.0
+    tflops = matmul_tflops(device, dtype, ids.numel(), config.hidden_size, config.intermediate_size)
     exposed, exposed_median = best["offload"] - best["plain"], median["offload"] - median["plain"]
     return {
         "device": str(device), "module": module, "recompute": recompute, "attention": attention,
@@ -156,7 +177,8 @@ def measure(config, device: torch.device, dtype: torch.dtype, ids: torch.Tensor,
         "reloads_per_step": per_step["reloads"], "prefetched_per_step": per_step["prefetched"],
         "settled_per_step": statistics.median(settled) if settled else None,
         "kept_bytes": kept, "peak_allocated_bytes": peak or None,
-        "copies_alone_s": alone, "step_best_s": best, "step_median_s": median,
+        "copies_alone_s": alone, "host_link": link, "matmul_tflops": tflops,
+        "step_best_s": best, "step_median_s": median,
         "exposed_s": exposed, "exposed_median_s": exposed_median,
         "hidden_fraction": min(1.0, max(0.0, 1 - exposed / alone)) if alone > 0 else None,
         "ratio": best["offload"] / best["plain"], "median_ratio": median["offload"] / median["plain"],
@@ -194,6 +216,13 @@ def render(r: dict) -> str:
         + (" (negative: below the run's noise)" if r["exposed_s"] < 0 else ""),
         f"  offload / plain {r['ratio']:.3f} (medians {r['median_ratio']:.3f})",
     ]
+    if r["host_link"]:
+        link = r["host_link"]
+        lines.append(
+            f"  host link {link['d2h_gbps']:.2f} GB/s to host, {link['h2d_gbps']:.2f} GB/s back; matmul "
+            f"{r['matmul_tflops']:.2f} TFLOP/s: neuron-ckpt plan --host-link {link['d2h_gbps']:.1f},"
+            f"{link['h2d_gbps']:.1f} --device-tflops {r['matmul_tflops']:.1f}"
+        )
     if r["device"] == "cpu":
         lines.append(
             "  CPU: the copies are host-to-host and run inline (no streams): nothing can overlap and no "

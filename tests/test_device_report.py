@@ -129,6 +129,9 @@ def test_every_speed_row_is_measured(tiny) -> None:
     assert r["details"]["compile_s"] > 0
     offload = r["details"]["offload"]  # bench_offload.measure: the MLP of every layer but the last
     assert offload["offloaded_bytes_per_step"] == offload["kept_bytes"]["plain"] - offload["kept_bytes"]["offload"] > 0
+    assert (
+        offload["host_link"]["d2h_gbps"] > 0 and offload["host_link"]["h2d_gbps"] > 0 and offload["matmul_tflops"] > 0
+    )
 
 
 def test_markdown_section_is_written_beside_the_json(tiny) -> None:

@@ -4,7 +4,8 @@ A cycle imports only while every import in it stays where it is (one inside a fu
 the names the other module needs); moving one breaks the package at import time, and the two
 modules cannot be read or tested apart. The graph is read from the source with ``ast``: an edge
 ``a -> b`` for every ``import`` / ``from ... import`` in ``a`` naming module ``b`` of the package
-(``from .p import x`` names ``p.x`` when that is a submodule, else ``p``). Two graphs:
+(``from .p import x`` names ``p.x`` when that is a submodule, else ``p``; those under ``if
+TYPE_CHECKING:`` are left out, as they never run). Two graphs:
 
 * module level (what runs when a module is imported): the whole package;
 * every import, function-level ones included (a function-level import is usually a cycle put
@@ -33,9 +34,18 @@ def _module_name(path: Path) -> str:
 MODULES = {_module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
 
 
+def _type_only(node: ast.AST) -> bool:
+    """``if TYPE_CHECKING:``: imports for annotations only, which never run (two modules whose
+    types name each other; each still imports, and is tested, without the other)."""
+    return isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
+
+
 def _imports(node: ast.AST, in_function: bool, function_level: bool):
-    """The import statements under ``node``, skipping function bodies unless ``function_level``."""
+    """The import statements under ``node``, skipping function bodies unless ``function_level``,
+    and type-only blocks (:func:`_type_only`) always."""
     for child in ast.iter_child_nodes(node):
+        if _type_only(child):
+            continue
         if isinstance(child, (ast.Import, ast.ImportFrom)):
             yield child
         inside = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
@@ -127,6 +137,8 @@ def test_the_graph_sees_the_package():
     assert "neuron_ckpt.distributed.parallel_state" in graph["neuron_ckpt.distributed.collectives"]
     assert "neuron_ckpt.parallel.layer_args" in graph["neuron_ckpt.parallel.qkv"]
     assert "neuron_ckpt.distributed.teardown" in graph["neuron_ckpt.distributed.local"]  # inside _worker
+    assert "neuron_ckpt.memory.budget" in graph["neuron_ckpt.memory.moe.model"]
+    assert "neuron_ckpt.memory.moe.model" not in graph["neuron_ckpt.memory.budget"]  # under TYPE_CHECKING
     assert "neuron_ckpt.distributed.teardown" not in import_graph(function_level=False)["neuron_ckpt.distributed.local"]
     assert describe(["a", "b", "a"], {"a": {"b": 3}, "b": {"a": 7}}) == "a (line 3) -> b (line 7) -> a"
     assert cycles({"a": {"b": 1}, "b": {"c": 1}, "c": {"a": 1, "d": 1}, "d": {}}) == [["a", "b", "c", "a"]]

@@ -444,4 +444,9 @@ def test_benchmark_figures_at_a_tiny_shape():
     assert r["offloaded_bytes_per_step"] == kept["plain"] - kept["offload"] > 0
     assert r["reloads_per_step"] == r["prefetched_per_step"] == r["copies_per_step"] > 0
     assert 0 <= r["hidden_fraction"] <= 1 and r["copies_alone_s"] > 0
-    assert "CPU: the copies are host-to-host" in render(r)
+    link = r["host_link"]  # each direction timed apart: what neuron-ckpt plan --host-link takes
+    assert r["copies_alone_s"] == link["d2h_s"] + link["h2d_s"]
+    assert link["d2h_gbps"] == pytest.approx(r["offloaded_bytes_per_step"] / link["d2h_s"] / 1e9)
+    assert r["matmul_tflops"] > 0
+    text = render(r)
+    assert "CPU: the copies are host-to-host" in text and f"--host-link {link['d2h_gbps']:.1f}," in text

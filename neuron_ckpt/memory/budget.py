@@ -288,6 +288,20 @@ def _layer_items(order: Sequence[LayerOption], m: int | Sequence[int]) -> list[L
     return items
 
 
+def _with_reloads(runs: Sequence[tuple[LayerOption, int]]) -> list[tuple[int, int, int]]:
+    """``(kept, backward peak, n)`` rows for :func:`~.analytic.stack_peak`, each layer's backward
+    holding also the reload of the nearest earlier layer that offloads (the engine prefetches it
+    there: :mod:`.offload`)."""
+    rows, carry = [], 0
+    for o, n in runs:
+        if n:
+            rows.append((o.saved_bytes, o.backward_peak_bytes + carry, 1))
+            carry = o.reload_bytes or carry
+            if n > 1:
+                rows.append((o.saved_bytes, o.backward_peak_bytes + carry, n - 1))
+    return rows
+
+
 @dataclass(frozen=True)
 class BudgetParts:
     """What a budget holds whatever its layers run: the static items, the optimizer step's bytes,
@@ -333,7 +347,7 @@ class BudgetParts:
         micro-batches in flight (the others' activations stay alive meanwhile)."""
         _, before, after = self.sums
         one = sum(o.saved_bytes * n for o, n in runs) + before + after
-        peak_one = stack_peak([(o.saved_bytes, o.backward_peak_bytes, n) for o, n in runs], before, after)
+        peak_one = stack_peak(_with_reloads(runs), before, after)
         return one * m, one * (m - 1) + peak_one
 
     attention_note: str = "attention: scores + fp32 copy + fp32 softmax, [b, a/t, s, s]"
@@ -353,6 +367,9 @@ class BudgetParts:
     def used(self, runs: Sequence[tuple[LayerOption, int]], m: int, limit_on: str) -> int:
         """``memory_budget(...).total_bytes`` (or ``.activation_bytes`` for ``limit_on="activations"``)
         of these layers (runs, as :meth:`activations` takes them), without laying out the items."""
+        if any(o.reload_bytes for o, _ in runs):
+            saved, peak = self.activations(runs, m)
+            return saved if limit_on == "activations" else self.sums[0] + saved + self.workspace(saved, peak)[0]
         counts = np.array([[n for _, n in runs]], dtype=np.int64)
         return int(self.used_by_counts([o for o, _ in runs], counts, m, limit_on)[0])
 
@@ -360,6 +377,9 @@ class BudgetParts:
         """:meth:`used` of many assignments at once: ``counts[i, j]`` layers run ``order[j]``, in
         that order (the planner's splits; int64 arithmetic; each row equals ``memory_budget``'s
         total laid out item by item, tests/test_planner.py)."""
+        if any(o.reload_bytes for o in order):  # offload: a layer's backward holds the next reload too
+            rows = [[(o, int(n)) for o, n in zip(order, row)] for row in counts]
+            return np.array([self.used(runs, m, limit_on) for runs in rows], dtype=np.int64)
         kept = np.array([o.saved_bytes for o in order], dtype=np.int64)
         backward = np.array([o.backward_peak_bytes for o in order], dtype=np.int64)
         static, before, after = self.sums

@@ -42,8 +42,10 @@ adds them up is priced, not measured.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
+from ..recompute import RecomputeConfig
 from ..recompute.offload.install import per_layer_names
 from .analytic import Recompute, layer_backward_peak, resolve, rotary_terms, stack_peak
 from .shape import ModelShape, TrainingSetup
@@ -146,17 +148,28 @@ def _check(model: ModelShape, names: set[str]) -> None:
         raise ValueError(f"offload_modules: {unpriced} not priced yet (mixture-of-experts); priced: {list(PRICED)}")
 
 
-def layer_offloads(model: ModelShape, setup: TrainingSetup, recompute: Recompute) -> list[LayerOffload]:
+def layer_offloads(
+    model: ModelShape, setup: TrainingSetup, recompute: Recompute | Sequence[RecomputeConfig | None]
+) -> list[LayerOffload]:
     """Each layer's device and host bytes under ``recompute`` (a ``RecomputeConfig`` with
-    ``offload_modules``; a preset or a config without them offloads nothing)."""
-    priced = resolve(model, setup, recompute)
-    wanted = per_layer_names(priced.config, model.layers)
+    ``offload_modules``, or one config per layer as ``apply_recompute`` takes them; a preset or a
+    config without them offloads nothing)."""
+    if isinstance(recompute, (str, RecomputeConfig)):
+        priced = resolve(model, setup, recompute)
+        wanted = per_layer_names(priced.config, model.layers)
+        specs = [priced.layer(i, model.layers) for i in range(model.layers)]
+    else:
+        entries = [c or RecomputeConfig() for c in recompute]
+        if len(entries) != model.layers:
+            raise ValueError(f"recompute: need one config per layer ({model.layers}), got {len(entries)}")
+        one = replace(model, layers=1)
+        wanted = per_layer_names(entries, model.layers)
+        specs = [resolve(one, setup, c).layer(0, 1) for c in entries]
     _check(model, {n for names in wanted for n in names})
     roles = term_roles(model, setup)
     rotary_done = False
     out = []
-    for i, names in enumerate(wanted):
-        spec = priced.layer(i, model.layers)
+    for i, (names, spec) in enumerate(zip(wanted, specs)):
         kept = layer_terms(model, setup, spec)[0]
         if "layer" in names:
             moved = list(kept)

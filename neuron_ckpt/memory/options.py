@@ -19,12 +19,18 @@ from typing import TYPE_CHECKING
 
 from ..recompute import PRESETS, RecomputeConfig
 from .analytic import Recompute, layer_activation_bytes, layer_backward_peak, resolve, supported_presets
+from .offload import LayerOffload, layer_offloads
 from .rerun import rerun_flops
 from .shape import ModelShape, TrainingSetup
-from .terms import LayerSpec, layer_terms
+from .terms import layer_terms
 
 if TYPE_CHECKING:
     from .moe.model import Model
+
+
+COPY_TIE_BREAK = 1e-6
+"""FLOPs charged per byte offloaded (1e-6: a 1 GiB copy weighs about a thousand FLOPs, nothing
+beside any recompute, which reruns at least one elementwise op over the layer's activations)."""
 
 
 @dataclass(frozen=True)
@@ -42,6 +48,14 @@ class LayerOption:
         micro-batch on one device, in matmuls (what ``FlopCounterMode`` counts) and elementwise
         (an estimate), as the backend reruns them (:mod:`.rerun`); the first layer of a
         full-recompute group carries the group's, the others none.
+
+    With ``offload_modules`` (:mod:`.offload`) ``saved_bytes`` is what stays on the device,
+    ``backward_peak_bytes`` counts the layer's reloaded terms, ``reload_bytes`` is what comes
+    back ahead of its backward (during the backward of the layer above: that layer's reload
+    buffer, :meth:`~.budget.BudgetParts.activations`), ``host_bytes`` / ``host_pinned_bytes`` what it
+    copies to host per micro-batch (as the caching host allocator reserves it), and
+    ``copy_flops`` the copy time not hidden under compute, in FLOPs at the device's rate
+    (:func:`~.offload_time.exposed_copy_flops`; 0 without a host link given).
     """
 
     name: str
@@ -50,40 +64,67 @@ class LayerOption:
     backward_peak_bytes: int
     recompute_matmul_flops: float
     recompute_elementwise_flops: float
+    reload_bytes: int = 0
+    host_bytes: int = 0
+    host_pinned_bytes: int = 0
+    copy_flops: float = 0.0
 
     @property
     def recompute_flops(self) -> float:
-        """Matmul plus elementwise: what the planner minimises."""
+        """Matmul plus elementwise FLOPs rerun."""
         return self.recompute_matmul_flops + self.recompute_elementwise_flops
 
+    @property
+    def cost(self) -> float:
+        """What the planner minimises: the FLOPs rerun plus the exposed copy time as FLOPs, and a
+        hair per byte copied (:data:`COPY_TIE_BREAK`), so that of two plans alike in time the one
+        moving less wins: a copy that hides is still host memory and link traffic."""
+        return self.recompute_flops + self.copy_flops + self.host_bytes * COPY_TIE_BREAK
 
-def layer_option(model: ModelShape, setup: TrainingSetup, recompute: Recompute, layer: int = 0) -> LayerOption:
-    """Layer ``layer`` of ``model`` under ``recompute``, priced."""
+
+def layer_option(
+    model: ModelShape, setup: TrainingSetup, recompute: Recompute, layer: int = 0, offload: LayerOffload | None = None
+) -> LayerOption:
+    """Layer ``layer`` of ``model`` under ``recompute``, priced; with ``offload`` (that layer's
+    :class:`~.offload.LayerOffload`; by default read from ``recompute``'s ``offload_modules``)
+    what it leaves on the device."""
     priced = resolve(model, setup, recompute)
     spec = priced.layer(layer, model.layers)
     kept, events = layer_terms(model, setup, spec)
     saved = sum(t.nbytes for t in kept)
     rerun = rerun_flops(model, setup, spec)
+    name = priced.layer_label(layer, model.layers)
+    if offload is None and priced.config.offload_modules:
+        offload = layer_offloads(model, setup, priced.config)[layer]
+    back = layer_backward_peak(saved, events)
+    if offload is None or not offload.host:
+        return LayerOption(name, priced.config, saved, back, rerun.matmul, rerun.elementwise)
+    # Reloaded, its terms are back (``back`` counts them); what it copied but also kept on the
+    # device (flash's output, the rotary tables) is there twice.
     return LayerOption(
-        priced.layer_label(layer, model.layers),
+        f"{name}+offload[{','.join(offload.names)}]",
         priced.config,
-        saved,
-        layer_backward_peak(saved, events),
+        offload.device,
+        back + offload.host - offload.offloaded,
         rerun.matmul,
         rerun.elementwise,
+        reload_bytes=offload.offloaded,
+        host_bytes=offload.host,
+        host_pinned_bytes=offload.pinned,
     )
 
 
 def stack_options(model: ModelShape, setup: TrainingSetup, recompute: Recompute) -> list[LayerOption]:
     """Every layer of ``model`` under one recompute choice, in layer order (each kind of layer
-    priced once: a layer's option depends on its :class:`~.analytic.LayerSpec` and label only)."""
+    priced once: a layer's option depends on its :class:`~.analytic.LayerSpec`, label and offload only)."""
     priced, n = resolve(model, setup, recompute), model.layers
-    kinds: dict[tuple[LayerSpec, str], LayerOption] = {}
+    offloads = layer_offloads(model, setup, priced.config) if priced.config.offload_modules else [None] * n
+    kinds: dict[tuple, LayerOption] = {}
     out = []
-    for i in range(n):
-        key = (priced.layer(i, n), priced.layer_label(i, n))
+    for i, x in enumerate(offloads):
+        key = (priced.layer(i, n), priced.layer_label(i, n), x and (x.names, x.host, x.offloaded, x.pinned))
         if key not in kinds:
-            kinds[key] = layer_option(model, setup, recompute, i)
+            kinds[key] = layer_option(model, setup, recompute, i, x)
         out.append(kinds[key])
     return out
 
@@ -125,10 +166,10 @@ def per_layer_options(
     if len(entries) != model.layers:
         raise ValueError(f"layers: need one option per layer ({model.layers}), got {len(entries)}")
     one = replace(model, layers=1)
-    out = []
+    resolved: list[RecomputeConfig] = []
     for i, entry in enumerate(entries):
         if isinstance(entry, str):
-            out.append(named(entry))
+            resolved.append(named(entry).recompute)
         elif entry is None or isinstance(entry, RecomputeConfig):
             config = entry or RecomputeConfig()
             if config.granularity == "full" and config.num_layers != 1:
@@ -136,10 +177,17 @@ def per_layer_options(
                     f"layers[{i}]: in a per-layer list a full-recompute entry covers its own layer "
                     f"only: use num_layers=1, got num_layers={config.num_layers}"
                 )
-            out.append(layer_option(one, setup, config))
+            resolved.append(config)
         else:
             raise ValueError(f"layers[{i}] must be a preset name, a RecomputeConfig or None, got {entry!r}")
-    return out
+    # The list's offloads at once (the first layer offloading ``layer`` copies the rotary tables too).
+    offloads: list[LayerOffload | None] = [None] * len(resolved)
+    if any(c.offload_modules for c in resolved):
+        offloads = list(layer_offloads(model, setup, resolved))
+    return [
+        named(entry) if isinstance(entry, str) and not (x and x.host) else layer_option(one, setup, config, 0, x)
+        for entry, config, x in zip(entries, resolved, offloads)
+    ]
 
 
 def offered_presets(model: ModelShape, setup: TrainingSetup) -> tuple[str, ...]:

@@ -48,16 +48,24 @@ from .budget import GIB, largest_collective_bytes, optimizer_step_bytes
 from .host import INSTANCES, host_budget
 from .moe import plan_cli as transformers_cli
 from .moe.shape import ATTENTION as TRANSFORMERS_ATTENTION
+from .offload import PRICED as OFFLOAD_PRICED
+from .offload_time import HostLink
 from .options import offered_presets, selective_saving_with_flash
 from .pipeline import plan_cli as pipeline_cli
-from .planner import DEVICE_PRESETS, NothingFits, Plan, device_memory_bytes, evaluate, longest_sequence, plan_recompute
+from .plan_shared import DEFAULT_BUCKET_CAP_MB, GPT_ONLY, device_gib, recompute_text
+from .planner import (
+    NothingFits,
+    Offload,
+    Plan,
+    evaluate,
+    longest_sequence,
+    plan_recompute,
+)
 from .shape import DEFAULT_VOCAB, DTYPE_BYTES, KINDS, ModelShape, TrainingSetup
 
 HELP = "plan recompute per layer so a training job fits a device's memory"
 
 DEFAULT_CONFIG = "llama2-7b"
-DEFAULT_BUCKET_CAP_MB = 128.0
-GPT_ONLY = ("hidden", "heads", "layers", "vocab")
 
 
 def _finite(low: float, low_ok: bool):
@@ -141,8 +149,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--instance",
         choices=sorted(INSTANCES),
-        default="trn1.32xlarge",
-        help="host whose memory the ranks share (default trn1.32xlarge: 512 GiB, 32 ranks)",
+        default=None,
+        help="host whose memory the ranks share (default trn1.32xlarge: 512 GiB, 32 ranks; with --host-link "
+        "p5.48xlarge: 2 TiB, 8 ranks)",
     )
     parser.add_argument(
         "--checkpoint-writers",
@@ -154,6 +163,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--longest-seq",
         action="store_true",
         help="also find the longest sequence that fits at these degrees (a bisection over the planner)",
+    )
+    parser.add_argument(
+        "--host-link",
+        type=_host_link,
+        default=None,
+        metavar="D2H[,H2D]",
+        help="weigh activation offload too: device-to-host (and host-to-device, default the same) GB/s per rank, "
+        "pinned (scripts/device_report.py measures it); needs --device-tflops (docs/offload.md)",
+    )
+    parser.add_argument(
+        "--device-tflops",
+        type=_finite(0.0, False),
+        default=None,
+        help="with --host-link: the device's achieved dense TFLOP/s (prices a copy's exposed time against recompute)",
+    )
+    parser.add_argument(
+        "--offload-modules",
+        type=_module_list,
+        default=None,
+        help="with --host-link: the names offload may use (comma list of layer, core_attn, mlp, mlp_act, norm; "
+        "default: each alone, norm+core_attn+mlp, and layer)",
     )
     parser.add_argument("--json", action="store_true", help="one JSON object instead of tables")
     pipeline_cli.add_arguments(parser)
@@ -182,28 +212,6 @@ def model_from_args(args: argparse.Namespace) -> ModelShape:
         raise ValueError(f"--model gpt needs {', '.join(missing)}")
     vocab = DEFAULT_VOCAB if args.vocab is None else args.vocab
     return ModelShape.gpt(args.hidden, args.heads, args.layers, vocab, name="gpt")
-
-
-def device_gib(args: argparse.Namespace) -> float:
-    """The device memory in GiB, checked: finite, and more than ``--reserve``."""
-    spec = args.device_memory
-    if isinstance(spec, str) and spec.lower() not in DEVICE_PRESETS:
-        try:
-            number = float(spec)
-        except ValueError:
-            number = None
-        if number is not None and not math.isfinite(number * GIB):  # inf, nan, or overflows in bytes
-            raise ValueError(
-                f"--device-memory must be a finite number of GiB (one that fits in bytes) or a preset "
-                f"({', '.join(DEVICE_PRESETS)}), got {spec!r}"
-            )
-    total = device_memory_bytes(spec) / GIB
-    if args.reserve is not None and args.reserve >= total:
-        raise ValueError(
-            f"--reserve {args.reserve:g} GiB leaves nothing of a {total:g} GiB device: "
-            f"give a reserve below {total:g} GiB (default: 10% of the device)"
-        )
-    return total
 
 
 def build(args: argparse.Namespace) -> tuple[ModelShape, TrainingSetup]:
@@ -243,24 +251,6 @@ def build(args: argparse.Namespace) -> tuple[ModelShape, TrainingSetup]:
 
 def _alternatives(model: ModelShape, setup: TrainingSetup, plan: Plan) -> list[Plan]:
     return [evaluate(model, setup, name, plan.limit_bytes, plan.options) for name in PRESETS if name in plan.options]
-
-
-def _config_text(config) -> str:
-    name = config.preset_name
-    return repr(config) if name is None else f'RecomputeConfig.preset("{name}")'
-
-
-def recompute_text(plan: Plan) -> str:
-    """The plan's recompute as ``apply_recompute`` takes it, runs of equal entries together."""
-    rc = plan.recompute
-    if not isinstance(rc, list):
-        return _config_text(rc)
-    runs, start = [], 0
-    for i in range(1, len(rc) + 1):  # compress runs of equal entries: "layers 0-13: ..."
-        if i == len(rc) or rc[i] != rc[start]:
-            runs.append(f"  layers {start}-{i - 1}: {_config_text(rc[start])}")
-            start = i
-    return "a per-layer list for apply_recompute(model, [...]):\n" + "\n".join(runs)
 
 
 def attention_notes(model: ModelShape, setup: TrainingSetup, device_memory: str | None) -> list[str]:
@@ -335,9 +325,15 @@ def _print_plan(model: ModelShape, setup: TrainingSetup, plan: Plan, notes: list
     print(plan.budget.table())
     for note in (*plan.budget.notes, *notes):
         print(f"note: {note}")
+    offload = (
+        f"; offload: copies exposed {plan.copy_overhead:.2%} of the step's time, "
+        f"{plan.host_pinned_bytes / GIB:.2f} GiB pinned host per rank"
+        if plan.host_pinned_bytes
+        else ""
+    )
     print(
         f"\nplan: {plan.describe()} ({plan.budget.total_gib:.2f} GiB, recompute {plan.overhead:.2%} of a step's FLOPs, "
-        f"{plan.matmul_overhead:.2%} in matmuls)"
+        f"{plan.matmul_overhead:.2%} in matmuls{offload})"
     )
     print(f"recompute: {recompute_text(plan)}")
     print("\nalternatives (the same option on every layer):")
@@ -346,16 +342,62 @@ def _print_plan(model: ModelShape, setup: TrainingSetup, plan: Plan, notes: list
         print(f"  {alt.describe():<26}{alt.budget.total_gib:>8.2f} GiB  {verdict:<13} recompute {alt.overhead:.2%}")
 
 
-def _print_step_and_host(model: ModelShape, setup: TrainingSetup, args: argparse.Namespace) -> None:
+def _print_step_and_host(model: ModelShape, setup: TrainingSetup, args: argparse.Namespace, plan: Plan) -> None:
     print(
         f"\noptimizer step: largest collective {largest_collective_bytes(model, setup) / 2**20:,.0f} MiB, "
         f"transient {optimizer_step_bytes(model, setup) / GIB:.2f} GiB per device"
     )
-    print(_host(model, setup, args).table())
+    print(_host(model, setup, args, plan).table())
 
 
-def _host(model: ModelShape, setup: TrainingSetup, args: argparse.Namespace):
-    return host_budget(model, setup, args.instance, writers=args.checkpoint_writers)
+def _host(model: ModelShape, setup: TrainingSetup, args: argparse.Namespace, plan: Plan | None = None):
+    pinned = plan.host_pinned_bytes if plan is not None else 0
+    instance = args.instance or ("p5.48xlarge" if args.host_link else "trn1.32xlarge")
+    return host_budget(model, setup, instance, writers=args.checkpoint_writers, offload_pinned_bytes=pinned)
+
+
+def _host_link(text: str) -> tuple[float, float]:
+    try:
+        values = [float(v) for v in text.split(",")]
+    except ValueError:
+        values = []
+    if len(values) not in (1, 2) or not all(math.isfinite(v) and v > 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected D2H[,H2D], GB/s > 0 each, got {text!r}")
+    return values[0], values[-1]
+
+
+def _module_list(text: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    if not names or set(names) - set(OFFLOAD_PRICED):
+        raise argparse.ArgumentTypeError(f"expected a comma list of {list(OFFLOAD_PRICED)}, got {text!r}")
+    return names
+
+
+def offload_from_args(args: argparse.Namespace, model: ModelShape, setup: TrainingSetup) -> Offload | None:
+    """The offload the planner may weigh (``--host-link``, ``--device-tflops``, ``--offload-modules``),
+    or None; one line for what cannot be planned with it."""
+    link, tflops, names = args.host_link, args.device_tflops, args.offload_modules
+    if link is None:
+        given = [f for f, v in (("--device-tflops", tflops), ("--offload-modules", names)) if v is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)}: prices activation offload; give --host-link D2H[,H2D] too")
+        return None
+    if tflops is None:
+        raise ValueError(
+            "--host-link: give --device-tflops too (the achieved rate that prices a copy against recompute)"
+        )
+    why = None
+    if args.device_memory == "trn1" or (args.instance or "").startswith("trn1"):
+        why = "trn1 trains through XLA, which has no streams to copy beside the compute (docs/offload.md)"
+    elif model.kind != "llama":
+        why = f"offload is priced for --model llama, got {model.kind}"
+    elif setup.cp > 1:
+        why = "offload is planned at --cp 1 only"
+    elif getattr(args, "pp", None) not in (None, 1):
+        why = "offload is planned without --pp (the pipeline planner prices recompute only)"
+    if why is not None:
+        raise ValueError(f"--host-link: {why}")
+    return Offload(HostLink(link[0], link[1], tflops), names)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -370,13 +412,14 @@ def run(args: argparse.Namespace) -> int:
     model, setup = build(args)
     pipeline = pipeline_cli.pipeline_from_args(args)
     notes = attention_notes(model, setup, args.device_memory) + context_parallel_notes(model, setup, args)
+    offload = offload_from_args(args, model, setup)
     if pipeline is not None:
         return pipeline_cli.run(args, model, setup, pipeline, device_gib(args), notes)
     longest = None
     if args.longest_seq:
         longest = longest_sequence(model, setup, device_gib(args), reserve_gib=args.reserve)
     try:
-        plan = plan_recompute(model, setup, device_gib(args), reserve_gib=args.reserve)
+        plan = plan_recompute(model, setup, device_gib(args), reserve_gib=args.reserve, offload=offload)
     except NothingFits as exc:
         if args.json:
             out = {
@@ -411,13 +454,13 @@ def run(args: argparse.Namespace) -> int:
             "largest_collective_bytes": largest_collective_bytes(model, setup),
             "transient_bytes": optimizer_step_bytes(model, setup),
         }
-        out["host"] = _host(model, setup, args).to_dict()
+        out["host"] = _host(model, setup, args, plan).to_dict()
         print(json.dumps(out, indent=2))
     else:
         _print_plan(model, setup, plan, notes)
         if args.longest_seq:
             print(_longest_text(setup, longest))
-        _print_step_and_host(model, setup, args)
+        _print_step_and_host(model, setup, args, plan)
     return 0
 
 

@@ -35,7 +35,8 @@ import numpy as np
 
 from ..recompute import RecomputeConfig
 from .budget import GIB, BudgetParts, MemoryBudget, memory_budget
-from .options import LayerOption, canonical_order, layer_options, stack_options, step_flops
+from .offload_time import HostLink, offload_options
+from .options import LayerOption, canonical_order, layer_options, per_layer_options, stack_options, step_flops
 from .search import cheapest_per_layer
 from .shape import ModelShape, TrainingSetup
 
@@ -100,6 +101,8 @@ class Plan:
     recompute_matmul_flops: float
     step_flops: float
     limit_on: str = "total"
+    copy_flops: float = 0.0  # exposed offload copies as FLOPs (:mod:`.offload_time`); 0 without offload
+    host_pinned_bytes: int = 0  # pinned host blocks the offload holds per rank (all micro-batches in flight)
 
     @property
     def layers(self) -> tuple[str, ...]:
@@ -123,6 +126,11 @@ class Plan:
     def overhead(self) -> float:
         """Recompute FLOPs (matmul plus elementwise) as a fraction of the step's model FLOPs."""
         return self.recompute_flops / self.step_flops
+
+    @property
+    def copy_overhead(self) -> float:
+        """Exposed offload copy time as a fraction of the step's model FLOPs' time."""
+        return self.copy_flops / self.step_flops
 
     @property
     def matmul_overhead(self) -> float:
@@ -160,6 +168,10 @@ class Plan:
             "step_flops": self.step_flops,
             "overhead": self.overhead,
             "matmul_overhead": self.matmul_overhead,
+            "copy_flops": self.copy_flops,
+            "copy_overhead": self.copy_overhead,
+            "offloaded_bytes_per_layer": [self.options[n].reload_bytes for n in self.layers],
+            "host_pinned_bytes": self.host_pinned_bytes,
             "budget": self.budget.to_dict(),
         }
 
@@ -170,6 +182,7 @@ def _config_dict(config: RecomputeConfig) -> dict[str, Any]:
         "method": config.method,
         "num_layers": config.num_layers,
         "modules": list(config.modules) if config.granularity == "selective" else None,
+        "offload_modules": list(config.offload_modules),
     }
 
 
@@ -224,10 +237,14 @@ def evaluate(
         options = {priced[0].name: priced[0]}  # the plan's one option: its recompute is the config
     budget = memory_budget(model, setup, layers, options)
     if not isinstance(layers, RecomputeConfig):
-        priced = [options[name] for name in budget.layers]
+        priced = per_layer_options(model, setup, layers, options)  # offload: the list exactly (rotary tables once)
+        options |= {o.name: o for o in priced if o.name not in options}
     matmul = sum(o.recompute_matmul_flops for o in priced)
     total = sum(o.recompute_flops for o in priced)
-    return Plan(budget, options, limit_bytes, total, matmul, step_flops(model, setup), limit_on)
+    copies = sum(o.copy_flops for o in priced)
+    m = setup.microbatches_in_flight
+    pinned = m * sum(o.host_pinned_bytes for o in priced)
+    return Plan(budget, options, limit_bytes, total, matmul, step_flops(model, setup), limit_on, copies, pinned)
 
 
 def _splits(total: int, parts: int) -> np.ndarray:
@@ -245,10 +262,13 @@ def _best(
     limit_bytes: int,
     allowed: tuple[str, ...] | None,
     limit_on: str = "total",
+    offload: Offload | None = None,
 ) -> tuple[Plan | None, Plan]:
     """(cheapest fitting plan or None, least-memory plan); memory is what ``limit_on`` names."""
     if not isinstance(model, ModelShape):
         return _best_by_layer(model, setup, limit_bytes, allowed, limit_on)
+    if offload is not None:
+        return _best_offloading(model, setup, limit_bytes, allowed, limit_on, offload)
     options = layer_options(model, setup)
     names = [n for n in options if allowed is None or n in allowed]
     if not names:
@@ -293,6 +313,50 @@ def _best(
 
     plan = evaluate(model, setup, layers(best[2]), limit_bytes, options, limit_on) if best else None
     return plan, evaluate(model, setup, layers(least[2]), limit_bytes, options, limit_on)
+
+
+@dataclass(frozen=True)
+class Offload:
+    """Offload offered to the planner: the host link and device rate that price its time, and the
+    module names it may offload (None: each of :data:`~.offload_time.OFFERED`)."""
+
+    link: HostLink
+    modules: tuple[str, ...] | None = None
+
+
+def _best_offloading(
+    model: ModelShape, setup: TrainingSetup, limit: int, allowed: tuple[str, ...] | None, limit_on: str,
+    offload: Offload,
+) -> tuple[Plan | None, Plan]:  # fmt: skip
+    """:func:`_best` weighing keep, recompute and offload per layer (every layer but the last may
+    offload): the exact search over per-layer choices (:func:`~.search.cheapest_per_layer`), the
+    cost being recompute FLOPs plus exposed copies (:attr:`~.options.LayerOption.cost`)."""
+    if setup.cp > 1:
+        raise ValueError("offload: planned without context parallelism only (cp=1)")
+    base = {n: o for n, o in layer_options(model, setup).items() if allowed is None or n in allowed}
+    if not base:
+        raise ValueError(f"allowed: no known option among {allowed}; choose from {list(layer_options(model, setup))}")
+    more = offload_options(model, setup, offload.link, base, offload.modules)
+    more = {n: o for n, o in more.items() if allowed is None or n.partition("+")[0] in allowed}
+    parts, m = BudgetParts.of(model, setup), setup.microbatches_in_flight
+
+    def used(kept: int, held: int) -> int:
+        return parts.used([(LayerOption("", RecomputeConfig(), kept, held, 0.0, 0.0), 1)], m, limit_on)
+
+    per_layer = [{**base, **more}] * (model.layers - 1) + [base]
+    best, least = cheapest_per_layer(per_layer, used, limit, separable=m == 1)
+    options = {**base, **more}
+
+    def plan(names: tuple[str, ...]) -> Plan:
+        """The search's assignment, or the same layers in the canonical order (runs of alike
+        layers, the last left alone) where that holds no more: the same cost, easier to read."""
+        exact = evaluate(model, setup, names, limit, options, limit_on)
+        head = names[:-1]
+        ordered = canonical_order({n: head.count(n) for n in dict.fromkeys(head)}, options) + names[-1:]
+        tidy = evaluate(model, setup, ordered, limit, options, limit_on)
+        return tidy if tidy.used_bytes <= exact.used_bytes else exact
+
+    return (plan(best) if best is not None else None), plan(least)
 
 
 def _best_by_layer(
@@ -350,6 +414,7 @@ def plan_recompute(
     device_memory: float | int | str | None,
     reserve_gib: float | None = None,
     allowed: tuple[str, ...] | None = None,
+    offload: Offload | None = None,
 ) -> Plan:
     """The per-layer recompute with the fewest recompute FLOPs whose peak fits ``device_memory``
     (GiB, a preset such as ``"trn1"``, or None to detect) less ``reserve_gib``.
@@ -360,13 +425,15 @@ def plan_recompute(
     would not run. Pass 0 to plan to the byte.
 
     ``allowed``: restrict the options (names from :data:`~neuron_ckpt.recompute.PRESETS`).
+    ``offload``: weigh offloading too (:class:`Offload`: keep, recompute or offload per layer at
+    the least recompute FLOPs plus exposed copy time, :mod:`.offload_time`).
     Raises :class:`NothingFits` (a ValueError) naming what would fit.
     """
     limit = limit_bytes(device_memory, reserve_gib)
-    plan, least = _best(model, setup, limit, allowed)
+    plan, least = _best(model, setup, limit, allowed, offload=offload)
     if plan is not None:
         return plan
-    raise _nothing_fits(model, setup, limit, least, allowed)
+    raise _nothing_fits(model, setup, limit, least, allowed, offload)
 
 
 def plan_activations(
@@ -401,9 +468,15 @@ def plan_activations(
     )
 
 
-def fits(model: Model, setup: TrainingSetup, limit: int, allowed: tuple[str, ...] | None = None) -> bool:
-    """Whether some recompute choice keeps ``model`` run as ``setup`` within ``limit`` bytes."""
-    return _best(model, setup, limit, allowed)[1].fits
+def fits(
+    model: Model,
+    setup: TrainingSetup,
+    limit: int,
+    allowed: tuple[str, ...] | None = None,
+    offload: Offload | None = None,
+) -> bool:
+    """Whether some recompute (and ``offload``) choice keeps ``model`` run as ``setup`` within ``limit`` bytes."""
+    return _best(model, setup, limit, allowed, offload=offload)[1].fits
 
 
 MAX_CONTEXT_PARALLEL = 64
@@ -419,9 +492,11 @@ def valid_cp_degrees(model: Model, setup: TrainingSetup, largest: int = MAX_CONT
     return [1] + [c for c in range(2, largest + 1) if setup.seq_len % (step * c) == 0]
 
 
-def _nothing_fits(model: Model, setup: TrainingSetup, limit: int, least: Plan, allowed) -> NothingFits:
+def _nothing_fits(
+    model: Model, setup: TrainingSetup, limit: int, least: Plan, allowed, offload: Offload | None = None
+) -> NothingFits:
     bigger = [t for t in valid_tp_degrees(model, setup) if t > setup.tp]
-    smallest_tp = next((t for t in bigger if fits(model, replace(setup, tp=t), limit, allowed)), None)
+    smallest_tp = next((t for t in bigger if fits(model, replace(setup, tp=t), limit, allowed, offload)), None)
     more_cp = [c for c in valid_cp_degrees(model, setup) if c > setup.cp]
     smallest_cp = next((c for c in more_cp if fits(model, setup.at_context_parallel(c), limit, allowed)), None)
     largest_b = None
@@ -429,7 +504,7 @@ def _nothing_fits(model: Model, setup: TrainingSetup, limit: int, least: Plan, a
         lo, hi = 0, setup.micro_batch - 1  # memory grows with b: bisect the largest that fits
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if fits(model, replace(setup, micro_batch=mid), limit, allowed):
+            if fits(model, replace(setup, micro_batch=mid), limit, allowed, offload):
                 lo = mid
             else:
                 hi = mid - 1
@@ -506,6 +581,7 @@ __all__ = [
     "Plan",
     "device_memory_bytes",
     "evaluate",
+    "Offload",
     "fits",
     "limit_bytes",
     "longest_sequence",

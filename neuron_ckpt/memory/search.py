@@ -32,17 +32,33 @@ from .options import LayerOption
 class _State:
     kept: int  # P: bytes kept by the layers so far
     held: int  # Q: the most held at one of their backwards, what the layers before it keep included
-    flops: float
+    flops: float  # the cost so far (LayerOption.cost: FLOPs rerun, and exposed copies as FLOPs)
     name: str
     parent: _State | None
+    carry: int = 0  # the reload of the nearest offloading layer so far, held at the next layer's backward
 
 
 def _grow(front: list[_State], options: dict[str, LayerOption]) -> list[_State]:
     return [
-        _State(s.kept + o.saved_bytes, max(s.held, s.kept + o.backward_peak_bytes), s.flops + o.recompute_flops, n, s)
+        _State(
+            s.kept + o.saved_bytes,
+            max(s.held, s.kept + o.backward_peak_bytes + s.carry),
+            s.flops + o.cost,
+            n,
+            s,
+            o.reload_bytes or s.carry,
+        )
         for s in front
         for n, o in options.items()
     ]
+
+
+def _by_carry(states: list[_State], front: Callable[[list[_State]], list[_State]]) -> list[_State]:
+    """``front`` of the states with each carry apart (a larger carry costs the layers after it)."""
+    groups: dict[int, list[_State]] = {}
+    for s in states:
+        groups.setdefault(s.carry, []).append(s)
+    return [s for group in groups.values() for s in front(group)]
 
 
 def _front(states: list[_State], first: str, second: str) -> list[_State]:
@@ -96,7 +112,7 @@ def _largest(fits: Callable[[int], bool], hi: int) -> int:
 def _hull(options: dict[str, LayerOption]) -> list[tuple[str, int, float]]:
     """The lower convex hull of a layer's ``(kept, FLOPs)`` points, from the one that reruns least
     (keeps most) to the one that keeps least: ``(name, kept, FLOPs)``."""
-    points = sorted((-o.saved_bytes, o.recompute_flops, n) for n, o in options.items())  # kept descending
+    points = sorted((-o.saved_bytes, o.cost, n) for n, o in options.items())  # kept descending
     hull: list[tuple[int, float, str]] = []
     for p in points:
         if hull and p[0] == hull[-1][0]:  # keeps as much as the last and reruns no less
@@ -167,9 +183,10 @@ class _Bound:
 def cheapest_per_layer(
     layers: Sequence[dict[str, LayerOption]], used: Callable[[int, int], int], limit: int, separable: bool = True
 ) -> tuple[tuple[str, ...] | None, tuple[str, ...]]:
-    """``(cheapest, least)``: the option names, one per layer, with the fewest recompute FLOPs
-    whose bytes ``used(P, Q)`` are at most ``limit`` (ties: fewer bytes; None when none fits),
-    and the one with the fewest bytes (ties: fewer FLOPs). ``layers``: each layer's options, in
+    """``(cheapest, least)``: the option names, one per layer, with the least cost (recompute
+    FLOPs, and exposed copies as FLOPs: ``LayerOption.cost``) whose bytes ``used(P, Q)`` are at
+    most ``limit`` (ties: fewer bytes; None when none fits), and the one with the fewest bytes
+    (ties: the least cost). ``layers``: each layer's options, in
     layer order. ``used``: the budget's bytes for the two sums (module docstring), non-decreasing
     in both; ``separable``: of the form ``max(f(P), g(Q), c)``, as with one micro-batch in flight.
     With several (a pipeline stage: the others' kept bytes add to the peak) the front is kept on
@@ -179,22 +196,24 @@ def cheapest_per_layer(
     root = _State(0, 0, 0.0, "", None)
     front = [root]
     for options in layers:  # the least bytes: what no other beats on (P, Q) can lead there
-        front = _front(_grow(front, options), "kept", "held")
+        front = _by_carry(_grow(front, options), lambda g: _front(g, "kept", "held"))
     least = min(front, key=lambda s: (used(s.kept, s.held), s.flops))
     if used(least.kept, least.held) > limit:
         return None, _names(least)
-    most = max(max(o.backward_peak_bytes for o in options.values()) for options in layers) * len(layers)
+    most = len(layers) * max(o.backward_peak_bytes + o.reload_bytes for options in layers for o in options.values())
     kept_max = _largest(lambda p: used(p, p) <= limit, most)  # f(P) <= limit (and g(P), as P <= Q)
     held_max = _largest(lambda q: used(0, q) <= limit, most) if separable else most  # g(Q) <= limit
     bound = _Bound(layers)
     known = float("inf")  # FLOPs of a plan known to fit: the relaxation's, rounded
     rounded = bound.rounded(kept_max)
     if rounded is not None:
-        kept = held = 0
+        kept = held = carry = 0
         for options, name in zip(layers, rounded):
-            held, kept = max(held, kept + options[name].backward_peak_bytes), kept + options[name].saved_bytes
+            o = options[name]
+            held, kept = max(held, kept + o.backward_peak_bytes + carry), kept + o.saved_bytes
+            carry = o.reload_bytes or carry
         if used(kept, held) <= limit:
-            known = sum(options[n].recompute_flops for options, n in zip(layers, rounded))
+            known = sum(options[n].cost for options, n in zip(layers, rounded))
     front = [root]
     for r, options in enumerate(layers, start=1):  # what can still fit and still beat the known plan
         grown = [
@@ -205,7 +224,7 @@ def cheapest_per_layer(
             and s.flops + bound.least_flops(r, kept_max - s.kept) <= known * (1 + 1e-12)
             and (separable or used(s.kept, s.held) <= limit)
         ]
-        front = _front(grown, "kept", "flops") if separable else _front3(grown)
+        front = _by_carry(grown, (lambda g: _front(g, "kept", "flops")) if separable else _front3)
     fitting = [(s.flops, used(s.kept, s.held), s) for s in front]
     if not fitting:  # the bound is exact: the least fits, so something does
         raise AssertionError("cheapest_per_layer: no plan found, yet the least fits")

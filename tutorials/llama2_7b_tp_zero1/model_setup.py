@@ -63,17 +63,15 @@ def predicted_peak(
     cfg: TrainConfig, config, parallel, seq_len: int, dtype: torch.dtype, attention: str, recompute, plan
 ) -> int | None:
     """The planner's peak bytes per rank for this job (logged next to the device's measured peak),
-    or None where the recompute is not one the planner models (e.g. full recompute in groups)."""
+    or None where the recompute is not one the analytic model prices (docs/memory.md); offload
+    (``--offload-modules``) priced as on the device: what leaves it, with the reloads in backward."""
     from neuron_ckpt.memory import memory_budget
 
     if plan is not None:
         return plan.budget.total_bytes
-    layers = "none" if recompute is None else recompute.preset_name
-    if layers is None:
-        return None
     try:
         return memory_budget(
-            ModelShape.from_llama(config), _setup(cfg, parallel, seq_len, dtype, attention), layers
+            ModelShape.from_llama(config), _setup(cfg, parallel, seq_len, dtype, attention), recompute or "none"
         ).total_bytes
     except ValueError:
         return None

@@ -34,6 +34,7 @@ import sys
 from pathlib import Path
 
 from ..budget import GIB
+from ..plan_shared import DEFAULT_BUCKET_CAP_MB, GPT_ONLY, device_gib, recompute_text
 from ..planner import NothingFits, Plan, evaluate, longest_sequence, plan_recompute
 from ..shape import TrainingSetup
 from . import all_gather
@@ -116,11 +117,15 @@ def refuse_for_llama(args: argparse.Namespace) -> None:
 
 def build(args: argparse.Namespace, notices: list[str]) -> tuple[TransformersModel, TrainingSetup]:
     """The model and job the arguments describe; one ``ValueError`` naming every problem."""
-    from ..plan_cli import DEFAULT_BUCKET_CAP_MB, GPT_ONLY  # lazily: that module dispatches here
 
     given = [f"--{n}" for n in GPT_ONLY if getattr(args, n, None) is not None]
     if given:
         raise ValueError(f"{', '.join(given)}: for --model gpt; a transformers model's shape comes from --config")
+    offload = [
+        f"--{n.replace('_', '-')}" for n in ("host_link", "device_tflops", "offload_modules") if getattr(args, n, None)
+    ]
+    if offload:
+        raise ValueError(f"{', '.join(offload)}: activation offload is planned for --model llama only")
     if args.config is None:
         raise ValueError("--model transformers needs --config (a config.json, a directory holding one, or a preset)")
     if args.pipeline_buffers is not None:
@@ -223,7 +228,6 @@ def _notes(model: TransformersModel, setup: TrainingSetup) -> list[str]:
 
 
 def _print(model: TransformersModel, setup: TrainingSetup, plan: Plan, notes: list[str]) -> None:
-    from ..plan_cli import recompute_text
 
     print(_header(model, setup))
     print(f"memory to plan for: {plan.limit_bytes / GIB:.2f} GiB (device memory less the reserve)\n")
@@ -247,7 +251,6 @@ def _print(model: TransformersModel, setup: TrainingSetup, plan: Plan, notes: li
 def run(args: argparse.Namespace) -> int:
     """``neuron-ckpt plan`` for a transformers model: 0 when it fits, 1 when nothing does."""
     from ..pipeline.plan_cli import pipeline_from_args
-    from ..plan_cli import device_gib
 
     notices: list[str] = []
     model, setup = build(args, notices)
@@ -312,7 +315,6 @@ def _longest_text(model: TransformersModel, setup: TrainingSetup, longest: int |
 
 def _run_pipeline(args, model: TransformersModel, setup: TrainingSetup, pipeline, memory: float, notices) -> int:
     """``--pp`` above 1: every rank's stage planned on its own (:mod:`.stages`)."""
-    from ..plan_cli import recompute_text
 
     if args.longest_seq:
         raise ValueError("--longest-seq: not with --pp above 1 for a transformers model")
