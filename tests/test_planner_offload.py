@@ -13,10 +13,13 @@
   link fast enough to hide every copy, offload replaces recompute; at a slow one, recompute stays.
 * ``neuron-ckpt plan --host-link D2H[,H2D] --device-tflops F [--offload-modules ...]``: the plan,
   its exposed copies and pinned host bytes (the host budget's offload moment), refusals in one line.
+* ``--recompute-modules``: the planner offers that selective set (any, priced as the memory model
+  prices it) instead of the presets' selective ones, beside none and full.
 """
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
 from dataclasses import replace
@@ -24,13 +27,14 @@ from dataclasses import replace
 import pytest
 
 from neuron_ckpt.cli import main as cli_main
-from neuron_ckpt.memory import ModelShape, TrainingSetup, memory_budget
+from neuron_ckpt.memory import ModelShape, TrainingSetup, layer_activation_bytes, memory_budget
 from neuron_ckpt.memory.analytic import rotary_terms
 from neuron_ckpt.memory.budget import BudgetParts, LineItem
 from neuron_ckpt.memory.offload import layer_offloads, offload_price
 from neuron_ckpt.memory.offload_time import HostLink, offload_options
 from neuron_ckpt.memory.options import layer_options, per_layer_options, stack_options
-from neuron_ckpt.memory.planner import NothingFits, Offload, evaluate, plan_recompute
+from neuron_ckpt.memory.plan_cli import model_from_args
+from neuron_ckpt.memory.planner import Choices, NothingFits, evaluate, plan_recompute
 from neuron_ckpt.recompute import RecomputeConfig
 
 MODEL = ModelShape("llama", 64, 4, 2, 96, 4, vocab=128)
@@ -104,9 +108,9 @@ def _brute_force(model, setup, options, base, limit):
 @pytest.mark.parametrize("gbps", [0.002, 0.02, 2.0])
 def test_the_plan_is_the_cheapest_assignment_that_fits(gbps):
     model, setup = replace(MODEL, layers=3), SETUP
-    offload = Offload(HostLink(gbps, gbps, 0.1), ("core_attn", "mlp", "layer"))
+    offload = Choices(link=HostLink(gbps, gbps, 0.1), offload_modules=("core_attn", "mlp", "layer"))
     base = layer_options(model, setup)
-    options = {**base, **offload_options(model, setup, offload.link, base, offload.modules)}
+    options = {**base, **offload_options(model, setup, offload.link, base, offload.offload_modules)}
     assert len(options) > len(base) and (any(o.copy_flops for o in options.values()) or gbps > 1)
     none = evaluate(model, setup, ("none",) * 3, 0, base).budget.total_bytes
     floor = evaluate(model, setup, ("full",) * 3, 0, base).budget.total_bytes
@@ -114,7 +118,7 @@ def test_the_plan_is_the_cheapest_assignment_that_fits(gbps):
     for limit in sorted({none, floor, (none + floor) // 2, (3 * none + floor) // 4, floor - 1}):
         expected = _brute_force(model, setup, options, base, limit)
         try:
-            plan = plan_recompute(model, setup, limit / 2**30, reserve_gib=0, offload=offload)
+            plan = plan_recompute(model, setup, limit / 2**30, reserve_gib=0, choices=offload)
         except NothingFits:
             assert expected is None
             continue
@@ -128,16 +132,16 @@ def test_the_plan_is_the_cheapest_assignment_that_fits(gbps):
 
 def test_offload_wins_only_where_it_is_cheaper_than_recompute():
     base = plan_recompute(MODEL, SETUP, 1, reserve_gib=0)  # everything fits: nothing to save
-    fast = plan_recompute(MODEL, SETUP, 1, reserve_gib=0, offload=Offload(HostLink(100, 100, 0.1)))
+    fast = plan_recompute(MODEL, SETUP, 1, reserve_gib=0, choices=Choices(link=HostLink(100, 100, 0.1)))
     assert fast.layers == base.layers == ("none",) * MODEL.layers and fast.host_pinned_bytes == 0
     none = evaluate(MODEL, SETUP, "none", 0).budget.total_bytes
     limit = (none - (none - evaluate(MODEL, SETUP, "full", 0).budget.total_bytes) // 3) / 2**30
     tight = plan_recompute(MODEL, SETUP, limit, reserve_gib=0)
     assert tight.recompute_flops > 0
-    hidden = plan_recompute(MODEL, SETUP, limit, reserve_gib=0, offload=Offload(HostLink(1e3, 1e3, 1e-3)))
+    hidden = plan_recompute(MODEL, SETUP, limit, reserve_gib=0, choices=Choices(link=HostLink(1e3, 1e3, 1e-3)))
     assert hidden.recompute_flops + hidden.copy_flops < tight.recompute_flops and hidden.copy_flops == 0
     assert hidden.host_pinned_bytes > 0 and "offload" not in hidden.layers[-1]
-    slow = plan_recompute(MODEL, SETUP, limit, reserve_gib=0, offload=Offload(HostLink(1e-6, 1e-6, 1e3)))
+    slow = plan_recompute(MODEL, SETUP, limit, reserve_gib=0, choices=Choices(link=HostLink(1e-6, 1e-6, 1e3)))
     assert slow.host_pinned_bytes == 0  # copies too slow to hide: recompute stays
     assert slow.recompute_flops == pytest.approx(tight.recompute_flops, rel=1e-12)
 
@@ -183,3 +187,25 @@ def test_plan_command_offloads_and_holds_the_pinned_blocks_on_the_host(capsys):
 def test_plan_command_refuses_what_offload_cannot_plan_in_one_line(capsys, args, needle):
     code, _, err = _plan(capsys, "--config", "llama2-7b", "--tp", "8", "--seq", "4096", "--device-memory", "80", *args)
     assert code == 2 and err.count("\n") == 1 and needle in err, err
+
+
+def test_plan_offers_the_selective_set_given_instead_of_the_presets(capsys):
+    job = ["--config", "llama2-7b", "--tp", "1", "--dp", "8", "--seq", "4096", "--device-memory", "80"]
+    explicit = ["--attention", "explicit", "--json"]
+    code, out, _ = _plan(capsys, *job, *explicit, "--recompute-modules", "core_attn,mlp")
+    plan, name = json.loads(out), "selective[core_attn,mlp]"
+    assert code == 0 and name in plan["counts"] and set(plan["counts"]) <= {"none", name, "full"}
+    n = plan["counts"][name]
+    kept = {i["name"]: i["bytes"] for i in plan["budget"]["items"]}[f"act: {n} layers x {name}"]
+    model = model_from_args(
+        argparse.Namespace(model="llama", config="llama2-7b", hidden=None, heads=None, layers=None, vocab=None)
+    )
+    setup = TrainingSetup(4096, 1, tp=1, dp=8, attention="explicit", sequence_parallel=True)
+    chosen = RecomputeConfig(granularity="selective", modules=["core_attn", "mlp"])
+    assert kept == n * layer_activation_bytes(model, setup, chosen)  # the memory model's own entry point
+    code, out, _ = _plan(capsys, *job, *explicit)
+    assert name not in json.loads(out)["counts"]  # not a preset's set: offered only when asked
+    code, _, err = _plan(capsys, *job, "--recompute-modules", "core_attn,foo")
+    assert code == 2 and err.count("\n") == 1 and "unknown module 'foo'" in err
+    code, _, err = _plan(capsys, *job, "--model", "transformers", "--recompute-modules", "mlp")
+    assert code == 2 and "planned for --model llama only" in err

@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 
 from ..recompute import RecomputeConfig
 from .offload import PRICED, layer_offloads
-from .options import LayerOption, layer_option, offered_configs
+from .options import LayerOption, layer_option
 from .shape import ModelShape, TrainingSetup
 
 
@@ -92,7 +92,7 @@ def offload_options(
         raise ValueError(f"offload_modules: {unknown} not priced; choose from {list(PRICED)}")
     forward = layer_option(model, setup, "full").recompute_flops  # the layer's forward, as full reruns it
     out: dict[str, LayerOption] = {}
-    for config in offered_configs(model, setup):
+    for config in dict.fromkeys(o.recompute for o in base.values()):
         for wanted in OFFERED:
             if names is not None and not set(wanted) <= set(names):
                 continue

@@ -220,15 +220,22 @@ def offered_configs(model: ModelShape, setup: TrainingSetup) -> list[RecomputeCo
     return configs
 
 
-def layer_options(model: Model, setup: TrainingSetup) -> dict[str, LayerOption]:
+def layer_options(
+    model: Model, setup: TrainingSetup, recompute_modules: Sequence[str] | None = None
+) -> dict[str, LayerOption]:
     """The recompute options for one layer of ``model`` run as ``setup`` says (those
-    :func:`offered_configs` lists), by name: the preset's, or the label of another choice. A
-    transformers model: every kind's (:meth:`~.moe.model.TransformersModel.layer_options`)."""
+    :func:`offered_configs` lists; with ``recompute_modules``: none, selective recompute of those
+    modules, and full), by name: the preset's, or the label of another choice. A transformers
+    model: every kind's (:meth:`~.moe.model.TransformersModel.layer_options`)."""
     if not isinstance(model, ModelShape):
         return model.layer_options(setup)
     if (why := model.valid_tp(setup.tp, setup.local_seq_len if setup.sequence_parallel else None)) is not None:
         raise ValueError(why)
-    options = (layer_option(model, setup, config) for config in offered_configs(model, setup))
+    configs = offered_configs(model, setup)
+    if recompute_modules is not None:
+        chosen = RecomputeConfig(granularity="selective", modules=tuple(recompute_modules))
+        configs = [RecomputeConfig.preset("none"), chosen, RecomputeConfig.preset("full")]
+    options = (layer_option(model, setup, config) for config in configs)
     return {option.name: option for option in options}
 
 

@@ -43,7 +43,7 @@ import sys
 from dataclasses import replace
 
 from ..parallel.attention import ATTENTION
-from ..recompute import PRESETS
+from ..recompute import PRESETS, RecomputeConfig
 from .budget import GIB, largest_collective_bytes, optimizer_step_bytes
 from .host import INSTANCES, host_budget
 from .moe import plan_cli as transformers_cli
@@ -54,8 +54,8 @@ from .options import offered_presets, selective_saving_with_flash
 from .pipeline import plan_cli as pipeline_cli
 from .plan_shared import DEFAULT_BUCKET_CAP_MB, GPT_ONLY, device_gib, recompute_text
 from .planner import (
+    Choices,
     NothingFits,
-    Offload,
     Plan,
     evaluate,
     longest_sequence,
@@ -163,6 +163,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--longest-seq",
         action="store_true",
         help="also find the longest sequence that fits at these degrees (a bisection over the planner)",
+    )
+    parser.add_argument(
+        "--recompute-modules",
+        type=lambda text: tuple(n.strip() for n in text.split(",") if n.strip()),
+        default=None,
+        help="the selective recompute the planner offers (comma list of modules, any set RecomputeConfig takes), "
+        "instead of the presets' selective ones, beside none and full",
     )
     parser.add_argument(
         "--host-link",
@@ -373,15 +380,20 @@ def _module_list(text: str) -> tuple[str, ...]:
     return names
 
 
-def offload_from_args(args: argparse.Namespace, model: ModelShape, setup: TrainingSetup) -> Offload | None:
-    """The offload the planner may weigh (``--host-link``, ``--device-tflops``, ``--offload-modules``),
-    or None; one line for what cannot be planned with it."""
+def choices_from_args(args: argparse.Namespace, model: ModelShape, setup: TrainingSetup) -> Choices | None:
+    """What else the planner may choose (``--recompute-modules``; offload: ``--host-link``,
+    ``--device-tflops``, ``--offload-modules``), or None; one line for what cannot be planned."""
+    modules = args.recompute_modules
+    if modules is not None:
+        if getattr(args, "pp", None) not in (None, 1):
+            raise ValueError("--recompute-modules: the pipeline planner offers its own choices; drop --pp or it")
+        RecomputeConfig(granularity="selective", modules=modules)  # the names checked here, in one line
     link, tflops, names = args.host_link, args.device_tflops, args.offload_modules
     if link is None:
         given = [f for f, v in (("--device-tflops", tflops), ("--offload-modules", names)) if v is not None]
         if given:
             raise ValueError(f"{', '.join(given)}: prices activation offload; give --host-link D2H[,H2D] too")
-        return None
+        return None if modules is None else Choices(recompute_modules=modules)
     if tflops is None:
         raise ValueError(
             "--host-link: give --device-tflops too (the achieved rate that prices a copy against recompute)"
@@ -397,7 +409,7 @@ def offload_from_args(args: argparse.Namespace, model: ModelShape, setup: Traini
         why = "offload is planned without --pp (the pipeline planner prices recompute only)"
     if why is not None:
         raise ValueError(f"--host-link: {why}")
-    return Offload(HostLink(link[0], link[1], tflops), names)
+    return Choices(modules, HostLink(link[0], link[1], tflops), names)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -412,14 +424,14 @@ def run(args: argparse.Namespace) -> int:
     model, setup = build(args)
     pipeline = pipeline_cli.pipeline_from_args(args)
     notes = attention_notes(model, setup, args.device_memory) + context_parallel_notes(model, setup, args)
-    offload = offload_from_args(args, model, setup)
+    choices = choices_from_args(args, model, setup)
     if pipeline is not None:
         return pipeline_cli.run(args, model, setup, pipeline, device_gib(args), notes)
     longest = None
     if args.longest_seq:
-        longest = longest_sequence(model, setup, device_gib(args), reserve_gib=args.reserve)
+        longest = longest_sequence(model, setup, device_gib(args), reserve_gib=args.reserve, choices=choices)
     try:
-        plan = plan_recompute(model, setup, device_gib(args), reserve_gib=args.reserve, offload=offload)
+        plan = plan_recompute(model, setup, device_gib(args), reserve_gib=args.reserve, choices=choices)
     except NothingFits as exc:
         if args.json:
             out = {

@@ -262,14 +262,16 @@ def _best(
     limit_bytes: int,
     allowed: tuple[str, ...] | None,
     limit_on: str = "total",
-    offload: Offload | None = None,
+    choices: Choices | None = None,
 ) -> tuple[Plan | None, Plan]:
     """(cheapest fitting plan or None, least-memory plan); memory is what ``limit_on`` names."""
     if not isinstance(model, ModelShape):
+        if choices is not None:
+            raise ValueError("choices: recompute_modules and offload are planned for this library's llama only")
         return _best_by_layer(model, setup, limit_bytes, allowed, limit_on)
-    if offload is not None:
-        return _best_offloading(model, setup, limit_bytes, allowed, limit_on, offload)
-    options = layer_options(model, setup)
+    if choices is not None and choices.link is not None:
+        return _best_offloading(model, setup, limit_bytes, allowed, limit_on, choices)
+    options = layer_options(model, setup, choices.recompute_modules if choices else None)
     names = [n for n in options if allowed is None or n in allowed]
     if not names:
         raise ValueError(f"allowed: no known option among {allowed}; choose from {list(options)}")
@@ -316,27 +318,40 @@ def _best(
 
 
 @dataclass(frozen=True)
-class Offload:
-    """Offload offered to the planner: the host link and device rate that price its time, and the
-    module names it may offload (None: each of :data:`~.offload_time.OFFERED`)."""
+class Choices:
+    """What the planner may choose for a layer beyond its defaults (:func:`~.options.layer_options`).
 
-    link: HostLink
-    modules: tuple[str, ...] | None = None
+    recompute_modules: the selective recompute it offers instead of the presets' (any set
+        ``RecomputeConfig(granularity="selective", modules=...)`` takes), beside none and full.
+    link: offload offered too, its copies priced by this host link and device rate
+        (:mod:`.offload_time`); offload_modules: the names it may offload (None: each of
+        :data:`~.offload_time.OFFERED`).
+    """
+
+    recompute_modules: tuple[str, ...] | None = None
+    link: HostLink | None = None
+    offload_modules: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.offload_modules is not None and self.link is None:
+            raise ValueError("offload_modules: offload is priced by a host link; give link=HostLink(...) too")
 
 
 def _best_offloading(
     model: ModelShape, setup: TrainingSetup, limit: int, allowed: tuple[str, ...] | None, limit_on: str,
-    offload: Offload,
+    choices: Choices,
 ) -> tuple[Plan | None, Plan]:  # fmt: skip
     """:func:`_best` weighing keep, recompute and offload per layer (every layer but the last may
     offload): the exact search over per-layer choices (:func:`~.search.cheapest_per_layer`), the
     cost being recompute FLOPs plus exposed copies (:attr:`~.options.LayerOption.cost`)."""
     if setup.cp > 1:
         raise ValueError("offload: planned without context parallelism only (cp=1)")
-    base = {n: o for n, o in layer_options(model, setup).items() if allowed is None or n in allowed}
+    every = layer_options(model, setup, choices.recompute_modules)
+    base = {n: o for n, o in every.items() if allowed is None or n in allowed}
     if not base:
-        raise ValueError(f"allowed: no known option among {allowed}; choose from {list(layer_options(model, setup))}")
-    more = offload_options(model, setup, offload.link, base, offload.modules)
+        raise ValueError(f"allowed: no known option among {allowed}; choose from {list(every)}")
+    assert choices.link is not None
+    more = offload_options(model, setup, choices.link, base, choices.offload_modules)
     more = {n: o for n, o in more.items() if allowed is None or n.partition("+")[0] in allowed}
     parts, m = BudgetParts.of(model, setup), setup.microbatches_in_flight
 
@@ -414,7 +429,7 @@ def plan_recompute(
     device_memory: float | int | str | None,
     reserve_gib: float | None = None,
     allowed: tuple[str, ...] | None = None,
-    offload: Offload | None = None,
+    choices: Choices | None = None,
 ) -> Plan:
     """The per-layer recompute with the fewest recompute FLOPs whose peak fits ``device_memory``
     (GiB, a preset such as ``"trn1"``, or None to detect) less ``reserve_gib``.
@@ -425,15 +440,16 @@ def plan_recompute(
     would not run. Pass 0 to plan to the byte.
 
     ``allowed``: restrict the options (names from :data:`~neuron_ckpt.recompute.PRESETS`).
-    ``offload``: weigh offloading too (:class:`Offload`: keep, recompute or offload per layer at
-    the least recompute FLOPs plus exposed copy time, :mod:`.offload_time`).
+    ``choices``: what else it may choose (:class:`Choices`: the selective recompute to offer, and
+    offload, keep, recompute or offload per layer at the least recompute FLOPs plus exposed copy
+    time, :mod:`.offload_time`).
     Raises :class:`NothingFits` (a ValueError) naming what would fit.
     """
     limit = limit_bytes(device_memory, reserve_gib)
-    plan, least = _best(model, setup, limit, allowed, offload=offload)
+    plan, least = _best(model, setup, limit, allowed, choices=choices)
     if plan is not None:
         return plan
-    raise _nothing_fits(model, setup, limit, least, allowed, offload)
+    raise _nothing_fits(model, setup, limit, least, allowed, choices)
 
 
 def plan_activations(
@@ -473,10 +489,11 @@ def fits(
     setup: TrainingSetup,
     limit: int,
     allowed: tuple[str, ...] | None = None,
-    offload: Offload | None = None,
+    choices: Choices | None = None,
 ) -> bool:
-    """Whether some recompute (and ``offload``) choice keeps ``model`` run as ``setup`` within ``limit`` bytes."""
-    return _best(model, setup, limit, allowed, offload=offload)[1].fits
+    """Whether some recompute choice (of ``choices``, offload included) keeps ``model`` run as
+    ``setup`` within ``limit`` bytes."""
+    return _best(model, setup, limit, allowed, choices=choices)[1].fits
 
 
 MAX_CONTEXT_PARALLEL = 64
@@ -493,10 +510,10 @@ def valid_cp_degrees(model: Model, setup: TrainingSetup, largest: int = MAX_CONT
 
 
 def _nothing_fits(
-    model: Model, setup: TrainingSetup, limit: int, least: Plan, allowed, offload: Offload | None = None
+    model: Model, setup: TrainingSetup, limit: int, least: Plan, allowed, choices: Choices | None = None
 ) -> NothingFits:
     bigger = [t for t in valid_tp_degrees(model, setup) if t > setup.tp]
-    smallest_tp = next((t for t in bigger if fits(model, replace(setup, tp=t), limit, allowed, offload)), None)
+    smallest_tp = next((t for t in bigger if fits(model, replace(setup, tp=t), limit, allowed, choices)), None)
     more_cp = [c for c in valid_cp_degrees(model, setup) if c > setup.cp]
     smallest_cp = next((c for c in more_cp if fits(model, setup.at_context_parallel(c), limit, allowed)), None)
     largest_b = None
@@ -504,7 +521,7 @@ def _nothing_fits(
         lo, hi = 0, setup.micro_batch - 1  # memory grows with b: bisect the largest that fits
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if fits(model, replace(setup, micro_batch=mid), limit, allowed, offload):
+            if fits(model, replace(setup, micro_batch=mid), limit, allowed, choices):
                 lo = mid
             else:
                 hi = mid - 1
@@ -552,6 +569,7 @@ def longest_sequence(
     reserve_gib: float | None = None,
     allowed: tuple[str, ...] | None = None,
     longest: int = 1 << 22,
+    choices: Choices | None = None,
 ) -> int | None:
     """The longest sequence (up to ``longest``) at which ``setup``'s job fits, with the recompute
     :func:`plan_recompute` would choose there; a multiple of what the sequence must split into
@@ -562,7 +580,7 @@ def longest_sequence(
     step = (2 * c if c > 1 else 1) * (t if setup.sequence_parallel else 1)
 
     def fits_at(n: int) -> bool:
-        return fits(model, replace(setup, seq_len=n * step), limit, allowed)
+        return fits(model, replace(setup, seq_len=n * step), limit, allowed, choices)
 
     lo, hi = 0, longest // step
     while lo < hi:
@@ -581,7 +599,7 @@ __all__ = [
     "Plan",
     "device_memory_bytes",
     "evaluate",
-    "Offload",
+    "Choices",
     "fits",
     "limit_bytes",
     "longest_sequence",

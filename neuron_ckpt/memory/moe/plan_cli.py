@@ -121,11 +121,10 @@ def build(args: argparse.Namespace, notices: list[str]) -> tuple[TransformersMod
     given = [f"--{n}" for n in GPT_ONLY if getattr(args, n, None) is not None]
     if given:
         raise ValueError(f"{', '.join(given)}: for --model gpt; a transformers model's shape comes from --config")
-    offload = [
-        f"--{n.replace('_', '-')}" for n in ("host_link", "device_tflops", "offload_modules") if getattr(args, n, None)
-    ]
+    llama_only = ("recompute_modules", "host_link", "device_tflops", "offload_modules")
+    offload = [f"--{n.replace('_', '-')}" for n in llama_only if getattr(args, n, None)]
     if offload:
-        raise ValueError(f"{', '.join(offload)}: activation offload is planned for --model llama only")
+        raise ValueError(f"{', '.join(offload)}: offload and a chosen recompute set are planned for --model llama only")
     if args.config is None:
         raise ValueError("--model transformers needs --config (a config.json, a directory holding one, or a preset)")
     if args.pipeline_buffers is not None:
