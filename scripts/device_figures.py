@@ -271,6 +271,18 @@ def render_section(r: dict) -> str:
                 f"{mib(e['ours_saved_bytes'])} MiB measured, {mib(e['planned_bytes'])} MiB planned."
             ),
         ]
+    if e.get("offload", {}).get("host_link"):
+        o, link = e["offload"], e["offload"]["host_link"]
+        lines += [
+            "",
+            (
+                f"Offload of the MLP (every layer but the last): step {_num(o['ratio'])} of the plain one, "
+                f"{o['exposed_s'] * 1e3:.2f} ms exposed of {o['copies_alone_s'] * 1e3:.2f} ms of copies alone. "
+                f"Host link {link['d2h_gbps']:.2f} GB/s to host, {link['h2d_gbps']:.2f} GB/s back; matmul "
+                f"{o['matmul_tflops']:.1f} TFLOP/s: `neuron-ckpt plan --host-link {link['d2h_gbps']:.1f},"
+                f"{link['h2d_gbps']:.1f} --device-tflops {o['matmul_tflops']:.1f}` (docs/offload.md)."
+            ),
+        ]
     if "compile_s" in e:
         lines += ["", f"torch.compile: the first two compiled steps took {e['compile_s']:.1f} s."]
     for label, items in (("Skipped", r["skipped"]), ("Failed", r["errors"])):

@@ -142,6 +142,8 @@ def test_markdown_section_is_written_beside_the_json(tiny) -> None:
     for name in SPEED_NAMES:
         assert f"| {name} |" in text
     assert text.count("| 2 | explicit |") == len(PRESETS)
+    link = r["details"]["offload"]["host_link"]
+    assert f"neuron-ckpt plan --host-link {link['d2h_gbps']:.1f},{link['h2d_gbps']:.1f} --device-tflops" in text
 
 
 def test_a_spent_budget_skips_every_stage_and_still_reports(tmp_path: Path) -> None:
