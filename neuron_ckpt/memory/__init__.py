@@ -35,11 +35,14 @@ from .budget import MemoryBudget, memory_budget
 from .live import LiveSavedTensors
 from .measure import SavedTensorRecorder
 from .options import LayerOption, layer_options
-from .planner import NothingFits, Plan, plan_activations, plan_recompute
+from .offload_time import HostLink
+from .planner import Choices, NothingFits, Plan, plan_activations, plan_recompute
 from .shape import ModelShape, TrainingSetup
 
 __all__ = [
     "ActivationTerm",
+    "Choices",
+    "HostLink",
     "LayerOption",
     "LiveSavedTensors",
     "MemoryBudget",
