@@ -34,8 +34,8 @@ from .analytic import (
 from .budget import MemoryBudget, memory_budget
 from .live import LiveSavedTensors
 from .measure import SavedTensorRecorder
-from .options import LayerOption, layer_options
 from .offload_time import HostLink
+from .options import LayerOption, layer_options
 from .planner import Choices, NothingFits, Plan, plan_activations, plan_recompute
 from .shape import ModelShape, TrainingSetup
 

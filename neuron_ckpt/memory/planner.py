@@ -236,9 +236,11 @@ def evaluate(
         priced = stack_options(model, setup, layers)  # a group's first layer carries the group's FLOPs
         options = {priced[0].name: priced[0]}  # the plan's one option: its recompute is the config
     budget = memory_budget(model, setup, layers, options)
-    if not isinstance(layers, RecomputeConfig):
+    if isinstance(model, ModelShape) and not isinstance(layers, RecomputeConfig):
         priced = per_layer_options(model, setup, layers, options)  # offload: the list exactly (rotary tables once)
         options |= {o.name: o for o in priced if o.name not in options}
+    elif not isinstance(layers, RecomputeConfig):
+        priced = [options[name] for name in budget.layers]
     matmul = sum(o.recompute_matmul_flops for o in priced)
     total = sum(o.recompute_flops for o in priced)
     copies = sum(o.copy_flops for o in priced)
