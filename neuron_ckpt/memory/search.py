@@ -16,6 +16,12 @@ what is left of ``P_max`` when each may mix its options, the lower convex hull o
 ``(kept, FLOPs)`` points; the known plan: that mix rounded to whole options). The least memory is
 read off a front on ``(P, Q)``. Both are exact: ``tests/test_planner_families.py`` checks them
 against a brute force over every per-layer assignment.
+
+Offload (this library's Llama, :mod:`.offload_time`): a layer's backward also holds the reload
+of the nearest earlier offloading layer (``LayerOption.reload_bytes``), so each state carries that
+reload into ``Q`` of the layers after it, and states with different carries are never compared;
+FLOPs are ``LayerOption.cost`` (recompute plus exposed copies). Checked against a brute force in
+``tests/test_planner_offload.py``.
 """
 
 from __future__ import annotations
