@@ -30,6 +30,7 @@ from neuron_ckpt.cli import main as cli_main
 from neuron_ckpt.memory import ModelShape, TrainingSetup, layer_activation_bytes, memory_budget
 from neuron_ckpt.memory.analytic import rotary_terms
 from neuron_ckpt.memory.budget import BudgetParts, LineItem
+from neuron_ckpt.memory.host import host_budget, offload_room
 from neuron_ckpt.memory.offload import layer_offloads, offload_price
 from neuron_ckpt.memory.offload_time import HostLink, offload_options
 from neuron_ckpt.memory.options import layer_options, per_layer_options, stack_options
@@ -93,22 +94,26 @@ def test_the_exposed_copy_time_is_the_copies_beyond_the_compute_they_hide_under(
         HostLink(1, 0, 1)
 
 
-def _brute_force(model, setup, options, base, limit):
-    """The least (cost, host bytes) over every assignment that fits, the last layer from ``base``,
-    priced as the search prices the options (``BudgetParts.used``, ``LayerOption.cost``)."""
+def _brute_force(model, setup, options, base, limit, host_limit=None):
+    """The least (cost, host bytes) over every assignment that fits (its pinned blocks within
+    ``host_limit``), the last layer from ``base``, priced as the search prices the options
+    (``BudgetParts.used``, ``LayerOption.cost``)."""
     parts, best = BudgetParts.of(model, setup), None
     for names in itertools.product(*[options] * (model.layers - 1), base):
         order = [options[n] for n in names]
+        if host_limit is not None and sum(o.host_pinned_bytes for o in order) > host_limit:
+            continue
         if parts.used([(o, 1) for o in order], 1, "total") <= limit:
             key = (sum(o.cost for o in order), sum(o.host_bytes for o in order))
             best = key if best is None or key < best else best
     return best
 
 
-@pytest.mark.parametrize("gbps", [0.002, 0.02, 2.0])
-def test_the_plan_is_the_cheapest_assignment_that_fits(gbps):
+@pytest.mark.parametrize("gbps, host", [(0.002, None), (0.02, None), (2.0, None), (2.0, 40_000)])
+def test_the_plan_is_the_cheapest_assignment_that_fits(gbps, host):
     model, setup = replace(MODEL, layers=3), SETUP
-    offload = Choices(link=HostLink(gbps, gbps, 0.1), offload_modules=("core_attn", "mlp", "layer"))
+    modules = ("core_attn", "mlp", "layer")
+    offload = Choices(link=HostLink(gbps, gbps, 0.1), offload_modules=modules, host_bytes=host)
     base = layer_options(model, setup)
     options = {**base, **offload_options(model, setup, offload.link, base, offload.offload_modules)}
     assert len(options) > len(base) and (any(o.copy_flops for o in options.values()) or gbps > 1)
@@ -116,7 +121,7 @@ def test_the_plan_is_the_cheapest_assignment_that_fits(gbps):
     floor = evaluate(model, setup, ("full",) * 3, 0, base).budget.total_bytes
     checked = 0
     for limit in sorted({none, floor, (none + floor) // 2, (3 * none + floor) // 4, floor - 1}):
-        expected = _brute_force(model, setup, options, base, limit)
+        expected = _brute_force(model, setup, options, base, limit, host)
         try:
             plan = plan_recompute(model, setup, limit / 2**30, reserve_gib=0, choices=offload)
         except NothingFits:
@@ -126,6 +131,7 @@ def test_the_plan_is_the_cheapest_assignment_that_fits(gbps):
         got = (sum(o.cost for o in order), sum(o.host_bytes for o in order))
         assert got[0] == pytest.approx(expected[0], rel=1e-12) and got[1] <= expected[1]
         assert plan.fits and plan.layers[-1] in base  # the budget, priced layer by layer, holds no more
+        assert host is None or plan.host_pinned_bytes <= host
         checked += 1
     assert checked >= 3
 
@@ -209,3 +215,36 @@ def test_plan_offers_the_selective_set_given_instead_of_the_presets(capsys):
     assert code == 2 and err.count("\n") == 1 and "unknown module 'foo'" in err
     code, _, err = _plan(capsys, *job, "--model", "transformers", "--recompute-modules", "mlp")
     assert code == 2 and "planned for --model llama only" in err
+
+
+def test_the_host_limit_binds_where_offload_would_take_more():
+    def plan(choices=None):
+        return plan_recompute(MODEL, SETUP, _between_none_and_full(), reserve_gib=0, choices=choices)
+
+    free = plan(Choices(link=FAST))
+    assert free.host_pinned_bytes > 0
+    room = free.host_pinned_bytes // 2
+    held = plan(Choices(link=FAST, host_bytes=room))
+    assert 0 < held.host_pinned_bytes <= room and held.recompute_flops >= free.recompute_flops
+    none = plan(Choices(link=FAST, host_bytes=0))  # no room: the plan without offload
+    assert none.host_pinned_bytes == 0 and none.recompute_flops == pytest.approx(plan().recompute_flops, rel=1e-12)
+
+
+def test_offload_room_is_the_host_less_a_checkpoint_save_over_its_ranks():
+    model = model_from_args(
+        argparse.Namespace(model="llama", config="llama2-7b", hidden=None, heads=None, layers=None, vocab=None)
+    )
+    setup = TrainingSetup(4096, 1, tp=1, dp=8, attention="flash")
+    group, writers, ranks = 256 * 2**20, 8, 8  # CheckpointManager's defaults; a p5.48xlarge: 8 ranks, 2 TiB
+    assert offload_room(model, setup, "p5.48xlarge") == (2048 * 2**30 - group * writers) // ranks
+    room = offload_room(model, setup, "p5.48xlarge")
+    budget = host_budget(model, setup, "p5.48xlarge", offload_pinned_bytes=room)
+    assert budget.fits and not host_budget(model, setup, "p5.48xlarge", offload_pinned_bytes=room + 2**20).fits
+
+
+FAST = HostLink(1e3, 1e3, 1e-3)
+
+
+def _between_none_and_full() -> float:
+    none = evaluate(MODEL, SETUP, "none", 0).budget.total_bytes
+    return (none - (none - evaluate(MODEL, SETUP, "full", 0).budget.total_bytes) // 3) / 2**30

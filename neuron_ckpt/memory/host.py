@@ -189,4 +189,19 @@ def host_budget(
     return HostBudget(host, moments, setup.tp * n * w, optimizer, keep_last)
 
 
-__all__ = ["INSTANCES", "HostBudget", "HostMoment", "Instance", "host_budget", "largest_full_weight"]
+def offload_room(
+    model: ModelShape, setup: TrainingSetup, instance: str, chunk_mb: float = 256.0, writers: int = 8
+) -> int:
+    """The most pinned bytes per rank activation offload may hold on ``instance``: its blocks stay
+    all run, so beside the heaviest moment they share the host with, a checkpoint save (model
+    construction and loading come before the first step); what the host has less that save, over
+    its ranks."""
+    plain = host_budget(model, setup, instance, chunk_mb, writers)
+    save = next(m for m in plain.moments if m.name == "checkpoint save")
+    ranks = min(plain.instance.ranks, setup.tp * setup.dp)
+    return max(0, (plain.instance.memory_bytes - save.per_host) // ranks)
+
+
+__all__ = [
+    "INSTANCES", "HostBudget", "HostMoment", "Instance", "host_budget", "largest_full_weight", "offload_room",
+]  # fmt: skip

@@ -45,7 +45,7 @@ from dataclasses import replace
 from ..parallel.attention import ATTENTION
 from ..recompute import PRESETS, RecomputeConfig
 from .budget import GIB, largest_collective_bytes, optimizer_step_bytes
-from .host import INSTANCES, host_budget
+from .host import INSTANCES, host_budget, offload_room
 from .moe import plan_cli as transformers_cli
 from .moe.shape import ATTENTION as TRANSFORMERS_ATTENTION
 from .offload import PRICED as OFFLOAD_PRICED
@@ -409,7 +409,9 @@ def choices_from_args(args: argparse.Namespace, model: ModelShape, setup: Traini
         why = "offload is planned without --pp (the pipeline planner prices recompute only)"
     if why is not None:
         raise ValueError(f"--host-link: {why}")
-    return Choices(modules, HostLink(link[0], link[1], tflops), names)
+    instance = args.instance or "p5.48xlarge"
+    room = offload_room(model, setup, instance, writers=args.checkpoint_writers)
+    return Choices(modules, HostLink(link[0], link[1], tflops), names, room)
 
 
 def run(args: argparse.Namespace) -> int:

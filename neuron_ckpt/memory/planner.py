@@ -327,12 +327,14 @@ class Choices:
         ``RecomputeConfig(granularity="selective", modules=...)`` takes), beside none and full.
     link: offload offered too, its copies priced by this host link and device rate
         (:mod:`.offload_time`); offload_modules: the names it may offload (None: each of
-        :data:`~.offload_time.OFFERED`).
+        :data:`~.offload_time.OFFERED`); host_bytes: the most pinned host bytes per rank the
+        offload may take (:func:`~.host.offload_room`; None: no limit).
     """
 
     recompute_modules: tuple[str, ...] | None = None
     link: HostLink | None = None
     offload_modules: tuple[str, ...] | None = None
+    host_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.offload_modules is not None and self.link is None:
@@ -361,7 +363,8 @@ def _best_offloading(
         return parts.used([(LayerOption("", RecomputeConfig(), kept, held, 0.0, 0.0), 1)], m, limit_on)
 
     per_layer = [{**base, **more}] * (model.layers - 1) + [base]
-    best, least = cheapest_per_layer(per_layer, used, limit, separable=m == 1)
+    host = None if choices.host_bytes is None else choices.host_bytes // m  # pinned blocks per micro-batch
+    best, least = cheapest_per_layer(per_layer, used, limit, separable=m == 1, host_limit=host)
     options = {**base, **more}
 
     def plan(names: tuple[str, ...]) -> Plan:

@@ -42,6 +42,7 @@ class _State:
     name: str
     parent: _State | None
     carry: int = 0  # the reload of the nearest offloading layer so far, held at the next layer's backward
+    host: int = 0  # pinned host bytes of the offloading layers so far
 
 
 def _grow(front: list[_State], options: dict[str, LayerOption]) -> list[_State]:
@@ -53,6 +54,7 @@ def _grow(front: list[_State], options: dict[str, LayerOption]) -> list[_State]:
             n,
             s,
             o.reload_bytes or s.carry,
+            s.host + o.host_pinned_bytes,
         )
         for s in front
         for n, o in options.items()
@@ -79,21 +81,22 @@ def _front(states: list[_State], first: str, second: str) -> list[_State]:
     return out
 
 
-def _front3(states: list[_State]) -> list[_State]:
-    """The states no other beats on (kept, held, flops), one of each equal triple."""
-    states.sort(key=lambda s: (s.kept, s.held, s.flops))
-    held: list[int] = []  # a staircase over the states kept so far: held ascending, flops descending
-    flops: list[float] = []
+def _front3(states: list[_State], keys: tuple[str, str, str] = ("kept", "held", "flops")) -> list[_State]:
+    """The states no other beats on the three ``keys``, one of each equal triple."""
+    a, b, c = keys
+    states.sort(key=lambda s: (getattr(s, a), getattr(s, b), getattr(s, c), s.flops))
+    second: list = []  # a staircase over the states kept so far: b ascending, c descending
+    third: list = []
     out = []
     for s in states:
-        i = bisect_right(held, s.held)
-        if i and flops[i - 1] <= s.flops:  # one with no more kept, held and flops came first
+        i = bisect_right(second, getattr(s, b))
+        if i and third[i - 1] <= getattr(s, c):  # one with no more of all three came first
             continue
         out.append(s)
         j = i
-        while j < len(held) and flops[j] >= s.flops:
+        while j < len(second) and third[j] >= getattr(s, c):
             j += 1
-        held[i:j], flops[i:j] = [s.held], [s.flops]
+        second[i:j], third[i:j] = [getattr(s, b)], [getattr(s, c)]
     return out
 
 
@@ -187,7 +190,11 @@ class _Bound:
 
 
 def cheapest_per_layer(
-    layers: Sequence[dict[str, LayerOption]], used: Callable[[int, int], int], limit: int, separable: bool = True
+    layers: Sequence[dict[str, LayerOption]],
+    used: Callable[[int, int], int],
+    limit: int,
+    separable: bool = True,
+    host_limit: int | None = None,
 ) -> tuple[tuple[str, ...] | None, tuple[str, ...]]:
     """``(cheapest, least)``: the option names, one per layer, with the least cost (recompute
     FLOPs, and exposed copies as FLOPs: ``LayerOption.cost``) whose bytes ``used(P, Q)`` are at
@@ -196,13 +203,29 @@ def cheapest_per_layer(
     layer order. ``used``: the budget's bytes for the two sums (module docstring), non-decreasing
     in both; ``separable``: of the form ``max(f(P), g(Q), c)``, as with one micro-batch in flight.
     With several (a pipeline stage: the others' kept bytes add to the peak) the front is kept on
-    ``(P, Q, FLOPs)`` and each state asked ``used`` (stages hold few layers)."""
+    ``(P, Q, FLOPs)`` and each state asked ``used`` (stages hold few layers). ``host_limit``: the
+    most pinned host bytes the offloading layers may take together (``LayerOption.host_pinned_bytes``),
+    a third count each front keeps (one micro-batch in flight only)."""
     if not layers:
         return (), ()
+    if host_limit is not None and not separable:
+        raise ValueError("host_limit: planned with one micro-batch in flight only (no pipeline)")
+
+    def on_host(s: _State) -> bool:
+        return host_limit is None or s.host <= host_limit
+
+    def least_front(g: list[_State]) -> list[_State]:
+        return _front(g, "kept", "held") if host_limit is None else _front3(g, ("kept", "held", "host"))
+
+    def best_front(g: list[_State]) -> list[_State]:
+        if not separable:
+            return _front3(g)
+        return _front(g, "kept", "flops") if host_limit is None else _front3(g, ("kept", "host", "flops"))
+
     root = _State(0, 0, 0.0, "", None)
     front = [root]
     for options in layers:  # the least bytes: what no other beats on (P, Q) can lead there
-        front = _by_carry(_grow(front, options), lambda g: _front(g, "kept", "held"))
+        front = _by_carry([s for s in _grow(front, options) if on_host(s)], least_front)
     least = min(front, key=lambda s: (used(s.kept, s.held), s.flops))
     if used(least.kept, least.held) > limit:
         return None, _names(least)
@@ -213,12 +236,12 @@ def cheapest_per_layer(
     known = float("inf")  # FLOPs of a plan known to fit: the relaxation's, rounded
     rounded = bound.rounded(kept_max)
     if rounded is not None:
-        kept = held = carry = 0
+        kept = held = carry = host = 0
         for options, name in zip(layers, rounded):
             o = options[name]
             held, kept = max(held, kept + o.backward_peak_bytes + carry), kept + o.saved_bytes
-            carry = o.reload_bytes or carry
-        if used(kept, held) <= limit:
+            carry, host = o.reload_bytes or carry, host + o.host_pinned_bytes
+        if used(kept, held) <= limit and (host_limit is None or host <= host_limit):
             known = sum(options[n].cost for options, n in zip(layers, rounded))
     front = [root]
     for r, options in enumerate(layers, start=1):  # what can still fit and still beat the known plan
@@ -229,8 +252,9 @@ def cheapest_per_layer(
             and s.held <= held_max
             and s.flops + bound.least_flops(r, kept_max - s.kept) <= known * (1 + 1e-12)
             and (separable or used(s.kept, s.held) <= limit)
+            and on_host(s)
         ]
-        front = _by_carry(grown, (lambda g: _front(g, "kept", "flops")) if separable else _front3)
+        front = _by_carry(grown, best_front)
     fitting = [(s.flops, used(s.kept, s.held), s) for s in front]
     if not fitting:  # the bound is exact: the least fits, so something does
         raise AssertionError("cheapest_per_layer: no plan found, yet the least fits")
