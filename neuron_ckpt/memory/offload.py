@@ -94,6 +94,12 @@ class LayerOffload:
         return sum(t.nbytes for t in self.host_terms)
 
     @property
+    def twice(self) -> int:
+        """Bytes on the device twice once the layer is reloaded: what it copied to host but also
+        kept there (flash's output, the rotary tables)."""
+        return self.host - self.offloaded
+
+    @property
     def pinned(self) -> int:
         """:attr:`host` as pinned blocks (:func:`pinned_block` per storage)."""
         return sum(pinned_block(t.nbytes) for t in self.host_terms)
@@ -205,9 +211,7 @@ def offload_price(
         _, events = layer_terms(model, setup, priced.layer(x.index, model.layers))
         back = layer_backward_peak(x.kept, events)
         plain.append((x.kept, back))
-        # Reloaded, its terms are back (``back`` counts them), and what it copied but also kept
-        # on the device (the flash output, the rotary tables) is there twice.
-        rows.append((x.device, back + previous + x.host - x.offloaded))
+        rows.append((x.device, back + previous + x.twice))  # reloaded, its terms are back (``back`` counts them)
         # A layer's start lets go of all but the nearest earlier offloading layer's storages
         # (the engine's window); copies never done before that, the worst case.
         in_flight.append(x.offloaded + previous)

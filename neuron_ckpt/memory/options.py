@@ -55,7 +55,7 @@ class LayerOption:
     buffer, :meth:`~.budget.BudgetParts.activations`), ``host_bytes`` / ``host_pinned_bytes`` what it
     copies to host per micro-batch (as the caching host allocator reserves it), and
     ``copy_flops`` the copy time not hidden under compute, in FLOPs at the device's rate
-    (:func:`~.offload_time.exposed_copy_flops`; 0 without a host link given).
+    (:meth:`~.offload_time.HostLink.exposed_copy_flops`; 0 without a host link given).
     """
 
     name: str
@@ -99,13 +99,11 @@ def layer_option(
     back = layer_backward_peak(saved, events)
     if offload is None or not offload.host:
         return LayerOption(name, priced.config, saved, back, rerun.matmul, rerun.elementwise)
-    # Reloaded, its terms are back (``back`` counts them); what it copied but also kept on the
-    # device (flash's output, the rotary tables) is there twice.
     return LayerOption(
         f"{name}+offload[{','.join(offload.names)}]",
         priced.config,
         offload.device,
-        back + offload.host - offload.offloaded,
+        back + offload.twice,  # reloaded, its terms are back (``back`` counts them)
         rerun.matmul,
         rerun.elementwise,
         reload_bytes=offload.offloaded,

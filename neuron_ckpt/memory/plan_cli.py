@@ -52,7 +52,7 @@ from .offload import PRICED as OFFLOAD_PRICED
 from .offload_time import HostLink
 from .options import offered_presets, selective_saving_with_flash
 from .pipeline import plan_cli as pipeline_cli
-from .plan_shared import DEFAULT_BUCKET_CAP_MB, GPT_ONLY, device_gib, recompute_text
+from .plan_shared import DEFAULT_BUCKET_CAP_MB, GPT_ONLY, device_gib, plan_line, recompute_text
 from .planner import (
     Choices,
     NothingFits,
@@ -332,16 +332,7 @@ def _print_plan(model: ModelShape, setup: TrainingSetup, plan: Plan, notes: list
     print(plan.budget.table())
     for note in (*plan.budget.notes, *notes):
         print(f"note: {note}")
-    offload = (
-        f"; offload: copies exposed {plan.copy_overhead:.2%} of the step's time, "
-        f"{plan.host_pinned_bytes / GIB:.2f} GiB pinned host per rank"
-        if plan.host_pinned_bytes
-        else ""
-    )
-    print(
-        f"\nplan: {plan.describe()} ({plan.budget.total_gib:.2f} GiB, recompute {plan.overhead:.2%} of a step's FLOPs, "
-        f"{plan.matmul_overhead:.2%} in matmuls{offload})"
-    )
+    print(f"\n{plan_line(plan)}")
     print(f"recompute: {recompute_text(plan)}")
     print("\nalternatives (the same option on every layer):")
     for alt in _alternatives(model, setup, plan):
@@ -359,8 +350,12 @@ def _print_step_and_host(model: ModelShape, setup: TrainingSetup, args: argparse
 
 def _host(model: ModelShape, setup: TrainingSetup, args: argparse.Namespace, plan: Plan | None = None):
     pinned = plan.host_pinned_bytes if plan is not None else 0
-    instance = args.instance or ("p5.48xlarge" if args.host_link else "trn1.32xlarge")
-    return host_budget(model, setup, instance, writers=args.checkpoint_writers, offload_pinned_bytes=pinned)
+    return host_budget(model, setup, _instance(args), writers=args.checkpoint_writers, offload_pinned_bytes=pinned)
+
+
+def _instance(args: argparse.Namespace) -> str:
+    """``--instance``; by default a trn1.32xlarge, or with ``--host-link`` a GPU host, where offload runs."""
+    return args.instance or ("p5.48xlarge" if args.host_link else "trn1.32xlarge")
 
 
 def _host_link(text: str) -> tuple[float, float]:
@@ -409,8 +404,7 @@ def choices_from_args(args: argparse.Namespace, model: ModelShape, setup: Traini
         why = "offload is planned without --pp (the pipeline planner prices recompute only)"
     if why is not None:
         raise ValueError(f"--host-link: {why}")
-    instance = args.instance or "p5.48xlarge"
-    room = offload_room(model, setup, instance, writers=args.checkpoint_writers)
+    room = offload_room(model, setup, _instance(args), writers=args.checkpoint_writers)
     return Choices(modules, HostLink(link[0], link[1], tflops), names, room)
 
 

@@ -1,6 +1,6 @@
 """What the ``neuron-ckpt plan`` commands share (this library's Llama and GPT in
 :mod:`.plan_cli`, transformers models in :mod:`.moe.plan_cli`): the defaults, the device memory
-read from the arguments, and a plan's recompute written as ``apply_recompute`` takes it."""
+read from the arguments, and a plan in one line and its recompute written as ``apply_recompute`` takes it."""
 
 from __future__ import annotations
 
@@ -65,4 +65,19 @@ def recompute_text(plan: Plan) -> str:
     return "a per-layer list for apply_recompute(model, [...]):\n" + "\n".join(runs)
 
 
-__all__ = ["DEFAULT_BUCKET_CAP_MB", "GPT_ONLY", "device_gib", "recompute_text"]
+def plan_line(plan: Plan) -> str:
+    """The plan in one line: its choices, its bytes, what it reruns and (offloading) what its copies
+    leave exposed and pin on the host."""
+    offload = (
+        f"; offload: copies exposed {plan.copy_overhead:.2%} of the step's time, "
+        f"{plan.host_pinned_bytes / GIB:.2f} GiB pinned host per rank"
+        if plan.host_pinned_bytes
+        else ""
+    )
+    return (
+        f"plan: {plan.describe()} ({plan.budget.total_gib:.2f} GiB, recompute {plan.overhead:.2%} of a step's FLOPs, "
+        f"{plan.matmul_overhead:.2%} in matmuls{offload})"
+    )
+
+
+__all__ = ["DEFAULT_BUCKET_CAP_MB", "GPT_ONLY", "device_gib", "plan_line", "recompute_text"]

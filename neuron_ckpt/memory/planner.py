@@ -346,8 +346,8 @@ def _best_offloading(
     choices: Choices,
 ) -> tuple[Plan | None, Plan]:  # fmt: skip
     """:func:`_best` weighing keep, recompute and offload per layer (every layer but the last may
-    offload): the exact search over per-layer choices (:func:`~.search.cheapest_per_layer`), the
-    cost being recompute FLOPs plus exposed copies (:attr:`~.options.LayerOption.cost`)."""
+    offload): the cost being recompute FLOPs plus exposed copies (:attr:`~.options.LayerOption.cost`),
+    the pinned blocks within ``choices.host_bytes``."""
     if setup.cp > 1:
         raise ValueError("offload: planned without context parallelism only (cp=1)")
     every = layer_options(model, setup, choices.recompute_modules)
@@ -357,37 +357,31 @@ def _best_offloading(
     assert choices.link is not None
     more = offload_options(model, setup, choices.link, base, choices.offload_modules)
     more = {n: o for n, o in more.items() if allowed is None or n.partition("+")[0] in allowed}
-    parts, m = BudgetParts.of(model, setup), setup.microbatches_in_flight
-
-    def used(kept: int, held: int) -> int:
-        return parts.used([(LayerOption("", RecomputeConfig(), kept, held, 0.0, 0.0), 1)], m, limit_on)
-
     per_layer = [{**base, **more}] * (model.layers - 1) + [base]
+    m = setup.microbatches_in_flight
     host = None if choices.host_bytes is None else choices.host_bytes // m  # pinned blocks per micro-batch
-    best, least = cheapest_per_layer(per_layer, used, limit, separable=m == 1, host_limit=host)
-    options = {**base, **more}
-
-    def plan(names: tuple[str, ...]) -> Plan:
-        """The search's assignment, or the same layers in the canonical order (runs of alike
-        layers, the last left alone) where that holds no more: the same cost, easier to read."""
-        exact = evaluate(model, setup, names, limit, options, limit_on)
-        head = names[:-1]
-        ordered = canonical_order({n: head.count(n) for n in dict.fromkeys(head)}, options) + names[-1:]
-        tidy = evaluate(model, setup, ordered, limit, options, limit_on)
-        return tidy if tidy.used_bytes <= exact.used_bytes else exact
-
-    return (plan(best) if best is not None else None), plan(least)
+    return _search(model, setup, per_layer, {**base, **more}, limit, limit_on, host)
 
 
 def _best_by_layer(
     model: Model, setup: TrainingSetup, limit: int, allowed: tuple[str, ...] | None, limit_on: str
 ) -> tuple[Plan | None, Plan]:
-    """:func:`_best` for layers of several kinds (a transformers model): the cheapest option per
-    layer (:func:`~.search.cheapest_per_layer`), each run of alike layers then put in the order that
-    keeps the backward peak lowest (:func:`~.options.canonical_order`: no more memory, the same FLOPs)."""
+    """:func:`_best` for layers of several kinds (a transformers model)."""
     assert not isinstance(model, ModelShape)
     options = layer_options(model, setup)
-    per_layer = model.options_by_layer(options, allowed)
+    return _search(model, setup, model.options_by_layer(options, allowed), options, limit, limit_on)
+
+
+def _search(
+    model: Model, setup: TrainingSetup, per_layer: list[dict[str, LayerOption]], options: dict[str, LayerOption],
+    limit: int, limit_on: str, host_limit: int | None = None,
+) -> tuple[Plan | None, Plan]:  # fmt: skip
+    """(cheapest fitting plan or None, least-memory plan) over per-layer choices (``per_layer``:
+    each layer's options; :func:`~.search.cheapest_per_layer`, exact), each run of layers offered
+    the same options then put in the order that keeps the backward peak lowest
+    (:func:`~.options.canonical_order`: the same cost, easier to read). With offload a layer's
+    backward also holds the reload below it, so the search's own order is kept where that order
+    holds less."""
     parts, m = BudgetParts.of(model, setup), setup.microbatches_in_flight
 
     def used(kept: int, held: int) -> int:  # one stand-in layer keeping P and holding Q: the budget's sums
@@ -401,9 +395,13 @@ def _best_by_layer(
                 run = names[start:i]
                 ordered += canonical_order({n: run.count(n) for n in dict.fromkeys(run)}, options)
                 start = i
-        return evaluate(model, setup, tuple(ordered), limit, options, limit_on)
+        tidy = evaluate(model, setup, tuple(ordered), limit, options, limit_on)
+        if not any(options[n].reload_bytes for n in names):
+            return tidy
+        exact = evaluate(model, setup, names, limit, options, limit_on)
+        return tidy if tidy.used_bytes <= exact.used_bytes else exact
 
-    best, least = cheapest_per_layer(per_layer, used, limit, separable=m == 1)
+    best, least = cheapest_per_layer(per_layer, used, limit, separable=m == 1, host_limit=host_limit)
     return (plan(best) if best is not None else None), plan(least)
 
 
@@ -598,13 +596,13 @@ def longest_sequence(
 
 
 __all__ = [
+    "Choices",
     "DEVICE_PRESETS",
     "LIMITS_ON",
     "NothingFits",
     "Plan",
     "device_memory_bytes",
     "evaluate",
-    "Choices",
     "fits",
     "limit_bytes",
     "longest_sequence",

@@ -34,7 +34,7 @@ import sys
 from pathlib import Path
 
 from ..budget import GIB
-from ..plan_shared import DEFAULT_BUCKET_CAP_MB, GPT_ONLY, device_gib, recompute_text
+from ..plan_shared import DEFAULT_BUCKET_CAP_MB, GPT_ONLY, device_gib, plan_line, recompute_text
 from ..planner import NothingFits, Plan, evaluate, longest_sequence, plan_recompute
 from ..shape import TrainingSetup
 from . import all_gather
@@ -117,7 +117,6 @@ def refuse_for_llama(args: argparse.Namespace) -> None:
 
 def build(args: argparse.Namespace, notices: list[str]) -> tuple[TransformersModel, TrainingSetup]:
     """The model and job the arguments describe; one ``ValueError`` naming every problem."""
-
     given = [f"--{n}" for n in GPT_ONLY if getattr(args, n, None) is not None]
     if given:
         raise ValueError(f"{', '.join(given)}: for --model gpt; a transformers model's shape comes from --config")
@@ -204,7 +203,7 @@ def _header(model: TransformersModel, setup: TrainingSetup) -> str:
 
 
 def _notes(model: TransformersModel, setup: TrainingSetup) -> list[str]:
-    s = model.shape
+    s, ms = model.shape, model.layer_setup(setup)
     notes = [
         (
             "transformers' layers as apply_tensor_parallel splits them, as eager torch runs them (docs/memory.md; on "
@@ -212,11 +211,10 @@ def _notes(model: TransformersModel, setup: TrainingSetup) -> list[str]:
         )
     ]
     if s.experts and FAMILY[s.family].experts not in (None, "all"):
-        weights = expert_weight_bytes(s, model.layer_setup(setup)) / 2**20
+        weights = expert_weight_bytes(s, ms) / 2**20
         where = f"E/{model.ep} whole experts" if model.ep > 1 else "every expert at 1/t of its width"
         notes.append(f"routed experts' weights per MoE layer per rank: {weights:,.1f} MiB ({where})")
     if model.ep > 1 and model.ep_dispatch == "all_gather" and s.experts:
-        ms = model.layer_setup(setup)
         rank, group = all_gather.dropped_worst(s, ms)
         notes.append(
             f"all-gather dispatch, {_capacity(model)}: {all_gather.capacity(s, ms):,} slots per expert; routes "
@@ -227,16 +225,12 @@ def _notes(model: TransformersModel, setup: TrainingSetup) -> list[str]:
 
 
 def _print(model: TransformersModel, setup: TrainingSetup, plan: Plan, notes: list[str]) -> None:
-
     print(_header(model, setup))
     print(f"memory to plan for: {plan.limit_bytes / GIB:.2f} GiB (device memory less the reserve)\n")
     print(plan.budget.table())
     for note in (*plan.budget.notes, *notes):
         print(f"note: {note}")
-    print(
-        f"\nplan: {plan.describe()} ({plan.budget.total_gib:.2f} GiB, recompute {plan.overhead:.2%} of a step's FLOPs, "
-        f"{plan.matmul_overhead:.2%} in matmuls)"
-    )
+    print(f"\n{plan_line(plan)}")
     print(f"recompute: {recompute_text(plan)}")
     print("\nalternatives (the same choice on every layer):")
     for alt in alternatives(model, setup, plan):
